@@ -1,0 +1,92 @@
+"""The algorithm contract: a client hook and a server hook over explicit state.
+
+All state is a ``dict[str, Tensor]`` owned by the engine (so a checkpoint is "save the
+state"). A round is, for each sampled client n:
+
+    msg   = downlink(ctx, server, n)                      # None: nothing is sent
+    upd, client_state, metrics = client_update(ctx, msg, client_state, data, generator)
+    server = server_update(ctx, server, {n: decoded upd}, {n: weight})
+
+Messages cross the client/server boundary as bytes (``fedexp.comm``); the hooks only ever see
+decoded tensors. Evaluation uses ``eval_params``. Hooks must not keep state on ``self``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from fedexp.data.federated import ClientData
+from fedexp.engine.context import Context
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class ClientResult:
+    """What a client hook returns.
+
+    Attributes:
+        update: the message for the server (None: the client sends nothing).
+        state: the client's new state.
+        metrics: scalars to average over the round's clients (e.g. train loss).
+    """
+
+    update: torch.Tensor | None
+    state: State
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Algorithm(ABC):
+    """Base of every algorithm; subclasses are small files (one per algorithm).
+
+    Attributes:
+        weighting: "samples" (ω_n ∝ n_train, FedAvg) or "uniform" (ω_n = 1/N, pFedNet).
+    """
+
+    weighting: str = "samples"
+
+    def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
+        """Server state before round 0 (default: the global model ``x``)."""
+        return {"x": x0.clone()}
+
+    def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
+        """Client state before round 0 (default: empty)."""
+        return {}
+
+    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor | None:
+        """The model sent to ``client`` this round (default: the global model)."""
+        return server["x"]
+
+    @abstractmethod
+    def client_update(
+        self,
+        ctx: Context,
+        model_in: torch.Tensor | None,
+        state: State,
+        data: ClientData,
+        generator: torch.Generator,
+    ) -> ClientResult:
+        """Local work of one client; ``model_in`` is the decoded downlink message."""
+
+    @abstractmethod
+    def server_update(
+        self, ctx: Context, server: State, updates: dict[int, torch.Tensor],
+        weights: dict[int, float]
+    ) -> State:
+        """New server state from the decoded updates (weights sum to one over ``updates``)."""
+
+    def eval_params(self, ctx: Context, server: State, client_state: State, client: int
+                    ) -> torch.Tensor:
+        """The model client ``client`` is evaluated with (default: the global model)."""
+        return server["x"]
+
+
+def weighted_mean(updates: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
+    """Σ_n ω_n u_n over the received updates."""
+    clients = sorted(updates)
+    stacked = torch.stack([updates[n] for n in clients])
+    w = torch.tensor([weights[n] for n in clients], dtype=stacked.dtype, device=stacked.device)
+    return (w[:, None] * stacked).sum(dim=0)

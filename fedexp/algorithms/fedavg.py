@@ -1,0 +1,48 @@
+"""FedAvg (McMahan et al., 2017), in the server-optimiser form of Reddi et al. (2021).
+
+Client n runs E local SGD steps from the global model x and returns the model difference
+Δ_n = x − θ_n^E; the server applies x ← x − η_s Σ_n ω_n Δ_n. With η_s = 1 this is plain
+FedAvg (the weighted average of the client models); with one client, full batches and E = 1
+it is gradient descent with step η_l.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
+from fedexp.data.federated import ClientData
+from fedexp.engine.context import Context
+
+
+class FedAvg(Algorithm):
+    """FedAvg.
+
+    Args:
+        server_lr: server step η_s on the averaged model difference.
+        weighting: "samples" (ω_n ∝ n_train) or "uniform".
+    """
+
+    def __init__(self, server_lr: float = 1.0, weighting: str = "samples") -> None:
+        if weighting not in ("samples", "uniform"):
+            raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")
+        self.server_lr = server_lr
+        self.weighting = weighting
+
+    def client_update(
+        self, ctx: Context, model_in: torch.Tensor | None, state: State, data: ClientData,
+        generator: torch.Generator,
+    ) -> ClientResult:
+        """E local SGD steps; send Δ = x − θ^E."""
+        assert model_in is not None
+        theta, loss = ctx.sgd(model_in, data, generator)
+        return ClientResult(model_in - theta, state, {"train_loss": loss})
+
+    def server_update(
+        self, ctx: Context, server: State, updates: dict[int, torch.Tensor],
+        weights: dict[int, float]
+    ) -> State:
+        """x ← x − η_s Σ ω_n Δ_n."""
+        if not updates:
+            return server
+        return {**server, "x": server["x"] - self.server_lr * weighted_mean(updates, weights)}

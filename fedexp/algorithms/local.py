@@ -1,0 +1,49 @@
+"""Local-only training: every client trains alone and nothing crosses the network.
+
+The lower bound of every personalised-FL table (pFedNet §VI, "Local"): each client keeps its
+own model, starting from the common initial model, and is evaluated with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedexp.algorithms.base import Algorithm, ClientResult, State
+from fedexp.data.federated import ClientData
+from fedexp.engine.context import Context
+
+
+class LocalOnly(Algorithm):
+    """Local-only training (no communication)."""
+
+    def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
+        """The server holds nothing."""
+        return {}
+
+    def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
+        """Each client starts from the common initial model."""
+        return {"theta": x0.clone()}
+
+    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor | None:
+        """Nothing is sent."""
+        return None
+
+    def client_update(
+        self, ctx: Context, model_in: torch.Tensor | None, state: State, data: ClientData,
+        generator: torch.Generator,
+    ) -> ClientResult:
+        """E local SGD steps on the client's own model; no upload."""
+        theta, loss = ctx.sgd(state["theta"], data, generator)
+        return ClientResult(None, {"theta": theta}, {"train_loss": loss})
+
+    def server_update(
+        self, ctx: Context, server: State, updates: dict[int, torch.Tensor],
+        weights: dict[int, float]
+    ) -> State:
+        """Nothing to aggregate."""
+        return server
+
+    def eval_params(self, ctx: Context, server: State, client_state: State, client: int
+                    ) -> torch.Tensor:
+        """The client's own model."""
+        return client_state["theta"]

@@ -1,0 +1,92 @@
+"""The ``fedexp`` command: ``fedexp run [overrides]`` (Hydra main, version_base 1.3).
+
+Examples:
+    fedexp run
+    fedexp run algorithm=local rounds=20
+    fedexp run -m algorithm=fedavg,local seed=0,1,2 partition=label_imbalance \
+        partition.delta=1,2,4 hydra/launcher=joblib
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from fedexp.config.schema import register_configs
+from fedexp.errors import FedexpError
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+log = logging.getLogger("fedexp")
+
+register_configs()
+
+
+def _print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Per-client results on each client's own test split")
+    keys = [k for k in ("acc", "bal_acc", "auc", "loss") if k in result.per_client[0]]
+    for col in ("client", "test n", *keys):
+        table.add_column(col, justify="right")
+    for n, row in enumerate(result.per_client):
+        cells = ["—" if math.isnan(row[k]) else f"{row[k]:.4f}" for k in keys]
+        table.add_row(str(n), str(int(row["num_test"])), *cells)
+    m = result.metrics
+    for label, suffix in (("weighted", "weighted"), ("mean", "mean"), ("worst", "worst")):
+        cells = [f"{m[f'{k}/{suffix}']:.4f}" if f"{k}/{suffix}" in m else "—" for k in keys]
+        table.add_row(f"[bold]{label}", "", *cells)
+    console = Console()
+    console.print(table)
+    console.print(f"results: {result.output_dir}")
+    console.print(result.tracker.describe())
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def _hydra_run(cfg: DictConfig) -> float:
+    from fedexp.engine.runner import run
+
+    hc = HydraConfig.get()
+    tags: dict[str, str] = {}
+    run_name = None
+    with open_dict(cfg):
+        if cfg.output_dir is None:
+            cfg.output_dir = hc.runtime.output_dir
+        if hc.mode == RunMode.MULTIRUN:
+            sweep = Path(hc.sweep.dir).as_posix().replace("/", "_")
+            if cfg.tracker.get("experiment") is not None:
+                cfg.tracker.experiment = f"{cfg.tracker.experiment}/{sweep}"
+            tags = {"sweep": sweep, "sweep.overrides": " ".join(hc.overrides.task)}
+            tags.update({f"sweep.{o.split('=', 1)[0]}": o.split("=", 1)[1]
+                         for o in hc.overrides.task if "=" in o})
+            run_name = ",".join(hc.overrides.task) or None
+    try:
+        result = run(cfg, run_name=run_name, tags=tags)
+    except FedexpError as exc:
+        print(f"fedexp: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    _print_table(result)
+    return float(result.metrics.get("acc/weighted", math.nan))
+
+
+def main() -> None:
+    """Entry point: ``fedexp run [hydra overrides]``."""
+    args = sys.argv[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if args else 2)
+    if args[0] != "run":
+        print(f"fedexp: unknown command {args[0]!r} (expected: run)", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [sys.argv[0], *args[1:]]
+    _hydra_run()
+
+
+__all__ = ["main", "OmegaConf"]

@@ -1,0 +1,62 @@
+"""A one-way channel: update transforms, optional error feedback, then a codec.
+
+The sender applies its transforms (e.g. CER, MATH §6) to the message, adds its error-feedback
+residual, compresses, keeps the new residual and encodes to bytes. The receiver decodes the
+bytes. The engine owns the residuals (one per sender) so that a checkpoint holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from fedexp.comm.codec import Codec, DenseCodec
+
+
+class UpdateTransform(Protocol):
+    """A deterministic map applied to a message before compression (e.g. CER)."""
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return the transformed vector and metrics to log (e.g. number of runs)."""
+        ...
+
+
+@dataclass
+class Channel:
+    """Transforms, then error feedback around a codec, for one direction.
+
+    Args:
+        codec: the byte format (and lossy operator) of the messages.
+        transforms: applied in order before compression.
+        error_feedback: keep ``residual = (x + residual) - compress(x + residual)`` per
+            sender and add it to the next message (Sattler et al. 2019, STC).
+    """
+
+    codec: Codec = field(default_factory=DenseCodec)
+    transforms: Sequence[UpdateTransform] = ()
+    error_feedback: bool = False
+
+    def send(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[bytes, torch.Tensor | None, dict[str, float]]:
+        """Encode ``x``; return (payload, new residual or None, transform metrics)."""
+        metrics: dict[str, float] = {}
+        x = x.detach().to(torch.float32)
+        for transform in self.transforms:
+            x, m = transform(x)
+            metrics.update(m)
+        if self.error_feedback:
+            acc = x if residual is None else x + residual
+            sent = self.codec.compress(acc, generator)
+            return self.codec.encode(sent), acc - sent, metrics
+        return self.codec.encode(self.codec.compress(x, generator)), None, metrics
+
+    def receive(self, payload: bytes, numel: int, device: torch.device | str) -> torch.Tensor:
+        """Decode a payload onto ``device``."""
+        return self.codec.decode(payload, numel).to(device)

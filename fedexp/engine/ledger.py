@@ -1,0 +1,53 @@
+"""The byte ledger: what crossed the network, per direction, per round and cumulative."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ByteLedger:
+    """Counts ``len(payload)`` of every message and the dense float32 equivalent (MATH §8)."""
+
+    total: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})
+    total_dense: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})
+    round: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})
+    round_dense: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})
+    messages: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})
+
+    def start_round(self) -> None:
+        """Reset the per-round counters."""
+        self.round = {"up": 0, "down": 0}
+        self.round_dense = {"up": 0, "down": 0}
+
+    def add(self, direction: str, payload: bytes, numel: int) -> None:
+        """Count one message of ``numel`` entries in ``direction`` ("up" or "down")."""
+        self.round[direction] += len(payload)
+        self.round_dense[direction] += 4 * numel
+        self.total[direction] += len(payload)
+        self.total_dense[direction] += 4 * numel
+        self.messages[direction] += 1
+
+    def metrics(self) -> dict[str, float]:
+        """``bytes/up``, ``bytes/up_cum``, ``bytes/up_dense``, ``compression/up`` (and down)."""
+        out: dict[str, float] = {}
+        for d in ("up", "down"):
+            out[f"bytes/{d}"] = self.round[d]
+            out[f"bytes/{d}_cum"] = self.total[d]
+            out[f"bytes/{d}_dense"] = self.round_dense[d]
+            out[f"bytes/{d}_dense_cum"] = self.total_dense[d]
+            if self.round[d] > 0:
+                out[f"compression/{d}"] = self.round_dense[d] / self.round[d]
+            if self.total[d] > 0:
+                out[f"compression/{d}_cum"] = self.total_dense[d] / self.total[d]
+        return out
+
+    def to_meta(self) -> dict:
+        """Cumulative counters for a checkpoint."""
+        return {"total": self.total, "total_dense": self.total_dense, "messages": self.messages}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> ByteLedger:
+        """Restore the cumulative counters."""
+        return cls(total=dict(meta["total"]), total_dense=dict(meta["total_dense"]),
+                   messages=dict(meta["messages"]))

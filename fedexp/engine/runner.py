@@ -1,0 +1,243 @@
+"""Build a run from its config and drive the round loop: tracking, checkpoints, artifacts."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fedexp.comm.channel import Channel
+from fedexp.config.instantiate import instantiate_checked
+from fedexp.data.federated import federate
+from fedexp.engine import checkpoint, rng
+from fedexp.engine.context import Context
+from fedexp.engine.engine import Engine, RoundCallback
+from fedexp.engine.ledger import ByteLedger
+from fedexp.engine.progress import RoundProgress
+from fedexp.errors import ConfigError, FedexpError
+from fedexp.models.flat import FlatModel
+from fedexp.models.task import ClassificationTask
+from fedexp.tracking.base import Tracker
+
+log = logging.getLogger("fedexp")
+
+#: Settings that must not change when a run is resumed.
+_RESUME_KEYS = ("dataset", "model", "partition", "algorithm", "compressor", "seed",
+                "num_clients", "participation", "local_steps", "local_epochs", "batch_size",
+                "lr", "test_fraction")
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves: final aggregates, per-client table, where things are."""
+
+    metrics: dict[str, float]
+    per_client: list[dict[str, float]]
+    run_id: str
+    output_dir: Path
+    tracker: Tracker
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" picks CUDA when available; an unavailable device is a config error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r}: CUDA is not available on this machine")
+    return dev
+
+
+def build_channel(node: DictConfig, path: str) -> Channel:
+    """A :class:`Channel` from a ``compressor.uplink``/``downlink`` node."""
+    allowed = {"codec", "transforms", "error_feedback"}
+    for key in node:
+        if key not in allowed:
+            raise ConfigError(f"unknown key '{path}.{key}' (expected: {', '.join(sorted(allowed))})")
+    transforms = [
+        instantiate_checked(t, f"{path}.transforms[{i}]")
+        for i, t in enumerate(node.get("transforms") or [])
+    ]
+    ef = node.get("error_feedback", False)
+    if not isinstance(ef, bool):
+        raise ConfigError(f"{path}.error_feedback={ef!r}: expected true or false")
+    return Channel(instantiate_checked(node.codec, f"{path}.codec"), transforms, ef)
+
+
+def build_engine(cfg: DictConfig) -> Engine:
+    """Data, partition, model, algorithm and channels from the config."""
+    device = resolve_device(cfg.device)
+    if cfg.rounds < 0 or cfg.eval_every < 1 or cfg.checkpoint_every < 0:
+        raise ConfigError("rounds ≥ 0, eval_every ≥ 1 and checkpoint_every ≥ 0 are expected")
+    if not 0.0 < cfg.participation <= 1.0:
+        raise ConfigError(f"participation={cfg.participation}: expected a fraction in (0, 1]")
+    data = instantiate_checked(cfg.dataset, "dataset")
+    partition = instantiate_checked(cfg.partition, "partition")
+    clients = federate(data, partition, cfg.num_clients, cfg.test_fraction, cfg.seed, device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
+        module = instantiate_checked(
+            cfg.model, "model", input_shape=list(data.x.shape[1:]), num_classes=data.num_classes
+        )
+    model = FlatModel(module, device)
+    ctx = Context(
+        model=model,
+        task=ClassificationTask(data.num_classes),
+        num_clients=cfg.num_clients,
+        lr=cfg.lr,
+        local_steps=cfg.local_steps,
+        local_epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+    )
+    algorithm = instantiate_checked(cfg.algorithm, "algorithm")
+    return Engine(
+        ctx=ctx,
+        algorithm=algorithm,
+        clients=clients,
+        uplink=build_channel(cfg.compressor.uplink, "compressor.uplink"),
+        downlink=build_channel(cfg.compressor.downlink, "compressor.downlink"),
+        seed=cfg.seed,
+        participation=cfg.participation,
+        x0=model.initial(),
+    )
+
+
+def flatten_config(cfg: DictConfig) -> dict[str, str]:
+    """The resolved config as ``{"algorithm.lam": "0.1", ...}`` (MLflow params)."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = str(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def _check_resume(cfg: DictConfig, saved_yaml: str) -> None:
+    saved = OmegaConf.create(saved_yaml)
+    now = OmegaConf.to_container(cfg, resolve=True)
+    before = OmegaConf.to_container(saved, resolve=True)
+    diff = [k for k in _RESUME_KEYS if now.get(k) != before.get(k)]
+    if diff:
+        raise ConfigError(
+            f"resume={cfg.resume}: the checkpoint was made with different {', '.join(diff)}; "
+            "resume with the same settings (only rounds, eval/checkpoint frequency, device, "
+            "progress and tracker may change)"
+        )
+
+
+def _write_outputs(out: Path, cfg: DictConfig, per_client: list[dict[str, float]],
+                   history: list[dict[str, float]], engine: Engine) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "config.yaml", out / "clients.csv", out / "rounds.csv"]
+    OmegaConf.save(cfg, files[0], resolve=True)
+    with open(files[1], "w", newline="") as fh:
+        keys = list(per_client[0])
+        writer = csv.writer(fh)
+        writer.writerow(["client", "num_train", *keys])
+        for n, row in enumerate(per_client):
+            writer.writerow([n, engine.clients[n].num_train, *(row[k] for k in keys)])
+    keys = sorted({k for row in history for k in row}, key=lambda k: (k != "round", k))
+    with open(files[2], "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(history)
+    from fedexp.plots import plot_rounds
+
+    png = plot_rounds(history, out / "curves.png")
+    if png is not None:
+        files.append(png)
+    return files
+
+
+def run(
+    cfg: DictConfig,
+    *,
+    tracker: Tracker | None = None,
+    callbacks: Iterable[RoundCallback] = (),
+    run_name: str | None = None,
+    tags: dict[str, str] | None = None,
+) -> RunResult:
+    """Run (or resume) one federated experiment.
+
+    Args:
+        cfg: the composed run config.
+        tracker: overrides ``cfg.tracker`` (tests).
+        callbacks: called after every round with the engine and the round's metrics.
+        run_name: MLflow run name.
+        tags: extra MLflow tags (e.g. the sweep's overrides).
+    """
+    out_dir = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}")
+    engine = build_engine(cfg)
+    resume_id, history = None, []
+    ckpt_dir = out_dir / "checkpoints"
+    if cfg.resume:
+        tree, meta = checkpoint.load(cfg.resume, engine.ctx.device)
+        _check_resume(cfg, meta["config"])
+        engine.load_state_tree(tree, meta["round"], ByteLedger.from_meta(meta["ledger"]))
+        resume_id, history = meta["run_id"], meta["history"]
+        ckpt_dir = Path(cfg.resume) if Path(cfg.resume).is_dir() else Path(cfg.resume).parent
+    if tracker is None:
+        tracker = instantiate_checked(cfg.tracker, "tracker")
+    name = run_name or f"{type(engine.algorithm).__name__}-seed{cfg.seed}"
+    run_id = tracker.start(name, flatten_config(cfg), dict(tags or {}), resume_id)
+    logged = tracker.last_step("round") if resume_id else None
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+
+    def record(metrics: dict[str, float]) -> None:
+        step = int(metrics["round"])
+        if logged is None or step > logged:
+            tracker.log_metrics(metrics, step)
+        history.append(metrics)
+
+    try:
+        per_client: list[dict[str, float]] = []
+        if engine.round == 0 and not history:
+            agg, per_client = engine.evaluate()
+            record({"round": 0.0, **agg})
+        with RoundProgress(cfg.rounds, engine.round, cfg.progress) as progress:
+            while engine.round < cfg.rounds:
+                metrics = engine.run_round()
+                t = engine.round
+                if t % cfg.eval_every == 0 or t == cfg.rounds:
+                    agg, per_client = engine.evaluate()
+                    metrics.update(agg)
+                metrics["round"] = float(t)
+                record(metrics)
+                progress.update(t, metrics)
+                if cfg.checkpoint_every and (t % cfg.checkpoint_every == 0 or t == cfg.rounds):
+                    meta = {"round": t, "run_id": run_id, "ledger": engine.ledger.to_meta(),
+                            "history": history, "config": config_yaml}
+                    checkpoint.save(ckpt_dir, engine.state_tree(), meta)
+                for callback in callbacks:
+                    callback(engine, metrics)
+        if not per_client:
+            _, per_client = engine.evaluate()
+        final = {k: v for k, v in history[-1].items()} if history else {}
+        for path in _write_outputs(out_dir, cfg, per_client, history, engine):
+            tracker.log_artifact(path)
+        tracker.end("FINISHED")
+    except KeyboardInterrupt:
+        tracker.end("KILLED")
+        raise
+    except BaseException as exc:
+        tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"})
+        tracker.end("FAILED")
+        if isinstance(exc, FedexpError):
+            raise
+        raise
+    return RunResult(final, per_client, run_id, out_dir, tracker)

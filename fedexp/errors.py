@@ -1,0 +1,17 @@
+"""Errors a user can act on: the CLI prints them as one line, without a traceback."""
+
+
+class FedexpError(Exception):
+    """Bad input or a failed run, with a message naming what is wrong and what was expected."""
+
+
+class ConfigError(FedexpError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+class DataError(FedexpError):
+    """A data file is missing or malformed, or a partition leaves a client without data."""
+
+
+class DivergenceError(FedexpError):
+    """The training loss became NaN or infinite."""

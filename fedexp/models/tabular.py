@@ -1,0 +1,79 @@
+"""Models for tabular data: logistic regression and a small MLP.
+
+Builders take ``input_shape`` and ``num_classes`` from the dataset; binary logistic regression
+has one output logit (the paper's model), multi-class has one per class (softmax regression).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def logistic_regression(
+    input_shape: Sequence[int], num_classes: int, bias: bool = True
+) -> nn.Module:
+    """Logistic regression: one logit for two classes, ``num_classes`` logits otherwise.
+
+    Args:
+        input_shape: shape of one input (flattened).
+        num_classes: number of classes C.
+        bias: learn an intercept.
+    """
+    return LogisticRegression(math.prod(input_shape), 1 if num_classes == 2 else num_classes, bias)
+
+
+class LogisticRegression(nn.Module):
+    """``linear(flatten(x))``: parameters ``linear.weight`` and ``linear.bias``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the flattened input."""
+        return self.linear(x.flatten(1))
+
+
+def mlp(
+    input_shape: Sequence[int],
+    num_classes: int,
+    hidden: int = 64,
+    layers: int = 1,
+    dropout: float = 0.0,
+) -> nn.Module:
+    """A small ReLU MLP; its last layer is named ``head`` (the natural personal part).
+
+    Args:
+        input_shape: shape of one input (flattened).
+        num_classes: number of classes C.
+        hidden: width of the hidden layers.
+        layers: number of hidden layers.
+        dropout: dropout rate after each hidden layer.
+    """
+    blocks: list[nn.Module] = []
+    width = math.prod(input_shape)
+    for _ in range(layers):
+        blocks += [nn.Linear(width, hidden), nn.ReLU()]
+        if dropout > 0:
+            blocks.append(nn.Dropout(dropout))
+        width = hidden
+    body = nn.Sequential(*blocks)
+    out = 1 if num_classes == 2 else num_classes
+    return BodyHead(body, nn.Linear(width, out))
+
+
+class BodyHead(nn.Module):
+    """``body`` then ``head``: names that shared/personal patterns can match."""
+
+    def __init__(self, body: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Flatten the input, then body and head."""
+        return self.head(self.body(x.flatten(1)))

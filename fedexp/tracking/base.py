@@ -1,0 +1,83 @@
+"""The tracker interface the engine logs through, and a null tracker for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class Tracker(Protocol):
+    """Where a run's params, per-round metrics and artifacts go."""
+
+    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
+              resume_run_id: str | None = None) -> str:
+        """Open (or reopen) the run; returns its id."""
+        ...
+
+    def last_step(self, key: str) -> int | None:
+        """The largest step logged for ``key`` in this run (None if none)."""
+        ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log one round's metrics in one batch (all or nothing)."""
+        ...
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a local file."""
+        ...
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set run tags."""
+        ...
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Close the run with FINISHED, FAILED or KILLED."""
+        ...
+
+    def describe(self) -> str:
+        """One line: where the records are and how to look at them."""
+        ...
+
+
+class NullTracker:
+    """Keeps everything in memory (tests, dry runs)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, dict[int, float]] = {}
+        self.params: dict[str, str] = {}
+        self.tags: dict[str, str] = {}
+        self.artifacts: list[str] = []
+        self.status: str | None = None
+
+    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
+              resume_run_id: str | None = None) -> str:
+        """Record params and tags."""
+        self.params.update(params)
+        self.tags.update(tags)
+        return resume_run_id or "null-run"
+
+    def last_step(self, key: str) -> int | None:
+        """Largest logged step of ``key``."""
+        steps = self.metrics.get(key)
+        return max(steps) if steps else None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Store metrics."""
+        for k, v in metrics.items():
+            self.metrics.setdefault(k, {})[step] = v
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Remember the file name."""
+        self.artifacts.append(Path(path).name)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Store tags."""
+        self.tags.update(tags)
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Store the final status."""
+        self.status = status
+
+    def describe(self) -> str:
+        """Nothing is persisted."""
+        return "metrics were kept in memory only (tracker=none)"

@@ -1,0 +1,135 @@
+"""MLflow tracking through MLflow's own client and stores.
+
+Default store: MLflow's own default, a SQLite file ``mlflow.db`` in the working directory;
+``tracker.uri`` may name any other store or a tracking server (``http://host:5000``). Writes
+to a SQLite store are serialised across processes with a file lock beside the database, so
+the jobs of a parallel sweep lose no run and no metric.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+_MAX_PARAMS_PER_BATCH = 100
+_MAX_METRICS_PER_BATCH = 1000
+
+
+class MLflowTracker:
+    """Logs one fedexp run as one MLflow run.
+
+    Args:
+        uri: tracking URI; None uses MLflow's default (``sqlite:///mlflow.db``) unless the
+            MLFLOW_TRACKING_URI environment variable says otherwise.
+        experiment: experiment name (multirun sweeps get their own experiment, see cli).
+        retries: attempts for a write that fails on a busy store.
+    """
+
+    def __init__(self, uri: str | None = None, experiment: str = "fedexp", retries: int = 20
+                 ) -> None:
+        self.uri = uri or mlflow.get_tracking_uri()
+        self.experiment = experiment
+        self.retries = retries
+        self.run_id: str | None = None
+        self._lock_path: Path | None = None
+        if self.uri.startswith("sqlite:///"):
+            db = Path(self.uri.removeprefix("sqlite:///"))
+            db.parent.mkdir(parents=True, exist_ok=True)
+            self._lock_path = db.with_name(db.name + ".lock")
+        with self._locked():
+            self.client = MlflowClient(tracking_uri=self.uri)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        if self._lock_path is None:
+            yield
+            return
+        with open(self._lock_path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _call(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - thin retry wrapper
+        for attempt in range(self.retries):
+            try:
+                with self._locked():
+                    return fn(*args, **kwargs)
+            except MlflowException as exc:
+                busy = "locked" in str(exc) or "busy" in str(exc)
+                if not busy or attempt == self.retries - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+        return None
+
+    def _experiment_id(self) -> str:
+        exp = self._call(self.client.get_experiment_by_name, self.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self._call(self.client.create_experiment, self.experiment)
+        except MlflowException:  # created meanwhile by a concurrent job
+            return self._call(self.client.get_experiment_by_name, self.experiment).experiment_id
+
+    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
+              resume_run_id: str | None = None) -> str:
+        """Create the run (or reopen ``resume_run_id``) and log params and tags."""
+        if resume_run_id is not None:
+            self.run_id = resume_run_id
+            self._call(self.client.update_run, resume_run_id, status="RUNNING")
+            self.set_tags(tags)
+            return resume_run_id
+        run = self._call(self.client.create_run, self._experiment_id(), run_name=run_name,
+                         tags=tags)
+        self.run_id = run.info.run_id
+        items = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
+            self._call(self.client.log_batch, self.run_id,
+                       params=items[i : i + _MAX_PARAMS_PER_BATCH])
+        return self.run_id
+
+    def last_step(self, key: str) -> int | None:
+        """The largest step logged for ``key``."""
+        history = self._call(self.client.get_metric_history, self.run_id, key)
+        return max((m.step for m in history), default=None)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """One batch per round; NaN values are skipped (MLflow stores them, plots don't)."""
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()
+                 if v is not None and not math.isnan(float(v))]
+        for i in range(0, len(items), _MAX_METRICS_PER_BATCH):
+            self._call(self.client.log_batch, self.run_id,
+                       metrics=items[i : i + _MAX_METRICS_PER_BATCH])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a local file to the run's artifact store."""
+        self._call(self.client.log_artifact, self.run_id, str(path), artifact_path)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set run tags."""
+        for k, v in tags.items():
+            self._call(self.client.set_tag, self.run_id, k, str(v)[:5000])
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Terminate the run with ``status``."""
+        if self.run_id is not None:
+            self._call(self.client.set_terminated, self.run_id, RunStatus.to_string(
+                RunStatus.from_string(status)))
+
+    def describe(self) -> str:
+        """Where the run is and the command that shows it."""
+        ui = f"mlflow ui --backend-store-uri {self.uri}"
+        if self.uri.startswith("http"):
+            ui = f"open {self.uri}"
+        return f"MLflow run {self.run_id} in experiment '{self.experiment}' at {self.uri} ({ui})"
