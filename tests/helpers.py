@@ -1,0 +1,41 @@
+"""Test helpers: compose the real config (shrunk) and run the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+from fedexp.config.schema import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+register_configs()
+
+#: Overrides that make a run tiny.
+SMALL = ["rounds=3", "progress=none", "checkpoint_every=0", "device=cpu"]
+
+
+def compose_config(*overrides: str, output_dir: Path | None = None) -> DictConfig:
+    """The real config with ``overrides``, as ``fedexp run`` would compose it."""
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    if output_dir is not None:
+        with open_dict(cfg):
+            cfg.output_dir = str(output_dir)
+    return cfg
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``fedexp`` in a subprocess (the installed console script's module)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run(
+        [sys.executable, "-c", "from fedexp.cli import main; main()", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
+    )

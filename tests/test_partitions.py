@@ -1,0 +1,95 @@
+"""Partition properties: disjoint, complete, δ ratios, deterministic per seed, clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedexp.data import partitions as P
+from fedexp.data.federated import train_test_split
+from fedexp.errors import DataError
+
+rng = np.random.default_rng(0)
+BINARY = (rng.random(1000) < 0.35).astype(np.int64)
+MULTI = rng.integers(0, 5, size=1000)
+GROUPS = rng.integers(0, 7, size=1000).astype(str)
+
+CASES = [
+    ("iid", P.iid, BINARY, {}),
+    ("label_imbalance", P.label_imbalance, BINARY, {"delta": 3.0}),
+    ("dirichlet", P.dirichlet, MULTI, {"alpha": 0.3}),
+    ("shards", P.shards, MULTI, {"classes_per_client": 2}),
+    ("natural", P.natural, MULTI, {}),
+]
+
+
+@pytest.mark.parametrize("name,fn,labels,kw", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("num_clients", [1, 5, 7])
+def test_disjoint_complete_deterministic(name, fn, labels, kw, num_clients):
+    parts = fn(labels=labels, num_clients=num_clients, seed=3, groups=GROUPS, **kw)
+    assert len(parts) == num_clients
+    allidx = np.concatenate(parts)
+    assert len(allidx) == len(np.unique(allidx)), "a sample is used twice"
+    assert sorted(allidx.tolist()) == list(range(len(labels))), "a sample is unused"
+    again = fn(labels=labels, num_clients=num_clients, seed=3, groups=GROUPS, **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    if name != "natural" and num_clients > 1:
+        other = fn(labels=labels, num_clients=num_clients, seed=4, groups=GROUPS, **kw)
+        assert any(not np.array_equal(a, b) for a, b in zip(parts, other, strict=True))
+
+
+def test_label_imbalance_fractions_match_authors_table():
+    f = P.label_imbalance_fractions(5, 2.0)
+    expected = [(.30, .15), (.30, .15), (.10, .10), (.15, .30), (.15, .30)]
+    np.testing.assert_allclose(f, expected, atol=1e-12)
+    np.testing.assert_allclose(P.label_imbalance_fractions(4, 1.0), 0.25)
+
+
+@pytest.mark.parametrize("num_clients", [2, 5, 8, 11])
+@pytest.mark.parametrize("delta", [1.0, 2.0, 4.0, 7.0])
+def test_label_imbalance_ratios(num_clients, delta):
+    labels = np.array([0] * 3000 + [1] * 3000)
+    parts = P.label_imbalance(labels, num_clients, seed=0, delta=delta)
+    f = P.label_imbalance_fractions(num_clients, delta)
+    np.testing.assert_allclose(f.sum(axis=0), 1.0)
+    for n, part in enumerate(parts):
+        neg, pos = (labels[part] == 0).sum(), (labels[part] == 1).sum()
+        # equal pools: count ratio = share ratio (δ, 1 or 1/δ), up to rounding
+        assert neg / pos == pytest.approx(f[n, 0] / f[n, 1], rel=0.02)
+    half = num_clients // 2
+    assert all((labels[p] == 0).sum() >= (labels[p] == 1).sum() for p in parts[:half])
+    assert all((labels[p] == 1).sum() >= (labels[p] == 0).sum() for p in parts[-half:])
+
+
+def test_label_imbalance_rejects_non_binary_labels():
+    with pytest.raises(DataError, match="binary"):
+        P.label_imbalance(MULTI, 5, seed=0, delta=2.0)
+
+
+def test_label_imbalance_rejects_delta_below_one():
+    with pytest.raises(DataError, match="delta=0.5"):
+        P.label_imbalance(BINARY, 5, seed=0, delta=0.5)
+
+
+def test_too_many_clients_is_a_clear_error():
+    with pytest.raises(DataError, match="client .* only"):
+        P.label_imbalance(BINARY[:30], 25, seed=0, delta=7.0)
+    with pytest.raises(DataError, match="alpha=0.001"):
+        P.dirichlet(MULTI[:50], 20, seed=0, alpha=0.001, max_tries=5)
+    with pytest.raises(DataError, match="num_clients=9"):
+        P.natural(MULTI, 9, seed=0, groups=GROUPS)
+
+
+def test_shards_give_few_classes_per_client():
+    labels = np.repeat(np.arange(10), 100)
+    parts = P.shards(labels, 10, seed=0, classes_per_client=2)
+    assert all(len(np.unique(labels[p])) <= 2 for p in parts)
+
+
+def test_train_test_split_is_stratified_disjoint_and_complete():
+    idx = np.arange(200)
+    labels = np.array([0] * 150 + [1] * 50)
+    train, test = train_test_split(idx, labels, 0.2, seed=0, client=0)
+    assert len(np.intersect1d(train, test)) == 0
+    assert sorted(np.concatenate([train, test]).tolist()) == idx.tolist()
+    assert len(test) == 40 and (labels[test] == 1).sum() == 10
