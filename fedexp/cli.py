@@ -4,7 +4,7 @@ Examples:
     fedexp run
     fedexp run algorithm=local rounds=20
     fedexp run -m algorithm=fedavg,local seed=0,1,2 partition=label_imbalance \
-        partition.delta=1,2,4 hydra/launcher=joblib
+        partition.delta=1,2,4 hydra/launcher=parallel
 """
 
 from __future__ import annotations
