@@ -49,7 +49,9 @@ def test_both_layouts_give_same_arrays(tmp_path: Path, mri_studies: list, labels
 
 def test_output_format_and_regions(tmp_path: Path, mri_studies: list) -> None:
     synthetic.write_brats(tmp_path / "raw", "msd", studies=mri_studies)
-    assert brats.main(["--root", str(tmp_path / "raw"), "--out", str(tmp_path / "w"), "--quiet"]) == 0
+    assert (
+        brats.main(["--root", str(tmp_path / "raw"), "--out", str(tmp_path / "w"), "--quiet"]) == 0
+    )
     brats.convert(tmp_path / "raw", tmp_path / "r", BratsOptions(labels="regions"))
     images, whole, manifest, summary = _load(tmp_path / "w")
     _, regions, _, summary_r = _load(tmp_path / "r")
@@ -87,7 +89,9 @@ def test_orientation_is_canonicalised(tmp_path: Path, axcodes: tuple[str, str, s
     # The centre voxel (necrotic core: WT and TC, not ET) sits at the patch centre.
     i, j, k = study.centre
     row = manifest.index[(manifest["slice"] == k)].item()
-    assert abs(manifest.at[row, "row0"] + 32 - i) <= 1 and abs(manifest.at[row, "col0"] + 32 - j) <= 1
+    assert (
+        abs(manifest.at[row, "row0"] + 32 - i) <= 1 and abs(manifest.at[row, "col0"] + 32 - j) <= 1
+    )
     di, dj = i - manifest.at[row, "row0"], j - manifest.at[row, "col0"]
     assert masks[row, :, di, dj].tolist() == [1, 1, 0]
     flair = _zscore(study.images[..., 0].astype(np.float64))
@@ -101,7 +105,7 @@ def test_tumour_near_edge_gives_padded_patch(tmp_path: Path) -> None:
     images, masks, manifest, _ = _load(tmp_path / "out")
     assert (manifest["row0"] < 0).all()
     for n, row0 in enumerate(manifest["row0"]):
-        assert np.all(images[n, :, : -row0] == 0) and np.all(masks[n, : -row0] == 0)
+        assert np.all(images[n, :, :-row0] == 0) and np.all(masks[n, :-row0] == 0)
         assert masks[n].any()
 
 
@@ -160,7 +164,12 @@ def test_msd_channel_order_from_dataset_json(tmp_path: Path, mri_studies: list) 
     order = [3, 0, 2, 1]  # file channel c holds our modality order[c]
     for study in mri_studies:
         permuted = synthetic.MRIStudy(
-            study.index, study.grade, study.images[..., order], study.seg, study.affine, study.centre
+            study.index,
+            study.grade,
+            study.images[..., order],
+            study.seg,
+            study.affine,
+            study.centre,
         )
         synthetic.write_msd_study(root, permuted)
     names = ["FLAIR", "T1w", "t1gd", "T2w"]

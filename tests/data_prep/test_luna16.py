@@ -183,6 +183,18 @@ def test_resume_skips_converted_studies(
     assert third["studies_converted"] == len(studies)  # other window: recomputed
 
 
+def test_lung_masks_folder_is_ignored(luna_root: tuple[Path, list], tmp_path: Path) -> None:
+    root, studies = luna_root
+    masks = root / "seg-lungs-LUNA16"
+    masks.mkdir()
+    for study in studies:  # official lung masks reuse the series UIDs
+        mask = sitk.Image([8, 8, 4], sitk.sitkUInt8)
+        sitk.WriteImage(mask, str(masks / study.path.name))
+    summary = luna16.convert(root, tmp_path / "out")
+    assert summary["n_skipped"] == 0 and summary["volumes_on_disk"] == len(studies)
+    assert summary["n_positive"] == sum(len(s.nodules) for s in studies)
+
+
 def test_writes_only_inside_out(luna_root: tuple[Path, list], tmp_path: Path, tree) -> None:
     root, _ = luna_root
     snapshot = tree(root)

@@ -1,0 +1,550 @@
+"""Convert the official LUNA16 release into 32x32 axial candidate patches.
+
+pFedNet (§VI-A, "Luna16") classifies lung-nodule candidates from 32x32 patches and varies
+the dataset-level negative:positive ratio δ ∈ {1, 2, 4, 7} (§VI-B1). This module turns the raw
+release into arrays that the training code can load without SimpleITK:
+
+* ``images.npy``   float32 ``(N, 1, 32, 32)``, HU clipped to a window and scaled to [0, 1];
+* ``labels.npy``   int64 ``(N,)``, the candidate's ``class`` column;
+* ``manifest.csv`` one row per patch (series UID, world mm, voxel index, label);
+* ``summary.json`` counts, skipped files with reasons, window and δ.
+
+Usage::
+
+    python -m data_prep.luna16 --root RAW --out OUT [--candidates candidates_V2.csv]
+        [--delta 1] [--seed 0] [--hu-window -1000 400]
+
+It never partitions the data into clients: that is the job of ``fedexp.data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import SimpleITK as sitk
+from rich.console import Console
+
+from data_prep.common import (
+    RunLog,
+    StudyCache,
+    StudyError,
+    cleanup_partials,
+    console_for,
+    extract_patch,
+    file_stamp,
+    one_line,
+    prepare_out,
+    progress_bar,
+    require_dir,
+    write_csv,
+    write_json,
+    write_stacked,
+)
+
+PATCH = 32
+"""Patch side length in voxels (paper §VI-A)."""
+HU_WINDOW = (-1000.0, 400.0)
+"""Default HU window: air (-1000) to just above soft tissue/nodule density."""
+ORIENTATION = "LPS"
+"""Volumes are re-oriented to DICOM LPS (axis flips/permutations only, never resampled)."""
+CANDIDATE_COLUMNS = ("seriesuid", "coordX", "coordY", "coordZ", "class")
+CANDIDATE_FILES = ("candidates_V2.csv", "candidates.csv")
+MANIFEST_COLUMNS = [
+    "seriesuid",
+    "coordX",
+    "coordY",
+    "coordZ",
+    "voxel_x",
+    "voxel_y",
+    "voxel_z",
+    "label",
+    "candidate_index",
+]
+_MET_BYTES = {
+    "MET_CHAR": 1,
+    "MET_UCHAR": 1,
+    "MET_SHORT": 2,
+    "MET_USHORT": 2,
+    "MET_INT": 4,
+    "MET_UINT": 4,
+    "MET_FLOAT": 4,
+    "MET_LONG_LONG": 8,
+    "MET_ULONG_LONG": 8,
+    "MET_DOUBLE": 8,
+}
+
+
+@dataclass(frozen=True)
+class LunaOptions:
+    """Conversion options.
+
+    Attributes:
+        candidates: Candidate CSV; ``None`` looks for ``candidates_V2.csv`` then
+            ``candidates.csv`` under the raw folder.
+        delta: Dataset-level negative:positive ratio; ``None`` keeps every candidate.
+        seed: Seed of the negative subsampling.
+        window: HU window ``(low, high)`` mapped to [0, 1].
+        quiet: Suppress the progress bar and messages.
+    """
+
+    candidates: Path | None = None
+    delta: float | None = None
+    seed: int = 0
+    window: tuple[float, float] = HU_WINDOW
+    quiet: bool = True
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def find_volumes(root: Path, log: RunLog) -> dict[str, Path]:
+    """Map series UID to ``.mhd`` path for every CT volume in ``root/subset*/``.
+
+    Only ``subset*`` folders (at any depth below them) are searched, so the lung masks of the
+    official ``seg-lungs-LUNA16/`` folder, which reuse the series UIDs, are never mistaken for
+    CT. Without any ``subset*`` folder, ``root/*.mhd`` is used.
+
+    Args:
+        root: Raw LUNA16 folder.
+        log: Receives duplicate series UIDs as skips.
+
+    Returns:
+        Series UID -> header path, sorted by UID.
+    """
+    paths = sorted(root.glob("subset*/**/*.mhd")) or sorted(root.glob("*.mhd"))
+    volumes: dict[str, Path] = {}
+    for path in paths:
+        if path.name.startswith("._"):
+            continue
+        if path.stem in volumes:
+            log.skip(path, f"duplicate seriesuid: already found at {volumes[path.stem]}")
+            continue
+        volumes[path.stem] = path
+    return dict(sorted(volumes.items()))
+
+
+def find_candidates_csv(root: Path, given: Path | None) -> Path:
+    """Locate the candidate list.
+
+    Args:
+        root: Raw LUNA16 folder.
+        given: Path from ``--candidates`` (absolute, relative to the cwd, or relative to
+            ``root``), or ``None`` to search ``root`` for the official file names.
+
+    Returns:
+        Path of the CSV.
+
+    Raises:
+        SystemExit: If no candidate file can be found.
+    """
+    if given is not None:
+        for path in (given, root / given):
+            if path.is_file():
+                return path
+        raise SystemExit(f"error: candidate file {given} not found (also tried {root / given})")
+    for name in CANDIDATE_FILES:
+        hits = sorted(root.rglob(name))
+        if hits:
+            return hits[0]
+    raise SystemExit(f"error: no {' or '.join(CANDIDATE_FILES)} found under {root}")
+
+
+def read_candidates(path: Path) -> pd.DataFrame:
+    """Read ``candidates(_V2).csv`` and keep its row number as ``candidate_index``.
+
+    Raises:
+        SystemExit: If a required column is missing.
+    """
+    frame = pd.read_csv(path)
+    missing = [c for c in CANDIDATE_COLUMNS if c not in frame.columns]
+    if missing:
+        raise SystemExit(f"error: {path} lacks columns {missing}")
+    frame = frame.loc[:, list(CANDIDATE_COLUMNS)].copy()
+    frame["seriesuid"] = frame["seriesuid"].astype(str)
+    frame["class"] = frame["class"].astype(np.int64)
+    frame["candidate_index"] = np.arange(len(frame), dtype=np.int64)
+    return frame
+
+
+def subsample_negatives(frame: pd.DataFrame, delta: float | None, seed: int) -> pd.DataFrame:
+    """Keep all positives and at most ``round(delta * n_positive)`` random negatives.
+
+    This is the dataset-level imbalance δ = n_negative / n_positive of the paper (§VI-B1,
+    δ ∈ {1, 2, 4, 7}). The draw depends only on ``seed`` and the rows given, and applying the
+    function twice with the same arguments is a no-op.
+
+    Args:
+        frame: Candidates with a ``class`` column (1 nodule, 0 not).
+        delta: Target ratio, or ``None`` to keep everything.
+        seed: Random seed.
+
+    Returns:
+        The kept rows, in their original order.
+    """
+    if delta is None:
+        return frame
+    negatives = np.flatnonzero(frame["class"].to_numpy() == 0)
+    n_keep = min(len(negatives), int(round(delta * int((frame["class"] == 1).sum()))))
+    if n_keep == len(negatives):
+        return frame
+    chosen = np.random.default_rng(seed).choice(negatives, size=n_keep, replace=False)
+    keep = np.ones(len(frame), dtype=bool)
+    keep[negatives] = False
+    keep[chosen] = True
+    return frame.loc[keep]
+
+
+# --------------------------------------------------------------------------- one volume
+
+
+def _parse_header(path: Path) -> dict[str, str]:
+    header: dict[str, str] = {}
+    for line in path.read_text(errors="strict").splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            header[key.strip()] = value.strip()
+    return header
+
+
+def mhd_problem(path: Path) -> StudyError | None:
+    """Check a MetaImage header and its data file before handing them to ITK.
+
+    ITK reports a truncated or missing ``.raw`` as "No such file or directory"; this check
+    gives the real reason.
+
+    Args:
+        path: ``.mhd`` header.
+
+    Returns:
+        The problem (offending file and one-line reason) or ``None`` if the study looks fine.
+    """
+    try:
+        header = _parse_header(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        return StudyError(path, f"unreadable header: {one_line(exc)}")
+    data_name = header.get("ElementDataFile")
+    if data_name is None or "DimSize" not in header:
+        return StudyError(path, "unreadable header: no ElementDataFile/DimSize")
+    if data_name.upper() in ("LOCAL", "LIST") or "%" in data_name:
+        return None
+    data_path = path.parent / data_name
+    if not data_path.is_file():
+        return StudyError(data_path, f"missing data file: {data_path}")
+    if header.get("CompressedData", "False").lower() == "true":
+        return None
+    n_bytes = _MET_BYTES.get(header.get("ElementType", ""))
+    if n_bytes is None:
+        return None
+    try:
+        dims = [int(v) for v in header["DimSize"].split()]
+        channels = int(header.get("ElementNumberOfChannels", "1"))
+    except ValueError:
+        return StudyError(path, f"unreadable header: DimSize {header['DimSize']!r}")
+    expected = int(np.prod(dims)) * channels * n_bytes
+    actual = data_path.stat().st_size
+    if actual < expected:
+        reason = f"truncated data file: {data_path} has {actual} of {expected} bytes"
+        return StudyError(data_path, reason)
+    return None
+
+
+def load_volume(path: Path) -> sitk.Image:
+    """Read a CT volume and re-orient it to LPS (flips/permutations of the voxel grid only)."""
+    image = sitk.ReadImage(str(path))
+    if image.GetDimension() != 3:
+        raise ValueError(f"expected a 3-D volume, got {image.GetDimension()}-D")
+    return sitk.DICOMOrient(image, ORIENTATION)
+
+
+def world_to_voxel(image: sitk.Image, points_mm: np.ndarray) -> np.ndarray:
+    """Map world points (mm) to continuous voxel indices (x, y, z) of ``image``.
+
+    Uses origin, spacing *and* direction: ``index = (D · diag(spacing))⁻¹ (p - origin)``,
+    the same as ``image.TransformPhysicalPointToContinuousIndex``, vectorised.
+
+    Args:
+        image: The volume.
+        points_mm: World coordinates, shape ``(n, 3)``, columns x, y, z.
+
+    Returns:
+        Continuous indices, shape ``(n, 3)``, in SimpleITK order (x, y, z).
+    """
+    direction = np.asarray(image.GetDirection(), dtype=np.float64).reshape(3, 3)
+    spacing = np.asarray(image.GetSpacing(), dtype=np.float64)
+    origin = np.asarray(image.GetOrigin(), dtype=np.float64)
+    to_world = direction @ np.diag(spacing)
+    return np.linalg.solve(to_world, (np.asarray(points_mm, np.float64) - origin).T).T
+
+
+def scale_hu(values: np.ndarray, window: tuple[float, float]) -> np.ndarray:
+    """Clip HU to ``window`` and scale linearly so that ``window`` maps to [0, 1]."""
+    low, high = window
+    return ((np.clip(values.astype(np.float32), low, high) - low) / (high - low)).astype(np.float32)
+
+
+def extract_candidates(
+    image: sitk.Image, points_mm: np.ndarray, window: tuple[float, float]
+) -> dict[str, np.ndarray]:
+    """Cut one 32x32 axial patch per candidate, centred on its nearest voxel.
+
+    The patch is taken from axial slice ``voxel_z``; rows run along y, columns along x, and the
+    candidate's voxel sits at pixel (16, 16). Parts outside the volume are padded with the
+    window minimum (0 after scaling).
+
+    Args:
+        image: LPS-oriented volume in HU.
+        points_mm: Candidate world coordinates, shape ``(n, 3)``.
+        window: HU window.
+
+    Returns:
+        ``patches`` float32 ``(n, 32, 32)``, ``voxels`` int64 ``(n, 3)`` (x, y, z) and
+        ``inside`` bool ``(n,)`` (False: the centre voxel is outside the volume; its patch is
+        all zeros and is dropped later).
+    """
+    volume = sitk.GetArrayViewFromImage(image)  # (z, y, x)
+    voxels = np.floor(world_to_voxel(image, points_mm) + 0.5).astype(np.int64)
+    size_xyz = np.asarray(image.GetSize())
+    inside = np.all((voxels >= 0) & (voxels < size_xyz), axis=1)
+    patches = np.zeros((len(voxels), PATCH, PATCH), dtype=np.float32)
+    half = PATCH // 2
+    for i, (vx, vy, vz) in enumerate(voxels):
+        if inside[i]:
+            raw = extract_patch(volume[vz], vy - half, vx - half, PATCH, window[0])
+            patches[i] = scale_hu(raw, window)
+    return {"patches": patches, "voxels": voxels, "inside": inside}
+
+
+def _study_tag(path: Path, rows: pd.DataFrame) -> str:
+    """Identify a study's inputs: its files and the candidate rows asked for."""
+    coords = rows[["candidate_index", "coordX", "coordY", "coordZ"]].to_numpy(np.float64)
+    stamp = file_stamp([path, path.with_suffix(".raw")])
+    return hashlib.sha1(coords.tobytes()).hexdigest() + stamp
+
+
+def convert_study(
+    path: Path, rows: pd.DataFrame, window: tuple[float, float]
+) -> dict[str, np.ndarray]:
+    """Read one volume and extract the patches of its candidate rows.
+
+    Raises:
+        StudyError: If the header/data check fails.
+        RuntimeError: If ITK cannot read the volume.
+    """
+    problem = mhd_problem(path)
+    if problem is not None:
+        raise problem
+    image = load_volume(path)
+    return extract_candidates(image, rows[["coordX", "coordY", "coordZ"]].to_numpy(), window)
+
+
+# --------------------------------------------------------------------------- whole dataset
+
+
+def _process_studies(
+    groups: dict[str, pd.DataFrame],
+    volumes: dict[str, Path],
+    cache: StudyCache,
+    options: LunaOptions,
+    log: RunLog,
+    console: Console,
+) -> pd.DataFrame:
+    """Convert (or reuse) each study; return the manifest rows of all usable candidates."""
+    kept: list[pd.DataFrame] = []
+    with progress_bar(console) as progress:
+        task = progress.add_task("LUNA16 volumes", total=len(groups))
+        for uid, rows in groups.items():
+            tag = _study_tag(volumes[uid], rows)
+            result = cache.load(uid, tag)
+            if result is None:
+                try:
+                    result = convert_study(volumes[uid], rows, options.window)
+                except StudyError as exc:
+                    log.skip(exc.path, exc.reason, console)
+                except Exception as exc:  # one unreadable study must not stop the run
+                    log.skip(volumes[uid], one_line(exc), console)
+                if result is None:
+                    progress.advance(task)
+                    continue
+                cache.save(uid, result, tag)
+                log.converted += 1
+            else:
+                log.reused += 1
+            rows = rows.assign(
+                voxel_x=result["voxels"][:, 0],
+                voxel_y=result["voxels"][:, 1],
+                voxel_z=result["voxels"][:, 2],
+                _row=np.arange(len(rows)),
+                _inside=result["inside"],
+            )
+            kept.append(rows)
+            progress.advance(task)
+    if not kept:
+        return pd.DataFrame(columns=[*MANIFEST_COLUMNS, "_row", "_inside"])
+    return pd.concat(kept, ignore_index=True)
+
+
+def _patches(
+    manifest: pd.DataFrame,
+    cache: StudyCache,
+    groups: dict[str, pd.DataFrame],
+    volumes: dict[str, Path],
+) -> Iterator[np.ndarray]:
+    """Stream the selected patches study by study from the resume cache."""
+    for uid, rows in manifest.groupby("seriesuid", sort=False):
+        stored = cache.load(uid, _study_tag(volumes[uid], groups[uid]))
+        assert stored is not None, uid
+        yield stored["patches"][rows["_row"].to_numpy()][:, None]
+
+
+def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[str, Any]:
+    """Convert a LUNA16 release into ``images.npy``, ``labels.npy``, manifest and summary.
+
+    Studies already converted with the same parameters (``OUT/studies/<uid>.npz``) are reused,
+    so an interrupted run can simply be restarted.
+
+    Args:
+        root: Raw folder with ``subset*/<seriesuid>.mhd|.raw`` and the candidate CSV.
+        out: Output folder (created; must not be inside ``root``).
+        options: Conversion options.
+
+    Returns:
+        The summary written to ``OUT/summary.json``.
+
+    Raises:
+        SystemExit: If ``root`` is missing or holds no LUNA16 layout.
+    """
+    options = options or LunaOptions()
+    low, high = options.window
+    if not high > low:
+        raise SystemExit(f"error: HU window {options.window} must have low < high")
+    root = require_dir(Path(root), "raw LUNA16 folder")
+    console = console_for(options.quiet)
+    log = RunLog()
+    volumes = find_volumes(root, log)
+    if not volumes:
+        raise SystemExit(f"error: no .mhd volumes in {root} (expected subset*/<uid>.mhd)")
+    csv_path = find_candidates_csv(root, options.candidates)
+    candidates = read_candidates(csv_path)
+    out = prepare_out(Path(out), root)
+    cleanup_partials(out)
+
+    on_disk = candidates["seriesuid"].isin(volumes.keys())
+    wanted = subsample_negatives(candidates.loc[on_disk], options.delta, options.seed)
+    groups = {uid: rows for uid, rows in wanted.groupby("seriesuid", sort=True)}
+    cache = StudyCache(out, {"dataset": "luna16", "window": list(options.window)})
+    rows = _process_studies(groups, volumes, cache, options, log, console)
+
+    inside = rows[rows["_inside"].astype(bool)]
+    final = subsample_negatives(inside, options.delta, options.seed)
+    final = final.sort_values(["seriesuid", "candidate_index"], kind="stable")
+    _write_outputs(out, final, _patches(final, cache, groups, volumes))
+    summary = _summary(root, csv_path, options, candidates, on_disk, volumes, rows, final, log)
+    write_json(out / "summary.json", summary)
+    console.print(f"[green]wrote[/green] {len(final)} patches to {out}", highlight=False)
+    return summary
+
+
+def _write_outputs(out: Path, final: pd.DataFrame, patches: Iterator[np.ndarray]) -> None:
+    shape = (len(final), 1, PATCH, PATCH)
+    write_stacked(out / "images.npy", patches, shape, np.float32)
+    labels = final["class"].to_numpy(np.int64)
+    write_stacked(out / "labels.npy", [labels], labels.shape, np.int64)
+    manifest = final.rename(columns={"class": "label"}).loc[:, MANIFEST_COLUMNS]
+    write_csv(out / "manifest.csv", manifest)
+
+
+def _summary(
+    root: Path,
+    csv_path: Path,
+    options: LunaOptions,
+    candidates: pd.DataFrame,
+    on_disk: pd.Series,
+    volumes: dict[str, Path],
+    rows: pd.DataFrame,
+    final: pd.DataFrame,
+    log: RunLog,
+) -> dict[str, Any]:
+    n_pos = int((final["class"] == 1).sum())
+    n_neg = int((final["class"] == 0).sum())
+    with_candidates = set(candidates.loc[on_disk, "seriesuid"])
+    return {
+        "dataset": "luna16",
+        "root": str(root),
+        "candidates_file": str(csv_path),
+        "hu_window": list(options.window),
+        "scaling": "clip(HU, low, high) then (HU - low) / (high - low); padding = 0",
+        "orientation": ORIENTATION,
+        "patch_size": PATCH,
+        "delta": options.delta,
+        "seed": options.seed,
+        "n_samples": len(final),
+        "n_positive": n_pos,
+        "n_negative": n_neg,
+        "ratio_negative_positive": (n_neg / n_pos) if n_pos else None,
+        "volumes_on_disk": len(volumes),
+        "volumes_without_candidates": len(set(volumes) - with_candidates),
+        "candidates_in_csv": len(candidates),
+        "candidates_without_volume": int((~on_disk).sum()),
+        "candidates_outside_volume": int((~rows["_inside"].astype(bool)).sum()),
+        **log.as_dict(),
+    }
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of ``python -m data_prep.luna16``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m data_prep.luna16",
+        description="LUNA16 raw release -> 32x32 candidate patches (pFedNet §VI-A).",
+    )
+    parser.add_argument("--root", type=Path, required=True, help="raw folder (subset*/ + CSVs)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument(
+        "--candidates", type=Path, default=None, help="candidate CSV (default: search root)"
+    )
+    parser.add_argument(
+        "--delta",
+        type=float,
+        default=None,
+        help="dataset-level negative:positive ratio (paper: 1, 2, 4, 7); default keeps all",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the negative subsampling")
+    parser.add_argument(
+        "--hu-window",
+        type=float,
+        nargs=2,
+        default=list(HU_WINDOW),
+        metavar=("LOW", "HIGH"),
+        help="HU window mapped to [0, 1] (default -1000 400)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m data_prep.luna16``."""
+    args = build_parser().parse_args(argv)
+    if args.delta is not None and args.delta <= 0:
+        raise SystemExit("error: --delta must be positive")
+    options = LunaOptions(
+        candidates=args.candidates,
+        delta=args.delta,
+        seed=args.seed,
+        window=(args.hu_window[0], args.hu_window[1]),
+        quiet=args.quiet,
+    )
+    summary = convert(args.root, args.out, options)
+    return 0 if summary["n_samples"] > 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
