@@ -64,8 +64,13 @@ def _hydra_run(cfg: DictConfig) -> float:
             if cfg.tracker.get("experiment") is not None:
                 cfg.tracker.experiment = f"{cfg.tracker.experiment}/{sweep}"
             tags = {"sweep": sweep, "sweep.overrides": " ".join(hc.overrides.task)}
-            tags.update({f"sweep.{o.split('=', 1)[0]}": o.split("=", 1)[1]
-                         for o in hc.overrides.task if "=" in o})
+            tags.update(
+                {
+                    f"sweep.{o.split('=', 1)[0]}": o.split("=", 1)[1]
+                    for o in hc.overrides.task
+                    if "=" in o
+                }
+            )
             run_name = ",".join(hc.overrides.task) or None
     try:
         result = run(cfg, run_name=run_name, tags=tags)

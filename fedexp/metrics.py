@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from sklearn.metrics import balanced_accuracy_score, roc_auc_score
 
-
 #: Metrics whose worst client is the one with the largest value.
 LOWER_IS_BETTER = frozenset({"loss"})
 
@@ -27,8 +26,9 @@ def probabilities(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def classification_metrics(logits: torch.Tensor, y: torch.Tensor, num_classes: int
-                           ) -> dict[str, float]:
+def classification_metrics(
+    logits: torch.Tensor, y: torch.Tensor, num_classes: int
+) -> dict[str, float]:
     """Accuracy, balanced accuracy and (one-vs-rest) AUC of one client's test split.
 
     AUC is NaN when the client's test split holds a single class.
@@ -36,8 +36,10 @@ def classification_metrics(logits: torch.Tensor, y: torch.Tensor, num_classes: i
     prob = probabilities(logits.detach().float()).cpu().numpy()
     y_np = y.cpu().numpy()
     pred = prob.argmax(axis=1)
-    out = {"acc": float((pred == y_np).mean()),
-           "bal_acc": float(balanced_accuracy_score(y_np, pred))}
+    out = {
+        "acc": float((pred == y_np).mean()),
+        "bal_acc": float(balanced_accuracy_score(y_np, pred)),
+    }
     present = np.unique(y_np)
     if len(present) < 2:
         out["auc"] = math.nan
@@ -46,14 +48,16 @@ def classification_metrics(logits: torch.Tensor, y: torch.Tensor, num_classes: i
     else:
         sub = prob[:, present] / prob[:, present].sum(axis=1, keepdims=True)
         out["auc"] = float(
-            roc_auc_score(y_np, sub if len(present) > 2 else sub[:, 1], multi_class="ovr",
-                          labels=present)
+            roc_auc_score(
+                y_np, sub if len(present) > 2 else sub[:, 1], multi_class="ovr", labels=present
+            )
         )
     return out
 
 
-def aggregate(per_client: Sequence[Mapping[str, float]], weights: Sequence[float]
-              ) -> dict[str, float]:
+def aggregate(
+    per_client: Sequence[Mapping[str, float]], weights: Sequence[float]
+) -> dict[str, float]:
     """Across clients: ``<m>/weighted`` (by test samples), ``/mean``, ``/worst``, ``/std``.
 
     NaN client values (e.g. AUC of a one-class test split) are left out of that metric.

@@ -25,8 +25,9 @@ def plot_rounds(history: list[dict[str, float]], path: Path) -> Path | None:
     axes[1].set(xlabel="round", ylabel="loss", title="mean local training loss")
     for d in ("up", "down"):
         rows = [h for h in history if f"bytes/{d}_cum" in h]
-        axes[2].plot([h["round"] for h in rows], [h[f"bytes/{d}_cum"] for h in rows],
-                     label=f"{d}link")
+        axes[2].plot(
+            [h["round"] for h in rows], [h[f"bytes/{d}_cum"] for h in rows], label=f"{d}link"
+        )
     axes[2].set(xlabel="round", ylabel="bytes", title="cumulative bytes on the wire")
     axes[2].legend()
     fig.tight_layout()

@@ -21,16 +21,20 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import compose_config  # noqa: E402
-
 from fedexp.engine.runner import build_engine  # noqa: E402
+from helpers import compose_config  # noqa: E402
 
 
 def fedexp_engine(num_clients: int, rounds: int, steps: int, batch: int):
     cfg = compose_config(
-        "dataset=synthetic", f"dataset.num_samples={50 * num_clients}", "partition=iid",
-        f"num_clients={num_clients}", f"local_steps={steps}", f"batch_size={batch}",
-        "device=cpu", "tracker=none",
+        "dataset=synthetic",
+        f"dataset.num_samples={50 * num_clients}",
+        "partition=iid",
+        f"num_clients={num_clients}",
+        f"local_steps={steps}",
+        f"batch_size={batch}",
+        "device=cpu",
+        "tracker=none",
     )
     engine = build_engine(cfg)
     engine.run_round()  # warm-up
@@ -88,8 +92,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread, E={args.steps}, B={args.batch}, "
-          f"{args.rounds} timed rounds after one warm-up round\n")
+    print(
+        f"torch {torch.__version__}, 1 thread, E={args.steps}, B={args.batch}, "
+        f"{args.rounds} timed rounds after one warm-up round\n"
+    )
     print("| clients | fedexp rounds/s | plain PyTorch + DataLoader rounds/s | ratio |")
     print("|---:|---:|---:|---:|")
     for n in args.clients:

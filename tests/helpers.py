@@ -37,5 +37,9 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run(
         [sys.executable, "-c", "from fedexp.cli import main; main()", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )

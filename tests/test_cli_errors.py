@@ -30,8 +30,13 @@ def table(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("csv")
     rng = np.random.default_rng(0)
     n = 120
-    return _csv(tmp, age=rng.normal(50, 10, n), chol=rng.normal(200, 30, n),
-                site=rng.integers(0, 3, n), chd=rng.integers(0, 2, n))
+    return _csv(
+        tmp,
+        age=rng.normal(50, 10, n),
+        chol=rng.normal(200, 30, n),
+        site=rng.integers(0, 3, n),
+        chd=rng.integers(0, 2, n),
+    )
 
 
 @pytest.mark.parametrize(
@@ -41,19 +46,34 @@ def table(tmp_path_factory):
         (["rounds=many"], ["rounds", "many"]),
         (["+algorithm.server_lrr=1"], ["algorithm.server_lrr"]),
         (["algorithm.server_lr=fast"], ["algorithm.server_lr", "float"]),
-        (["dataset=csv", "dataset.path=/nonexistent/chd.csv", "dataset.label=chd"],
-         ["/nonexistent/chd.csv", "not found"]),
-        (["dataset=synthetic", "dataset.num_classes=3", "partition=label_imbalance"],
-         ["binary", "[0, 1, 2]"]),
-        (["num_clients=200", "partition=label_imbalance", "partition.delta=7"],
-         ["client", "num_clients"] and ["client", "at least 2"]),
-        (["partition=dirichlet", "partition.alpha=0.001", "num_clients=100"],
-         ["alpha=0.001"]),
+        (
+            ["dataset=csv", "dataset.path=/nonexistent/chd.csv", "dataset.label=chd"],
+            ["/nonexistent/chd.csv", "not found"],
+        ),
+        (
+            ["dataset=synthetic", "dataset.num_classes=3", "partition=label_imbalance"],
+            ["binary", "[0, 1, 2]"],
+        ),
+        (
+            ["num_clients=200", "partition=label_imbalance", "partition.delta=7"],
+            ["client", "num_clients"] and ["client", "at least 2"],
+        ),
+        (["partition=dirichlet", "partition.alpha=0.001", "num_clients=100"], ["alpha=0.001"]),
         (["lr=1e38"], ["diverged", "client"]),
         (["device=cuda:7"], ["device", "cuda:7"]),
     ],
-    ids=["unknown-key", "wrong-type", "unknown-group-key", "wrong-group-type", "csv-missing",
-         "imbalance-non-binary", "too-many-clients", "dirichlet-empty", "nan-loss", "no-gpu"],
+    ids=[
+        "unknown-key",
+        "wrong-type",
+        "unknown-group-key",
+        "wrong-group-type",
+        "csv-missing",
+        "imbalance-non-binary",
+        "too-many-clients",
+        "dirichlet-empty",
+        "nan-loss",
+        "no-gpu",
+    ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, args, needles):
     if args == ["device=cuda:7"]:
@@ -66,15 +86,28 @@ def test_bad_input_is_one_clear_line(tmp_path, args, needles):
 
 
 def test_csv_without_label_column(tmp_path, table):
-    proc = run_cli("run", *FAST, "dataset=csv", f"dataset.path={table}", "dataset.label=TenYearCHD",
-                   cwd=tmp_path)
+    proc = run_cli(
+        "run",
+        *FAST,
+        "dataset=csv",
+        f"dataset.path={table}",
+        "dataset.label=TenYearCHD",
+        cwd=tmp_path,
+    )
     _assert_clean_error(proc, str(table), "TenYearCHD", "chd")
 
 
 def test_csv_with_non_numeric_feature(tmp_path):
     path = _csv(tmp_path, age=[50, 60, "old", 40] * 10, chd=[0, 1] * 20)
-    proc = run_cli("run", *FAST, "dataset=csv", f"dataset.path={path}", "dataset.label=chd",
-                   "num_clients=2", cwd=tmp_path)
+    proc = run_cli(
+        "run",
+        *FAST,
+        "dataset=csv",
+        f"dataset.path={path}",
+        "dataset.label=chd",
+        "num_clients=2",
+        cwd=tmp_path,
+    )
     _assert_clean_error(proc, "'age'", "not numeric", "'old'")
 
 
@@ -82,7 +115,16 @@ def test_csv_dataset_runs_with_missing_values_and_sites(tmp_path, table):
     frame = pd.read_csv(table)
     frame.loc[::7, "chol"] = np.nan
     frame.to_csv(table, index=False)
-    proc = run_cli("run", *FAST, "dataset=csv", f"dataset.path={table}", "dataset.label=chd",
-                   "dataset.group=site", "partition=natural", "num_clients=3", cwd=tmp_path)
+    proc = run_cli(
+        "run",
+        *FAST,
+        "dataset=csv",
+        f"dataset.path={table}",
+        "dataset.label=chd",
+        "dataset.group=site",
+        "partition=natural",
+        "num_clients=3",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Per-client results" in proc.stdout

@@ -6,10 +6,12 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from helpers import CONF, compose_config
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.engine.runner import build_channel, build_engine
 from fedexp.errors import ConfigError, FedexpError
+from fedexp.models.builder import build_model
+from fedexp.models.flat import FlatModel
+from helpers import CONF, compose_config
 
 GROUPS = ["dataset", "model", "partition", "algorithm", "compressor", "tracker"]
 # options that need user input to compose into a runnable config
@@ -20,9 +22,7 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize(
-    "group,option", [(g, o) for g in GROUPS for o in options(g)]
-)
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_instantiates(group, option, tmp_path):
     cfg = compose_config(f"{group}={option}", *NEEDS.get((group, option), []))
     node = cfg[group]
@@ -30,7 +30,8 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
         for direction in ("uplink", "downlink"):
             build_channel(node[direction], f"compressor.{direction}")
     elif group == "model":
-        instantiate_checked(node, "model", input_shape=[30], num_classes=2)
+        module, personal = build_model(node, [30], 2, seed=0)
+        assert personal and FlatModel(module, "cpu").layout.indices(personal).numel() > 0
     elif group == "tracker":
         if option == "mlflow":
             node.uri = f"sqlite:///{tmp_path}/m.db"

@@ -14,8 +14,9 @@ from fedexp.tracking.base import NullTracker
 
 
 def test_fedavg_one_client_full_batch_equals_gradient_descent(small_cfg):
-    cfg = small_cfg("num_clients=1", "batch_size=0", "local_steps=3", "lr=0.5",
-                    "partition=iid", "rounds=4")
+    cfg = small_cfg(
+        "num_clients=1", "batch_size=0", "local_steps=3", "lr=0.5", "partition=iid", "rounds=4"
+    )
     engine = build_engine(cfg)
     data = engine.clients[0]
     # centralised GD on the same training data, written independently of the engine
@@ -25,7 +26,8 @@ def test_fedavg_one_client_full_batch_equals_gradient_descent(small_cfg):
         p = w.clone().requires_grad_(True)
         logits = model(p, data.x_train)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits[:, 0], data.y_train.float())
+            logits[:, 0], data.y_train.float()
+        )
         (g,) = torch.autograd.grad(loss, p)
         w = w - 0.5 * g
     for _ in range(4):

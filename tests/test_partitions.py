@@ -40,7 +40,7 @@ def test_disjoint_complete_deterministic(name, fn, labels, kw, num_clients):
 
 def test_label_imbalance_fractions_match_authors_table():
     f = P.label_imbalance_fractions(5, 2.0)
-    expected = [(.30, .15), (.30, .15), (.10, .10), (.15, .30), (.15, .30)]
+    expected = [(0.30, 0.15), (0.30, 0.15), (0.10, 0.10), (0.15, 0.30), (0.15, 0.30)]
     np.testing.assert_allclose(f, expected, atol=1e-12)
     np.testing.assert_allclose(P.label_imbalance_fractions(4, 1.0), 0.25)
 

@@ -7,8 +7,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
-from helpers import run_cli
 from fedexp.engine.runner import run
+from helpers import run_cli
 
 
 def _mlflow_cfg(make, tmp_path, *overrides):
@@ -44,8 +44,13 @@ def test_mlflow_holds_params_metrics_and_artifacts(small_cfg, tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local"])
 def test_resume_after_interruption_equals_uninterrupted_run(small_cfg, tmp_path, algorithm):
-    overrides = ("rounds=7", "checkpoint_every=2", f"algorithm={algorithm}",
-                 "participation=0.6", "batch_size=16")
+    overrides = (
+        "rounds=7",
+        "checkpoint_every=2",
+        f"algorithm={algorithm}",
+        "participation=0.6",
+        "batch_size=16",
+    )
     full = run(_mlflow_cfg(small_cfg, tmp_path / "a", *overrides))
 
     def interrupt(engine, metrics):
@@ -89,9 +94,16 @@ def test_resume_with_changed_settings_is_refused(small_cfg, tmp_path):
 def test_two_job_sweep_loses_no_run_and_no_metric(tmp_path):
     db = f"sqlite:///{tmp_path}/mlflow.db"
     proc = run_cli(
-        "run", "-m", "algorithm=fedavg,local", "rounds=3", "progress=log", "device=cpu",
-        "hydra/launcher=parallel", f"tracker.uri={db}",
-        f"hydra.sweep.dir={tmp_path}/multirun", cwd=tmp_path,
+        "run",
+        "-m",
+        "algorithm=fedavg,local",
+        "rounds=3",
+        "progress=log",
+        "device=cpu",
+        "hydra/launcher=parallel",
+        f"tracker.uri={db}",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(db)

@@ -73,15 +73,34 @@ class Algorithm(ABC):
 
     @abstractmethod
     def server_update(
-        self, ctx: Context, server: State, updates: dict[int, torch.Tensor],
-        weights: dict[int, float]
+        self,
+        ctx: Context,
+        server: State,
+        updates: dict[int, torch.Tensor],
+        weights: dict[int, float],
     ) -> State:
         """New server state from the decoded updates (weights sum to one over ``updates``)."""
 
-    def eval_params(self, ctx: Context, server: State, client_state: State, client: int
-                    ) -> torch.Tensor:
+    def eval_params(
+        self, ctx: Context, server: State, client_state: State, client: int
+    ) -> torch.Tensor:
         """The model client ``client`` is evaluated with (default: the global model)."""
         return server["x"]
+
+    # Optional set-up exchange before round 0 (e.g. pFedNet's similarity network).
+    def client_sketch(
+        self, ctx: Context, data: ClientData, generator: torch.Generator
+    ) -> torch.Tensor | None:
+        """A summary of the client's data sent once before training (default: none)."""
+        return None
+
+    def server_setup(self, ctx: Context, server: State, sketches: dict[int, torch.Tensor]) -> State:
+        """Use the decoded sketches (default: nothing to do)."""
+        return server
+
+    def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
+        """Scalars about the server state to log each round (default: none)."""
+        return {}
 
 
 def weighted_mean(updates: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:

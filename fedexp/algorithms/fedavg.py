@@ -30,7 +30,11 @@ class FedAvg(Algorithm):
         self.weighting = weighting
 
     def client_update(
-        self, ctx: Context, model_in: torch.Tensor | None, state: State, data: ClientData,
+        self,
+        ctx: Context,
+        model_in: torch.Tensor | None,
+        state: State,
+        data: ClientData,
         generator: torch.Generator,
     ) -> ClientResult:
         """E local SGD steps; send Δ = x − θ^E."""
@@ -39,10 +43,13 @@ class FedAvg(Algorithm):
         return ClientResult(model_in - theta, state, {"train_loss": loss})
 
     def server_update(
-        self, ctx: Context, server: State, updates: dict[int, torch.Tensor],
-        weights: dict[int, float]
+        self,
+        ctx: Context,
+        server: State,
+        updates: dict[int, torch.Tensor],
+        weights: dict[int, float],
     ) -> State:
-        """x ← x − η_s Σ ω_n Δ_n."""
+        """X ← x − η_s Σ ω_n Δ_n."""
         if not updates:
             return server
         return {**server, "x": server["x"] - self.server_lr * weighted_mean(updates, weights)}

@@ -29,7 +29,11 @@ class LocalOnly(Algorithm):
         return None
 
     def client_update(
-        self, ctx: Context, model_in: torch.Tensor | None, state: State, data: ClientData,
+        self,
+        ctx: Context,
+        model_in: torch.Tensor | None,
+        state: State,
+        data: ClientData,
         generator: torch.Generator,
     ) -> ClientResult:
         """E local SGD steps on the client's own model; no upload."""
@@ -37,13 +41,17 @@ class LocalOnly(Algorithm):
         return ClientResult(None, {"theta": theta}, {"train_loss": loss})
 
     def server_update(
-        self, ctx: Context, server: State, updates: dict[int, torch.Tensor],
-        weights: dict[int, float]
+        self,
+        ctx: Context,
+        server: State,
+        updates: dict[int, torch.Tensor],
+        weights: dict[int, float],
     ) -> State:
         """Nothing to aggregate."""
         return server
 
-    def eval_params(self, ctx: Context, server: State, client_state: State, client: int
-                    ) -> torch.Tensor:
+    def eval_params(
+        self, ctx: Context, server: State, client_state: State, client: int
+    ) -> torch.Tensor:
         """The client's own model."""
         return client_state["theta"]

@@ -98,7 +98,10 @@ def federate(
         tr, te = torch.from_numpy(train_idx), torch.from_numpy(test_idx)
         clients.append(
             ClientData(
-                x_all[tr].to(device), y_all[tr].to(device), x_all[te].to(device), y_all[te].to(device)
+                x_all[tr].to(device),
+                y_all[tr].to(device),
+                x_all[te].to(device),
+                y_all[te].to(device),
             )
         )
     return clients

@@ -30,8 +30,9 @@ def _check_nonempty(parts: list[np.ndarray], what: str) -> list[np.ndarray]:
     return parts
 
 
-def iid(labels: np.ndarray, num_clients: int, seed: int, groups: np.ndarray | None = None
-        ) -> list[np.ndarray]:
+def iid(
+    labels: np.ndarray, num_clients: int, seed: int, groups: np.ndarray | None = None
+) -> list[np.ndarray]:
     """Uniformly random equal-size split."""
     del groups
     perm = np.random.default_rng([seed, 11]).permutation(len(labels))
@@ -141,7 +142,7 @@ def shards(
     groups: np.ndarray | None = None,
     classes_per_client: int = 2,
 ) -> list[np.ndarray]:
-    """Pathological non-IID (McMahan et al. 2017): sort by label, cut ``N·c`` shards, deal c each."""
+    """Pathological non-IID (McMahan et al. 2017): sort by label, N·c shards, c per client."""
     del groups
     if classes_per_client < 1:
         raise DataError(f"partition.classes_per_client={classes_per_client}: expected ≥ 1")

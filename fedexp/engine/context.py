@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,9 @@ class Context:
         local_steps: local steps per round when ``local_epochs`` is None.
         local_epochs: if set, steps = ceil(local_epochs · n_train / batch_size).
         batch_size: minibatch size (≤ 0: full batch).
+        seed: the run's seed (for streams every party can derive, e.g. shared features).
+        personal_idx: flat coordinates of the personalised parameters P (MATH §1).
+        shared_idx: flat coordinates of the shared parameters S.
         round: the current round (set by the engine before the hooks of a round run).
     """
 
@@ -39,6 +42,9 @@ class Context:
     local_steps: int
     local_epochs: float | None
     batch_size: int
+    seed: int = 0
+    personal_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    shared_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     round: int = 0
 
     @property

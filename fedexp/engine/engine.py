@@ -17,6 +17,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, State
 from fedexp.comm.channel import Channel
+from fedexp.comm.codec import DenseCodec
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
 from fedexp.engine.context import Context
@@ -24,8 +25,8 @@ from fedexp.engine.ledger import ByteLedger
 from fedexp.errors import DivergenceError
 from fedexp.metrics import aggregate
 
-# Stream purposes of the channels (beside rng.CLIENT etc.).
-_UPLINK, _DOWNLINK = 11, 12
+# Stream purposes of the channels and the set-up (beside rng.CLIENT etc.).
+_UPLINK, _DOWNLINK, _SKETCH = 11, 12, 13
 
 
 @dataclass
@@ -98,6 +99,23 @@ class Engine:
         self.ledger.add("up", payload, update.numel())
         return self.uplink.receive(payload, update.numel(), update.device), metrics
 
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> dict[str, float]:
+        """The one-off exchange before round 0: client sketches up (dense), server set-up."""
+        sketches: dict[int, torch.Tensor] = {}
+        codec = DenseCodec()
+        for n, data in enumerate(self.clients):
+            sketch = self.algorithm.client_sketch(
+                self.ctx, data, rng.generator(self.seed, _SKETCH, n)
+            )
+            if sketch is None:
+                continue
+            payload = codec.encode(sketch.reshape(-1))
+            self.ledger.add("up", payload, sketch.numel())
+            sketches[n] = codec.decode(payload, sketch.numel()).to(self.ctx.device)
+        self.server = self.algorithm.server_setup(self.ctx, self.server, sketches)
+        return {"bytes/setup_up": float(self.ledger.total["up"])}
+
     # ---------------------------------------------------------------- the round
     def run_round(self) -> dict[str, float]:
         """Run round ``self.round`` and advance it; returns the round's training metrics."""
@@ -130,6 +148,7 @@ class Engine:
         self.round = t + 1
         out = {f"train/{k}": v / len(sampled) for k, v in sums.items()}
         out["clients/sampled"] = float(len(sampled))
+        out.update(self.algorithm.server_metrics(self.ctx, self.server))
         out.update(self.ledger.metrics())
         return out
 
@@ -175,9 +194,11 @@ class Engine:
             {k: v.to(dev) for k, v in clients.get(str(n), {}).items()}
             for n in range(len(self.clients))
         ]
-        for name, target in (("uplink_residual", self.up_residual),
-                             ("downlink_residual", self.down_residual),
-                             ("replica", self.replica)):
+        for name, target in (
+            ("uplink_residual", self.up_residual),
+            ("downlink_residual", self.down_residual),
+            ("replica", self.replica),
+        ):
             target.clear()
             target.update({int(n): v.to(dev) for n, v in tree.get(name, {}).items()})
         self.round = round_

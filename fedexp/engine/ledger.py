@@ -49,5 +49,8 @@ class ByteLedger:
     @classmethod
     def from_meta(cls, meta: dict) -> ByteLedger:
         """Restore the cumulative counters."""
-        return cls(total=dict(meta["total"]), total_dense=dict(meta["total_dense"]),
-                   messages=dict(meta["messages"]))
+        return cls(
+            total=dict(meta["total"]),
+            total_dense=dict(meta["total_dense"]),
+            messages=dict(meta["messages"]),
+        )

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 log = logging.getLogger("fedexp")
 
-_SHOWN = ("acc/weighted", "train/train_loss", "bytes/up_cum", "bytes/down_cum")
+_SHOWN = ("acc/weighted", "train/train_loss", "pfednet/spread", "bytes/up_cum", "bytes/down_cum")
 
 
 def _fmt(metrics: dict[str, float]) -> str:
@@ -42,16 +42,21 @@ class RoundProgress:
         self._bar: Progress | None = None
         if mode == "bar":
             self._bar = Progress(
-                TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
-                TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                console=console, transient=False,
+                TextColumn("[bold]round"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=console,
+                transient=False,
             )
 
     def __enter__(self) -> RoundProgress:
         if self._bar is not None:
             self._bar.start()
-            self._task = self._bar.add_task("rounds", total=self.total, completed=self.start,
-                                            info="")
+            self._task = self._bar.add_task(
+                "rounds", total=self.total, completed=self.start, info=""
+            )
         return self
 
     def update(self, round_: int, metrics: dict[str, float]) -> None:

@@ -21,7 +21,8 @@ from fedexp.engine.context import Context
 from fedexp.engine.engine import Engine, RoundCallback
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.progress import RoundProgress
-from fedexp.errors import ConfigError, FedexpError
+from fedexp.errors import ConfigError
+from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import ClassificationTask
 from fedexp.tracking.base import Tracker
@@ -29,9 +30,21 @@ from fedexp.tracking.base import Tracker
 log = logging.getLogger("fedexp")
 
 #: Settings that must not change when a run is resumed.
-_RESUME_KEYS = ("dataset", "model", "partition", "algorithm", "compressor", "seed",
-                "num_clients", "participation", "local_steps", "local_epochs", "batch_size",
-                "lr", "test_fraction")
+_RESUME_KEYS = (
+    "dataset",
+    "model",
+    "partition",
+    "algorithm",
+    "compressor",
+    "seed",
+    "num_clients",
+    "participation",
+    "local_steps",
+    "local_epochs",
+    "batch_size",
+    "lr",
+    "test_fraction",
+)
 
 
 @dataclass
@@ -46,7 +59,7 @@ class RunResult:
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" picks CUDA when available; an unavailable device is a config error."""
+    """The torch device of ``name`` ("auto": CUDA when available); unavailable ones fail."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -63,7 +76,9 @@ def build_channel(node: DictConfig, path: str) -> Channel:
     allowed = {"codec", "transforms", "error_feedback"}
     for key in node:
         if key not in allowed:
-            raise ConfigError(f"unknown key '{path}.{key}' (expected: {', '.join(sorted(allowed))})")
+            raise ConfigError(
+                f"unknown key '{path}.{key}' (expected: {', '.join(sorted(allowed))})"
+            )
     transforms = [
         instantiate_checked(t, f"{path}.transforms[{i}]")
         for i, t in enumerate(node.get("transforms") or [])
@@ -84,12 +99,13 @@ def build_engine(cfg: DictConfig) -> Engine:
     data = instantiate_checked(cfg.dataset, "dataset")
     partition = instantiate_checked(cfg.partition, "partition")
     clients = federate(data, partition, cfg.num_clients, cfg.test_fraction, cfg.seed, device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(rng.derive_seed(cfg.seed, rng.INIT))
-        module = instantiate_checked(
-            cfg.model, "model", input_shape=list(data.x.shape[1:]), num_classes=data.num_classes
-        )
+    module, personal_patterns = build_model(
+        cfg.model, data.x.shape[1:], data.num_classes, rng.derive_seed(cfg.seed, rng.INIT)
+    )
     model = FlatModel(module, device)
+    personal = model.layout.indices(personal_patterns, device)
+    shared_mask = torch.ones(model.layout.numel, dtype=torch.bool, device=device)
+    shared_mask[personal] = False
     ctx = Context(
         model=model,
         task=ClassificationTask(data.num_classes),
@@ -98,6 +114,9 @@ def build_engine(cfg: DictConfig) -> Engine:
         local_steps=cfg.local_steps,
         local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        personal_idx=personal,
+        shared_idx=torch.nonzero(shared_mask).flatten(),
     )
     algorithm = instantiate_checked(cfg.algorithm, "algorithm")
     return Engine(
@@ -140,8 +159,13 @@ def _check_resume(cfg: DictConfig, saved_yaml: str) -> None:
         )
 
 
-def _write_outputs(out: Path, cfg: DictConfig, per_client: list[dict[str, float]],
-                   history: list[dict[str, float]], engine: Engine) -> list[Path]:
+def _write_outputs(
+    out: Path,
+    cfg: DictConfig,
+    per_client: list[dict[str, float]],
+    history: list[dict[str, float]],
+    engine: Engine,
+) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "config.yaml", out / "clients.csv", out / "rounds.csv"]
     OmegaConf.save(cfg, files[0], resolve=True)
@@ -207,8 +231,9 @@ def run(
     try:
         per_client: list[dict[str, float]] = []
         if engine.round == 0 and not history:
+            setup = engine.setup()
             agg, per_client = engine.evaluate()
-            record({"round": 0.0, **agg})
+            record({"round": 0.0, **setup, **agg})
         with RoundProgress(cfg.rounds, engine.round, cfg.progress) as progress:
             while engine.round < cfg.rounds:
                 metrics = engine.run_round()
@@ -220,8 +245,13 @@ def run(
                 record(metrics)
                 progress.update(t, metrics)
                 if cfg.checkpoint_every and (t % cfg.checkpoint_every == 0 or t == cfg.rounds):
-                    meta = {"round": t, "run_id": run_id, "ledger": engine.ledger.to_meta(),
-                            "history": history, "config": config_yaml}
+                    meta = {
+                        "round": t,
+                        "run_id": run_id,
+                        "ledger": engine.ledger.to_meta(),
+                        "history": history,
+                        "config": config_yaml,
+                    }
                     checkpoint.save(ckpt_dir, engine.state_tree(), meta)
                 for callback in callbacks:
                     callback(engine, metrics)
@@ -237,7 +267,5 @@ def run(
     except BaseException as exc:
         tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"})
         tracker.end("FAILED")
-        if isinstance(exc, FedexpError):
-            raise
         raise
     return RunResult(final, per_client, run_id, out_dir, tracker)

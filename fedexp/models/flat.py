@@ -76,9 +76,13 @@ class FlatModel:
 
     def initial(self) -> torch.Tensor:
         """The module's own parameters as one flat vector (a copy)."""
-        return torch.nn.utils.parameters_to_vector(
-            [p for p in self.module.parameters() if p.requires_grad]
-        ).detach().clone()
+        return (
+            torch.nn.utils.parameters_to_vector(
+                [p for p in self.module.parameters() if p.requires_grad]
+            )
+            .detach()
+            .clone()
+        )
 
     def __call__(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Forward pass of the module with parameters ``flat``."""

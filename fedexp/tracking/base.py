@@ -9,8 +9,13 @@ from typing import Protocol
 class Tracker(Protocol):
     """Where a run's params, per-round metrics and artifacts go."""
 
-    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
-              resume_run_id: str | None = None) -> str:
+    def start(
+        self,
+        run_name: str,
+        params: dict[str, str],
+        tags: dict[str, str],
+        resume_run_id: str | None = None,
+    ) -> str:
         """Open (or reopen) the run; returns its id."""
         ...
 
@@ -49,8 +54,13 @@ class NullTracker:
         self.artifacts: list[str] = []
         self.status: str | None = None
 
-    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
-              resume_run_id: str | None = None) -> str:
+    def start(
+        self,
+        run_name: str,
+        params: dict[str, str],
+        tags: dict[str, str],
+        resume_run_id: str | None = None,
+    ) -> str:
         """Record params and tags."""
         self.params.update(params)
         self.tags.update(tags)

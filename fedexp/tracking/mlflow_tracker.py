@@ -34,8 +34,9 @@ class MLflowTracker:
         retries: attempts for a write that fails on a busy store.
     """
 
-    def __init__(self, uri: str | None = None, experiment: str = "fedexp", retries: int = 20
-                 ) -> None:
+    def __init__(
+        self, uri: str | None = None, experiment: str = "fedexp", retries: int = 20
+    ) -> None:
         self.uri = uri or mlflow.get_tracking_uri()
         self.experiment = experiment
         self.retries = retries
@@ -81,21 +82,28 @@ class MLflowTracker:
         except MlflowException:  # created meanwhile by a concurrent job
             return self._call(self.client.get_experiment_by_name, self.experiment).experiment_id
 
-    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
-              resume_run_id: str | None = None) -> str:
+    def start(
+        self,
+        run_name: str,
+        params: dict[str, str],
+        tags: dict[str, str],
+        resume_run_id: str | None = None,
+    ) -> str:
         """Create the run (or reopen ``resume_run_id``) and log params and tags."""
         if resume_run_id is not None:
             self.run_id = resume_run_id
             self._call(self.client.update_run, resume_run_id, status="RUNNING")
             self.set_tags(tags)
             return resume_run_id
-        run = self._call(self.client.create_run, self._experiment_id(), run_name=run_name,
-                         tags=tags)
+        run = self._call(
+            self.client.create_run, self._experiment_id(), run_name=run_name, tags=tags
+        )
         self.run_id = run.info.run_id
         items = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self._call(self.client.log_batch, self.run_id,
-                       params=items[i : i + _MAX_PARAMS_PER_BATCH])
+            self._call(
+                self.client.log_batch, self.run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH]
+            )
         return self.run_id
 
     def last_step(self, key: str) -> int | None:
@@ -106,11 +114,15 @@ class MLflowTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """One batch per round; NaN values are skipped (MLflow stores them, plots don't)."""
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items()
-                 if v is not None and not math.isnan(float(v))]
+        items = [
+            Metric(k, float(v), now, step)
+            for k, v in metrics.items()
+            if v is not None and not math.isnan(float(v))
+        ]
         for i in range(0, len(items), _MAX_METRICS_PER_BATCH):
-            self._call(self.client.log_batch, self.run_id,
-                       metrics=items[i : i + _MAX_METRICS_PER_BATCH])
+            self._call(
+                self.client.log_batch, self.run_id, metrics=items[i : i + _MAX_METRICS_PER_BATCH]
+            )
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a local file to the run's artifact store."""
@@ -124,8 +136,11 @@ class MLflowTracker:
     def end(self, status: str = "FINISHED") -> None:
         """Terminate the run with ``status``."""
         if self.run_id is not None:
-            self._call(self.client.set_terminated, self.run_id, RunStatus.to_string(
-                RunStatus.from_string(status)))
+            self._call(
+                self.client.set_terminated,
+                self.run_id,
+                RunStatus.to_string(RunStatus.from_string(status)),
+            )
 
     def describe(self) -> str:
         """Where the run is and the command that shows it."""

@@ -1,0 +1,30 @@
+"""Build a model from its config node: seeded initialisation, shared/personal patterns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from omegaconf import DictConfig, open_dict
+from torch import nn
+
+from fedexp.config.instantiate import instantiate_checked
+
+
+def build_model(
+    node: DictConfig, input_shape: Sequence[int], num_classes: int, seed: int
+) -> tuple[nn.Module, list[str]]:
+    """Instantiate ``node`` with the data's shape, initialised from ``seed`` alone.
+
+    The node's optional ``personal`` key (glob patterns on parameter names, MATH §1) is not a
+    builder argument: it is returned for the shared/personal split.
+    """
+    node = node.copy()
+    with open_dict(node):
+        personal = list(node.pop("personal", None) or [])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = instantiate_checked(
+            node, "model", input_shape=list(input_shape), num_classes=num_classes
+        )
+    return module, personal
