@@ -1,6 +1,7 @@
 """The ``fedexp`` command: ``fedexp run [overrides]`` (Hydra main, version_base 1.3).
 
 Examples:
+    fedexp report --experiment NAME --rows choice.algorithm --cols partition.delta
     fedexp run
     fedexp run algorithm=local rounds=20
     fedexp run -m algorithm=fedavg,local seed=0,1,2 partition=label_imbalance \
@@ -54,7 +55,9 @@ def _hydra_run(cfg: DictConfig) -> float:
     from fedexp.engine.runner import run
 
     hc = HydraConfig.get()
-    tags: dict[str, str] = {}
+    tags: dict[str, str] = {
+        f"choice.{k}": str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra")
+    }
     run_name = None
     with open_dict(cfg):
         if cfg.output_dir is None:
@@ -63,7 +66,7 @@ def _hydra_run(cfg: DictConfig) -> float:
             sweep = Path(hc.sweep.dir).as_posix().replace("/", "_")
             if cfg.tracker.get("experiment") is not None:
                 cfg.tracker.experiment = f"{cfg.tracker.experiment}/{sweep}"
-            tags = {"sweep": sweep, "sweep.overrides": " ".join(hc.overrides.task)}
+            tags.update({"sweep": sweep, "sweep.overrides": " ".join(hc.overrides.task)})
             tags.update(
                 {
                     f"sweep.{o.split('=', 1)[0]}": o.split("=", 1)[1]
@@ -87,8 +90,13 @@ def main() -> None:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if args else 2)
+    if args[0] == "report":
+        from fedexp.report import main as report
+
+        report(args[1:])
+        return
     if args[0] != "run":
-        print(f"fedexp: unknown command {args[0]!r} (expected: run)", file=sys.stderr)
+        print(f"fedexp: unknown command {args[0]!r} (expected: run or report)", file=sys.stderr)
         sys.exit(2)
     sys.argv = [sys.argv[0], *args[1:]]
     _hydra_run()

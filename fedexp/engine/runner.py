@@ -180,11 +180,27 @@ def _write_outputs(
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
         writer.writerows(history)
-    from fedexp.plots import plot_rounds
+    from fedexp.plots import plot_client_models, plot_rounds
 
-    png = plot_rounds(history, out / "curves.png")
-    if png is not None:
-        files.append(png)
+    edges = engine.server.get("edges")
+    if edges is not None:
+        files.append(out / "graph_edges.csv")
+        with open(files[-1], "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["i", "j"])
+            writer.writerows(edges.cpu().tolist())
+    models = torch.stack(
+        [
+            engine.algorithm.eval_params(engine.ctx, engine.server, engine.client_states[n], n)
+            for n in range(len(engine.clients))
+        ]
+    )
+    for png in (
+        plot_rounds(history, out / "curves.png"),
+        plot_client_models(models, out / "client_models_pca.png", edges),
+    ):
+        if png is not None:
+            files.append(png)
     return files
 
 
