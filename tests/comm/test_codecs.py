@@ -43,7 +43,9 @@ def _inputs() -> dict[str, torch.Tensor]:
     normal = torch.randn(1000, generator=g)
     with_zeros = normal.clone()
     with_zeros[::3] = 0.0
-    piecewise = torch.repeat_interleave(torch.randn(7, generator=g), torch.tensor([1, 5, 200, 3, 1, 90, 700]))
+    piecewise = torch.repeat_interleave(
+        torch.randn(7, generator=g), torch.tensor([1, 5, 200, 3, 1, 90, 700])
+    )
     return {
         "normal": normal,
         "zeros": torch.zeros(257),
@@ -192,6 +194,7 @@ def test_compress_properties() -> None:
     x = torch.randn(10_000, generator=_gen(3))
     k = keep_count(0.01, x.numel())
     assert k == 100 and keep_count(0.07, 100) == 7 and keep_count(1e-9, 10) == 1
+    assert keep_count(1.0, 10**10) == 10**10 and keep_count(0.3, 10**10 + 1) == 3 * 10**9 + 1
     t = STCCodec(q=0.01).compress(x)
     nz = t != 0
     assert int(nz.sum()) == k
@@ -346,8 +349,21 @@ def test_compressor_configs_build_and_round_trip(path: Path) -> None:
         assert (residual is not None) == channel.error_feedback
         assert len(payload) <= 4 * d + 1
         if channel.error_feedback:
-            assert torch.allclose(back + residual, channel.transforms[0](x)[0] if channel.transforms else x)
+            assert torch.allclose(
+                back + residual, channel.transforms[0](x)[0] if channel.transforms else x
+            )
         if channel.codec.lossless and not channel.transforms:
             assert torch.equal(back, x)
         if channel.transforms:
             assert {"cer/runs", "cer/sparsity"} <= set(metrics)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_codecs_accept_device_tensors() -> None:
+    x = torch.randn(5000, generator=_gen(16)).cuda()
+    for name, codec in _codecs().items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x_hat = codec.compress(x, gen)
+        assert x_hat.device == x.device, name
+        back = codec.decode(codec.encode(x_hat), x.numel())
+        assert back.device.type == "cpu" and torch.equal(back, x_hat.cpu()), name
