@@ -180,9 +180,7 @@ def test_zstep_matches_cvxpy(p: int | str, seed: int, n: int, d2: int) -> None:
     e, zt, grad = _instance(seed, n, d2)
     lam, eta = 0.3 + 0.2 * seed, 0.5
     solver = ZStepSolver(e, n)
-    z, _, info = solver.solve(
-        zt, grad, lam, eta, p=p, max_iter=50000, eps_abs=1e-11, eps_rel=1e-11
-    )
+    z, _, info = solver.solve(zt, grad, lam, eta, p=p, max_iter=50000, eps_abs=1e-11, eps_rel=1e-11)
     assert info["converged"], info
     z_ref, f_ref = _cvxpy_zstep(zt, grad, e, lam, eta, parse_p(p))
     # the objective function agrees with cvxpy's at cvxpy's point
@@ -199,7 +197,7 @@ def test_zstep_weighted_matches_cvxpy(p: int | str) -> None:
     e, zt, grad = _instance(5, 7, 4)
     wts = torch.linspace(0.2, 2.0, e.shape[0], dtype=torch.float64)
     lam, eta = 0.6, 0.8
-    solver = ZStepSolver(e, 7, weights=wts)
+    solver = ZStepSolver.from_graph(Graph(7, e, wts), use_weights=True)
     z, _, info = solver.solve(zt, grad, lam, eta, p=p, max_iter=50000, eps_abs=1e-11, eps_rel=1e-11)
     assert info["converged"]
     _, f_ref = _cvxpy_zstep(zt, grad, e, lam, eta, parse_p(p), wts)
@@ -238,6 +236,7 @@ def test_large_lambda_gives_consensus(p: int | str) -> None:
     z, _, info = ZStepSolver(e, n).solve(
         zt, grad, 1e4, eta, p=p, max_iter=20000, eps_abs=1e-12, eps_rel=1e-12
     )
+    assert info["converged"]
     mean = free.mean(dim=1, keepdim=True).expand_as(free)
     assert torch.allclose(z, mean, atol=1e-7), (z - mean).abs().max()
 
@@ -332,3 +331,15 @@ def test_anchor_on_z_t_matters() -> None:
     station = grad / n + (z - zt) / eta + state.Omega @ q.T
     assert float(station.abs().max()) < 1e-8
     assert bool((state.Omega.norm(dim=0) <= lam + 1e-8).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu() -> None:
+    n, d2 = 8, 5
+    e, zt, grad = _instance(1, n, d2, torch.float32)
+    kw = {"p": 2, "max_iter": 5000, "eps_abs": 1e-10, "eps_rel": 1e-10}
+    z_cpu, _, _ = ZStepSolver(e, n).solve(zt, grad, 0.3, 0.5, **kw)
+    z_gpu, state, _ = ZStepSolver(e, n).solve(zt.cuda(), grad.cuda(), 0.3, 0.5, **kw)
+    assert z_gpu.device.type == "cuda" and z_gpu.dtype == torch.float32
+    assert state.W.device.type == "cuda"
+    assert torch.allclose(z_gpu.cpu(), z_cpu, atol=1e-5)

@@ -25,6 +25,7 @@ from fedexp.graph import (
     model_sketch,
     sketch_distances,
 )
+from fedexp.graph.incidence import q_rows, qt_rows
 
 
 def _random_distances(n: int, seed: int) -> torch.Tensor:
@@ -195,6 +196,23 @@ def test_qqt_is_laplacian(seed: int) -> None:
     assert torch.allclose(apply_Qt(apply_Q(z, e), e, n, wts), z @ laplacian(e, n, wts), atol=1e-12)
 
 
+def test_row_layout_ops_match_dense() -> None:
+    n = 9
+    e = _random_graph(n, 5)
+    m = e.shape[0]
+    q = incidence_matrix(e, n)
+    x = torch.randn(n, 6, dtype=torch.float64)
+    y = torch.randn(m, 6, dtype=torch.float64)
+    assert torch.allclose(qt_rows(x, e), q.T @ x, atol=1e-12)
+    assert torch.allclose(q_rows(y, e, n), q @ y, atol=1e-12)
+    out, tmp = torch.empty(m, 6, dtype=torch.float64), torch.empty(m, 6, dtype=torch.float64)
+    assert qt_rows(x, e, out=out, tmp=tmp) is out
+    assert torch.allclose(out, q.T @ x, atol=1e-12)
+    buf = torch.full((n, 6), 7.0, dtype=torch.float64)  # overwritten, not accumulated
+    assert torch.allclose(q_rows(y, e, n, out=buf), q @ y, atol=1e-12)
+    assert torch.allclose(qt_rows(x, e), apply_Q(x.T, e).T, atol=1e-12)
+
+
 def test_incidence_empty_graph() -> None:
     z = torch.randn(3, 4)
     e = torch.zeros((0, 2), dtype=torch.long)
@@ -249,7 +267,7 @@ def _rbf_mmd(x: torch.Tensor, y: torch.Tensor, sigma: float) -> float:
     """Biased (V-statistic) MMD with k(a, b) = exp(-|a-b|^2 / (2 sigma^2))."""
 
     def k(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.exp(-torch.cdist(a, b) ** 2 / (2 * sigma**2))
+        return torch.exp(-(torch.cdist(a, b) ** 2) / (2 * sigma**2))
 
     mmd2 = k(x, x).mean() + k(y, y).mean() - 2 * k(x, y).mean()
     return math.sqrt(max(float(mmd2), 0.0))

@@ -1,0 +1,262 @@
+"""pFedNet: shared part x, personalised parts Z on a similarity network (MATH §1-§5).
+
+pFedNet (shared/papers/pfednet-medical-mixture.txt, Algorithm 5; MATH.md wins over the drafts):
+client n's model is y⁽ⁿ⁾ = Mx + Nz⁽ⁿ⁾. Before training every client sends a sketch of its data;
+the server links each client to its k nearest neighbours. Each round client n returns the
+pseudo-gradient ∇⁽ⁿ⁾ = (y⁽ⁿ⁾ − y⁽ⁿ⁾_E)/η_l of E local steps (or one stochastic gradient, the
+paper's Algorithm 1), and the server takes
+
+* the x-step  x ← x − η_x Σ_n ω_n Mᵀ∇⁽ⁿ⁾ (ω_n = 1/|S_t|), and
+* the Z-step  Z ← argmin_Z (1/N)⟨G, Z⟩ + λ Σ_(i,j)∈E ‖z⁽ⁱ⁾ − z⁽ʲ⁾‖_p + ‖Z − Z_t‖²/(2η_z),
+  G = [Nᵀ∇⁽¹⁾ … Nᵀ∇⁽ᴺ⁾] (zero columns for clients not sampled), by ADMM (MATH §5).
+
+Schedules: ``x_rounds = z_rounds = 0`` takes both steps every round; otherwise rounds cycle
+through ``x_rounds`` x-rounds then ``z_rounds`` Z-rounds (Algorithm 5). In a phase only the
+coordinates it updates are uploaded; ``local_mask`` also freezes the other coordinates during
+local training (the authors' image code: a shared phase, then a personal phase).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
+from fedexp.algorithms.pfednet_admm import ZStepSolver, ZStepState
+from fedexp.data.federated import ClientData
+from fedexp.engine.context import Context
+from fedexp.graph import (
+    covariance_sketch,
+    kernel_sketch,
+    knn_edges,
+    label_sketch,
+    make_rff,
+    sketch_distances,
+)
+
+_SKETCHES = ("label", "covariance", "kernel", "model")
+_RFF_STREAM = 0x5EED
+
+
+class PFedNet(Algorithm):
+    """pFedNet.
+
+    Args:
+        lam: λ, strength of the network penalty (0 decouples the clients' personal parts).
+        p: norm of the penalty, 1, 2 or "inf".
+        eta_x: server step of the shared part (None: the client lr, which makes pFedNet with
+            nothing personal equal to FedAvg with server_lr = 1 and uniform weights).
+        eta_z: η_z of the Z-step (None: N·lr, so that with λ = 0 each personal part moves
+            exactly as its client's local steps moved it).
+        rho: ADMM penalty ρ (None: 1/η_z).
+        admm_max_iter: K, the iteration cap of the ADMM.
+        admm_eps_abs: absolute tolerance of the residuals (Boyd et al. 2011, §3.3.1).
+        admm_eps_rel: relative tolerance.
+        sketch: "label", "covariance", "kernel" or "model" (MATH §3).
+        k: neighbours per client in the k-NN graph.
+        metric: "euclidean", "l1" or "frobenius" distance between sketches.
+        rff_features: random Fourier features of the kernel sketch.
+        bandwidth: RBF bandwidth of the kernel sketch (None: sqrt of the input size).
+        sketch_epochs: local epochs of the model sketch.
+        x_rounds: I, x-rounds per cycle (0 with z_rounds = 0: both steps every round).
+        z_rounds: J, Z-rounds per cycle.
+        local_mask: train only the coordinates of the current phase.
+        one_gradient: send one minibatch gradient instead of E local steps (Algorithm 1).
+    """
+
+    weighting = "uniform"
+
+    def __init__(
+        self,
+        lam: float = 0.01,
+        p: int | str = 2,
+        eta_x: float | None = None,
+        eta_z: float | None = None,
+        rho: float | None = None,
+        admm_max_iter: int = 500,
+        admm_eps_abs: float = 1e-7,
+        admm_eps_rel: float = 1e-5,
+        sketch: str = "label",
+        k: int = 3,
+        metric: str = "euclidean",
+        rff_features: int = 256,
+        bandwidth: float | None = None,
+        sketch_epochs: float = 1.0,
+        x_rounds: int = 0,
+        z_rounds: int = 0,
+        local_mask: bool = False,
+        one_gradient: bool = False,
+    ) -> None:
+        if lam < 0:
+            raise ValueError(f"lam={lam}: expected λ ≥ 0")
+        if str(p) not in ("1", "2", "inf"):
+            raise ValueError(f"p={p!r}: expected 1, 2 or inf")
+        if sketch not in _SKETCHES:
+            raise ValueError(f"sketch={sketch!r}: expected one of {', '.join(_SKETCHES)}")
+        if k < 1:
+            raise ValueError(f"k={k}: expected k ≥ 1")
+        if x_rounds < 0 or z_rounds < 0 or (x_rounds == 0) != (z_rounds == 0):
+            raise ValueError("x_rounds and z_rounds: both 0 (joint) or both ≥ 1 (alternating)")
+        self.lam, self.p = lam, (math.inf if str(p) == "inf" else int(p))
+        self.eta_x, self.eta_z, self.rho = eta_x, eta_z, rho
+        self.admm = {"max_iter": admm_max_iter, "eps_abs": admm_eps_abs, "eps_rel": admm_eps_rel}
+        self.sketch, self.k, self.metric = sketch, k, metric
+        self.rff_features, self.bandwidth, self.sketch_epochs = (
+            rff_features,
+            bandwidth,
+            sketch_epochs,
+        )
+        self.x_rounds, self.z_rounds = x_rounds, z_rounds
+        self.local_mask, self.one_gradient = local_mask, one_gradient
+        # Derived from server["edges"], rebuilt when missing (after a resume): not state.
+        self._solvers: dict[bytes, ZStepSolver] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def phase(self, round_: int) -> str:
+        """The phase of ``round_``: "joint", "x" or "z" (Algorithm 5's schedule)."""
+        if self.x_rounds == 0:
+            return "joint"
+        return "x" if round_ % (self.x_rounds + self.z_rounds) < self.x_rounds else "z"
+
+    def _model_of(self, ctx: Context, server: State, n: int) -> torch.Tensor:
+        y = torch.empty(ctx.model.layout.numel, device=ctx.device, dtype=server["Z"].dtype)
+        y[ctx.shared_idx] = server["x"]
+        y[ctx.personal_idx] = server["Z"][:, n]
+        return y
+
+    def _sent_idx(self, ctx: Context, phase: str) -> torch.Tensor | None:
+        return {"x": ctx.shared_idx, "z": ctx.personal_idx}.get(phase)
+
+    def _solver(self, edges: torch.Tensor, num_nodes: int) -> ZStepSolver:
+        key = edges.cpu().numpy().tobytes() + num_nodes.to_bytes(8, "little")
+        if key not in self._solvers:
+            self._solvers[key] = ZStepSolver(edges.cpu(), num_nodes)
+        return self._solvers[key]
+
+    # -------------------------------------------------------------------- hooks
+    def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
+        """X = x0[S]; every column of Z = x0[P]; no graph yet."""
+        z0 = x0[ctx.personal_idx]
+        return {
+            "x": x0[ctx.shared_idx].clone(),
+            "Z": z0[:, None].repeat(1, ctx.num_clients).contiguous(),
+        }
+
+    def client_sketch(
+        self, ctx: Context, data: ClientData, generator: torch.Generator
+    ) -> torch.Tensor:
+        """The client's data sketch (MATH §3), sent once before training."""
+        if self.sketch == "label":
+            return label_sketch(data.y_train, ctx.task.num_classes)
+        if self.sketch == "covariance":
+            return covariance_sketch(data.x_train).reshape(-1)
+        if self.sketch == "kernel":
+            dim = int(data.x_train[0].numel())
+            bw = self.bandwidth or math.sqrt(dim)
+            shared = torch.Generator().manual_seed(ctx.seed * 1_000_003 + _RFF_STREAM)
+            return kernel_sketch(data.x_train, make_rff(dim, self.rff_features, bw, shared))
+        per_epoch = 1 if ctx.batch_size <= 0 else math.ceil(data.num_train / ctx.batch_size)
+        steps = max(1, math.ceil(self.sketch_epochs * per_epoch))
+        theta, _ = ctx.sgd(ctx.model.initial(), data, generator, steps=steps)
+        return theta
+
+    def server_setup(self, ctx: Context, server: State, sketches: dict[int, torch.Tensor]) -> State:
+        """The k-NN similarity network of the sketches; ADMM variables W = Ω = 0."""
+        S = torch.stack([sketches[n] for n in range(ctx.num_clients)])  # noqa: N806
+        k = min(self.k, ctx.num_clients - 1)
+        edges = (
+            knn_edges(sketch_distances(S, self.metric), k)
+            if k >= 1
+            else torch.zeros(0, 2, dtype=torch.long)
+        )
+        d2 = server["Z"].shape[0]
+        zeros = torch.zeros(d2, edges.shape[0], dtype=torch.float64, device=ctx.device)
+        return {**server, "edges": edges.to(ctx.device), "W": zeros, "Omega": zeros.clone()}
+
+    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
+        """y⁽ⁿ⁾ = Mx + Nz⁽ⁿ⁾."""
+        return self._model_of(ctx, server, client)
+
+    def client_update(
+        self,
+        ctx: Context,
+        model_in: torch.Tensor | None,
+        state: State,
+        data: ClientData,
+        generator: torch.Generator,
+    ) -> ClientResult:
+        """Pseudo-gradient of E local steps (or one gradient), of the phase's coordinates."""
+        assert model_in is not None
+        phase = self.phase(ctx.round)
+        if self.one_gradient:
+            xb, yb = data.batch(ctx.batch_size, generator)
+            loss, grad = ctx.loss_and_grad(model_in, xb, yb)
+            loss = float(loss)
+        else:
+            mask = None
+            if self.local_mask and phase != "joint":
+                mask = torch.zeros_like(model_in)
+                mask[self._sent_idx(ctx, phase)] = 1.0
+            theta, loss = ctx.sgd(model_in, data, generator, mask=mask)
+            grad = (model_in - theta) / ctx.lr
+        idx = self._sent_idx(ctx, phase)
+        return ClientResult(grad if idx is None else grad[idx], state, {"train_loss": loss})
+
+    def server_update(
+        self,
+        ctx: Context,
+        server: State,
+        updates: dict[int, torch.Tensor],
+        weights: dict[int, float],
+    ) -> State:
+        """x-step and/or Z-step (MATH §4-§5)."""
+        if not updates:
+            return server
+        phase = self.phase(ctx.round)
+        d1, d2 = ctx.shared_idx.numel(), ctx.personal_idx.numel()
+        full = phase == "joint"
+        out = dict(server)
+        if phase in ("joint", "x") and d1 > 0:
+            g = {n: (u[ctx.shared_idx] if full else u) for n, u in updates.items()}
+            out["x"] = server["x"] - (self.eta_x or ctx.lr) * weighted_mean(g, weights)
+        if phase in ("joint", "z") and d2 > 0:
+            G = torch.zeros_like(server["Z"])  # noqa: N806
+            for n, u in updates.items():
+                G[:, n] = u[ctx.personal_idx] if full else u
+            out.update(self._z_step(ctx, server, G))
+        return out
+
+    def _z_step(self, ctx: Context, server: State, G: torch.Tensor) -> State:  # noqa: N803
+        eta_z = self.eta_z or ctx.num_clients * ctx.lr
+        solver = self._solver(server["edges"], ctx.num_clients)
+        warm = ZStepState(server["W"], server["Omega"], self.rho or 1.0 / eta_z)
+        Z, state, info = solver.solve(  # noqa: N806
+            server["Z"], G, self.lam, eta_z, self.p, rho=self.rho, warm=warm, **self.admm
+        )
+        dev = ctx.device
+        return {
+            "Z": Z,
+            "W": state.W.to(dev, torch.float64),
+            "Omega": state.Omega.to(dev, torch.float64),
+            "admm_iterations": torch.tensor(float(info["iterations"])),
+            "admm_primal": torch.tensor(float(info["primal_residual"])),
+            "admm_dual": torch.tensor(float(info["dual_residual"])),
+        }
+
+    def eval_params(
+        self, ctx: Context, server: State, client_state: State, client: int
+    ) -> torch.Tensor:
+        """Client n is evaluated with its personalised model y⁽ⁿ⁾."""
+        return self._model_of(ctx, server, client)
+
+    def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
+        """Spread of the personal parts (mean ‖z⁽ⁿ⁾ − z̄‖₂) and the last ADMM's figures."""
+        Z = server["Z"]  # noqa: N806
+        out = {}
+        if Z.shape[0] > 0:
+            out["pfednet/spread"] = float((Z - Z.mean(dim=1, keepdim=True)).norm(dim=0).mean())
+        for key in ("admm_iterations", "admm_primal", "admm_dual"):
+            if key in server:
+                out[f"pfednet/{key}"] = float(server[key])
+        return out

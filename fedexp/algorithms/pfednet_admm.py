@@ -1,0 +1,598 @@
+"""Server-side Z-step of pFedNet: ADMM with column proxes (MATH.md §5).
+
+pFedNet (Liu et al., "pFedNet", §V-B, Algorithm 4; ``MATH.md`` §4-§5) updates the personalised
+components ``Z = [z⁽¹⁾ … z⁽ᴺ⁾] ∈ R^{d2×N}`` by
+
+    Z_{t+1} = argmin_Z (1/N)⟨G, Z⟩ + λ Σ_m w_m ‖(ZQ)[:, m]‖_p + ‖Z − Z_t‖²_F / (2η),
+
+with ``Q`` the edge-incidence matrix of the similarity network (``w_m = 1`` in the paper). It is
+solved by ADMM (Boyd et al., 2011) on the split ``W = ZQ`` with the *unscaled* dual ``Ω``:
+
+    Z^{k+1} = [Z_t − (η/N)G − η Ω^k Qᵀ + η ρ W^k Qᵀ] (I + ηρL)⁻¹      (anchored on Z_t)
+    W^{k+1} = prox_{(λ w_m/ρ)‖·‖_p}(Z^{k+1}Q + Ω^k/ρ)                  column by column
+    Ω^{k+1} = Ω^k + ρ (Z^{k+1}Q − W^{k+1})
+
+The authors' released code anchored the Z-update on ``Z^k`` instead of ``Z_t``; that solves a
+different problem. ``ZQ``/``WQᵀ`` are gather/scatter operations (:mod:`fedexp.graph.incidence`)
+and ``(I + ηρL)⁻¹`` comes from one eigendecomposition of ``L`` per graph (or a sparse
+factorisation for large ``N``). See ``docs/pfednet_math.md`` for the derivation.
+
+References:
+    Boyd, Parikh, Chu, Peleato, Eckstein (2011). Distributed optimization and statistical
+    learning via the alternating direction method of multipliers. §3.3 (stopping), §3.4.1
+    (varying penalty).
+    Duchi, Shalev-Shwartz, Singer, Chandra (2008). Efficient projections onto the ℓ1-ball for
+    learning in high dimensions. ICML (Figure 1, sort-based projection).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedexp.graph.incidence import apply_Q, as_edge_tensor, q_rows, qt_rows
+from fedexp.graph.knn import Graph, laplacian
+
+__all__ = [
+    "ZStepSolver",
+    "ZStepState",
+    "parse_p",
+    "project_l1_ball_columns",
+    "prox_columns",
+    "prox_l1_columns",
+    "prox_l2_columns",
+    "prox_linf_columns",
+    "zstep_objective",
+]
+
+PNorm = int | float | str
+
+
+# --------------------------------------------------------------------------------------------
+# Column proxes
+# --------------------------------------------------------------------------------------------
+
+
+def parse_p(p: PNorm) -> str:
+    """Normalise the norm index: ``1``, ``2`` or ``inf`` (also ``"inf"``, ``float('inf')``).
+
+    Returns:
+        ``"1"``, ``"2"`` or ``"inf"``.
+
+    Raises:
+        ValueError: for any other ``p``.
+    """
+    if isinstance(p, str):
+        key = p.strip().lower()
+        if key in ("1", "l1"):
+            return "1"
+        if key in ("2", "l2"):
+            return "2"
+        if key in ("inf", "infinity", "linf", "max"):
+            return "inf"
+    elif isinstance(p, (int, float)) and not isinstance(p, bool):
+        if p == 1:
+            return "1"
+        if p == 2:
+            return "2"
+        if math.isinf(p) and p > 0:
+            return "inf"
+    raise ValueError(f"p must be 1, 2 or inf, got {p!r}")
+
+
+def _column_tau(tau: float | torch.Tensor, V: torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """Thresholds as a ``(1, M)`` tensor (or a 0-d tensor) broadcasting over the rows of V."""
+    t = torch.as_tensor(tau, dtype=V.dtype, device=V.device)
+    if t.dim() == 0:
+        if bool(t < 0):
+            raise ValueError("tau must be nonnegative")
+        return t
+    if t.shape != (V.shape[1],):
+        raise ValueError(f"tau must be a scalar or have shape ({V.shape[1]},)")
+    if bool((t < 0).any()):
+        raise ValueError("tau must be nonnegative")
+    return t.unsqueeze(0)
+
+
+def prox_l1_columns(V: torch.Tensor, tau: float | torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """Prox of ``τ_m‖·‖₁`` on every column: soft-thresholding ``sign(v)·max(|v| − τ, 0)``.
+
+    Args:
+        V: ``(d, M)`` matrix.
+        tau: scalar or ``(M,)`` nonnegative thresholds (one per column).
+
+    Returns:
+        ``(d, M)`` tensor.
+    """
+    t = _column_tau(tau, V)
+    out = V.abs().sub_(t).clamp_(min=0)
+    return out.mul_(torch.sign(V))
+
+
+def prox_l2_columns(V: torch.Tensor, tau: float | torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """Prox of ``τ_m‖·‖₂`` on every column: block soft-thresholding ``max(0, 1 − τ/‖v‖₂)·v``.
+
+    Args:
+        V: ``(d, M)`` matrix.
+        tau: scalar or ``(M,)`` nonnegative thresholds.
+
+    Returns:
+        ``(d, M)`` tensor (a zero column stays zero).
+    """
+    t = _column_tau(tau, V)
+    norms = torch.linalg.vector_norm(V, ord=2, dim=0, keepdim=True)
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    scale = torch.clamp(norms - t, min=0) / safe
+    return V * scale
+
+
+def project_l1_ball_columns(V: torch.Tensor, tau: float | torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """Euclidean projection of every column onto the ℓ1-ball of radius ``τ_m``.
+
+    Duchi et al. (2008), Figure 1, batched over columns: sort ``|v|`` decreasingly into ``u``,
+    ``ρ = max{j : u_j − (Σ_{r≤j} u_r − τ)/j > 0}``, ``θ = (Σ_{r≤ρ} u_r − τ)/ρ``, and
+    ``Π(v) = sign(v)·max(|v| − θ, 0)``; columns already inside the ball are returned unchanged
+    and ``τ = 0`` gives zero. Cost ``O(d log d)`` per column, no loop over columns.
+
+    Args:
+        V: ``(d, M)`` matrix.
+        tau: scalar or ``(M,)`` nonnegative radii.
+
+    Returns:
+        ``(d, M)`` tensor.
+    """
+    d, m = V.shape
+    t = _column_tau(tau, V)
+    t_row = t.expand(1, m) if t.dim() == 0 else t
+    if d == 0 or m == 0:
+        return V.clone()
+    absv = V.abs()
+    inside = absv.sum(dim=0, keepdim=True) <= t_row
+    u = torch.sort(absv, dim=0, descending=True).values
+    css = torch.cumsum(u, dim=0)
+    j = torch.arange(1, d + 1, dtype=V.dtype, device=V.device).unsqueeze(1)
+    # cond holds on a prefix j = 1..ρ (Duchi et al. 2008, Lemma 2); ρ = number of hits there.
+    cond = u * j > css - t_row
+    rho = torch.amax(torch.where(cond, j, torch.zeros_like(j)), dim=0, keepdim=True)
+    # τ = 0: no hit, θ = max|v| zeroes the column (the ball is {0}).
+    idx = (rho.long() - 1).clamp(min=0)
+    theta = (css.gather(0, idx) - t_row) / rho.clamp(min=1)
+    theta = torch.clamp(theta, min=0)
+    proj = torch.sign(V) * torch.clamp(absv - theta, min=0)
+    return torch.where(inside, V, proj)
+
+
+def prox_linf_columns(V: torch.Tensor, tau: float | torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """Prox of ``τ_m‖·‖_∞`` on every column, by Moreau: ``v − Π_{‖·‖₁≤τ}(v)``.
+
+    The dual norm of ℓ∞ is ℓ1, so ``prox_{τ‖·‖∞}(v) = v − Π_{τB₁}(v)`` (Moreau decomposition).
+
+    Args:
+        V: ``(d, M)`` matrix.
+        tau: scalar or ``(M,)`` nonnegative thresholds.
+
+    Returns:
+        ``(d, M)`` tensor.
+    """
+    return V - project_l1_ball_columns(V, tau)
+
+
+def prox_columns(V: torch.Tensor, tau: float | torch.Tensor, p: PNorm) -> torch.Tensor:  # noqa: N803
+    """Prox of ``Σ_m τ_m‖V[:, m]‖_p``, i.e. the ``p``-norm prox on each column.
+
+    Args:
+        V: ``(d, M)`` matrix.
+        tau: scalar or ``(M,)`` nonnegative thresholds.
+        p: ``1``, ``2`` or ``inf``.
+
+    Returns:
+        ``(d, M)`` tensor.
+    """
+    key = parse_p(p)
+    if key == "1":
+        return prox_l1_columns(V, tau)
+    if key == "2":
+        return prox_l2_columns(V, tau)
+    return prox_linf_columns(V, tau)
+
+
+# --------------------------------------------------------------------------------------------
+# Z-step objective
+# --------------------------------------------------------------------------------------------
+
+
+def zstep_objective(
+    Z: torch.Tensor,  # noqa: N803
+    Z_t: torch.Tensor,  # noqa: N803
+    G: torch.Tensor,  # noqa: N803
+    edges: torch.Tensor,
+    lam: float,
+    eta: float,
+    p: PNorm,
+    weights: torch.Tensor | None = None,
+) -> float:
+    """Z-step objective ``(1/N)⟨G, Z⟩ + λ Σ_m w_m ‖z_i − z_j‖_p + ‖Z − Z_t‖²_F / (2η)``.
+
+    Args:
+        Z: ``(d2, N)`` point to evaluate.
+        Z_t: ``(d2, N)`` current personalised components.
+        G: ``(d2, N)`` personalised gradients ``[Nᵀ∇⁽¹⁾ … Nᵀ∇⁽ᴺ⁾]``.
+        edges: ``(M, 2)`` edge list.
+        lam: ``λ ≥ 0``.
+        eta: ``η > 0``.
+        p: ``1``, ``2`` or ``inf``.
+        weights: optional ``(M,)`` edge weights ``w_m`` (default ones).
+
+    Returns:
+        The objective value (computed in float64).
+    """
+    key = parse_p(p)
+    z = Z.detach().to(torch.float64)
+    zt = Z_t.detach().to(device=z.device, dtype=torch.float64)
+    g = G.detach().to(device=z.device, dtype=torch.float64)
+    n = z.shape[1]
+    val = (g * z).sum() / n + ((z - zt) ** 2).sum() / (2.0 * eta)
+    e = as_edge_tensor(edges, device=z.device)
+    if e.shape[0] > 0 and lam != 0:
+        diff = apply_Q(z, e)
+        ordp = {"1": 1.0, "2": 2.0, "inf": float("inf")}[key]
+        norms = torch.linalg.vector_norm(diff, ord=ordp, dim=0)
+        if weights is not None:
+            norms = norms * torch.as_tensor(weights, dtype=torch.float64, device=z.device)
+        val = val + lam * norms.sum()
+    return float(val)
+
+
+# --------------------------------------------------------------------------------------------
+# ADMM solver
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ZStepState:
+    """ADMM state carried between rounds for warm starts.
+
+    Attributes:
+        W: ``(d2, M)`` split variable (``≈ Z Q`` at convergence).
+        Omega: ``(d2, M)`` unscaled dual variable.
+        rho: penalty the state was produced with (informative; ``Ω`` is unscaled, so it stays
+            valid under another ``ρ``).
+    """
+
+    W: torch.Tensor
+    Omega: torch.Tensor
+    rho: float
+
+
+class ZStepSolver:
+    """ADMM solver of the pFedNet Z-step on a fixed similarity network.
+
+    Built once per graph. With the ``"eigh"`` method it eigendecomposes the Laplacian
+    ``L = Q Qᵀ = U diag(μ) Uᵀ`` once (``torch.linalg.eigh``, float64) so that
+    ``A = (I + ηρL)⁻¹ = U diag(1/(1 + ηρμ)) Uᵀ`` costs ``O(N³)`` per distinct ``ηρ`` with no
+    new factorisation; ``A`` is cached as a dense ``N × N`` matrix. With the ``"sparse"``
+    method it factorises the sparse SPD matrix ``I + ηρL`` per distinct ``ηρ`` (CHOLMOD via
+    ``scikit-sparse`` when importable, else SciPy's SuperLU ``splu`` with a symmetric ordering)
+    and solves ``(I + ηρL) Xᵀ = Rᵀ`` on the CPU in float64. ``"auto"`` picks ``"eigh"`` for
+    ``N ≤ sparse_threshold``.
+
+    Edge weights (optional) enter the penalty, ``λ Σ_m w_m ‖(ZQ)[:, m]‖_p``, as per-column prox
+    thresholds ``λ w_m / ρ``; the split and the Laplacian stay unweighted.
+
+    Args:
+        edges: ``(M, 2)`` edge list; its row order is the column order of ``W`` and ``Ω``.
+        num_nodes: ``N``.
+        weights: optional ``(M,)`` nonnegative penalty weights.
+        method: ``"auto"``, ``"eigh"`` or ``"sparse"``.
+        sparse_threshold: ``N`` above which ``"auto"`` uses the sparse path.
+        work_dtype: dtype of the iterations (default float64; float32 on devices without
+            float64 such as MPS).
+    """
+
+    def __init__(
+        self,
+        edges: torch.Tensor,
+        num_nodes: int,
+        weights: torch.Tensor | None = None,
+        *,
+        method: str = "auto",
+        sparse_threshold: int = 2000,
+        work_dtype: torch.dtype | None = None,
+    ) -> None:
+        e = as_edge_tensor(edges).cpu()
+        if e.shape[0] > 0:
+            if bool((e[:, 0] == e[:, 1]).any()):
+                raise ValueError("self loops are not allowed")
+            if bool((e < 0).any()) or bool((e >= num_nodes).any()):
+                raise ValueError(f"edge endpoints must lie in [0, {num_nodes})")
+        self.edges = e
+        self.num_nodes = int(num_nodes)
+        self.num_edges = int(e.shape[0])
+        if weights is not None:
+            w = torch.as_tensor(weights, dtype=torch.float64).cpu().reshape(-1)
+            if w.shape != (self.num_edges,):
+                raise ValueError(f"weights must have shape ({self.num_edges},)")
+            if bool((w < 0).any()):
+                raise ValueError("weights must be nonnegative")
+            self.weights: torch.Tensor | None = w
+        else:
+            self.weights = None
+        if method == "auto":
+            method = "eigh" if self.num_nodes <= sparse_threshold else "sparse"
+        if method not in ("eigh", "sparse"):
+            raise ValueError(f"method must be 'auto', 'eigh' or 'sparse', got {method!r}")
+        self.method = method
+        self.work_dtype = work_dtype
+        self._edges_on: dict[torch.device, torch.Tensor] = {}
+        self._a_cache: OrderedDict[tuple[float, str, torch.dtype], torch.Tensor] = OrderedDict()
+        self._factor_cache: OrderedDict[float, Callable[[np.ndarray], np.ndarray]] = OrderedDict()
+        self.backend = "eigh"
+        if method == "eigh":
+            lap = laplacian(self.edges, self.num_nodes, dtype=torch.float64)
+            mu, u = torch.linalg.eigh(lap)
+            self.eigvals = torch.clamp(mu, min=0.0)
+            self.eigvecs = u
+        else:
+            import scipy.sparse as sp
+
+            i = self.edges[:, 0].numpy()
+            j = self.edges[:, 1].numpy()
+            n = self.num_nodes
+            adj = sp.coo_matrix((np.ones(len(i)), (i, j)), shape=(n, n))
+            adj = (adj + adj.T).tocsc()
+            deg = np.asarray(adj.sum(axis=1)).ravel()
+            self._lap_sparse = (sp.diags(deg) - adj).tocsc()
+            self.backend = "splu"
+
+    @classmethod
+    def from_graph(cls, graph: Graph, use_weights: bool = False, **kwargs: Any) -> ZStepSolver:
+        """Build a solver on a :class:`~fedexp.graph.knn.Graph` (its canonical edge order).
+
+        Args:
+            graph: the similarity network.
+            use_weights: put ``graph.weights`` into the penalty (default: ``w = 1``, the paper).
+            **kwargs: passed to the constructor (``method``, ``sparse_threshold``, ...).
+        """
+        return cls(graph.edges, graph.num_nodes, graph.weights if use_weights else None, **kwargs)
+
+    # ---------------------------------------------------------------- linear algebra helpers
+
+    def _edges(self, device: torch.device) -> torch.Tensor:
+        if device not in self._edges_on:
+            self._edges_on[device] = self.edges.to(device)
+        return self._edges_on[device]
+
+    def _dense_a(self, c: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (c, str(device), dtype)
+        a = self._a_cache.get(key)
+        if a is None:
+            f = 1.0 / (1.0 + c * self.eigvals)
+            a = (self.eigvecs * f) @ self.eigvecs.T
+            a = (0.5 * (a + a.T)).to(device=device, dtype=dtype)
+            self._a_cache[key] = a
+            while len(self._a_cache) > 8:
+                self._a_cache.popitem(last=False)
+        else:
+            self._a_cache.move_to_end(key)
+        return a
+
+    def _sparse_solver(self, c: float) -> Callable[[np.ndarray], np.ndarray]:
+        solve = self._factor_cache.get(c)
+        if solve is not None:
+            self._factor_cache.move_to_end(c)
+            return solve
+        import scipy.sparse as sp
+
+        mat = (sp.identity(self.num_nodes, format="csc") + c * self._lap_sparse).tocsc()
+        try:  # optional: CHOLMOD (scikit-sparse) is faster for SPD systems
+            from sksparse.cholmod import cholesky  # type: ignore[import-not-found]
+
+            factor = cholesky(mat)
+            self.backend = "cholmod"
+
+            def solve(rhs: np.ndarray) -> np.ndarray:
+                return np.asarray(factor(rhs))
+
+        except ImportError:
+            from scipy.sparse.linalg import splu
+
+            lu = splu(mat, permc_spec="MMD_AT_PLUS_A", diag_pivot_thresh=0.0)
+            self.backend = "splu"
+
+            def solve(rhs: np.ndarray) -> np.ndarray:
+                return lu.solve(rhs)
+
+        self._factor_cache[c] = solve
+        while len(self._factor_cache) > 4:
+            self._factor_cache.popitem(last=False)
+        return solve
+
+    def apply_A(self, X: torch.Tensor, eta_rho: float) -> torch.Tensor:  # noqa: N802, N803
+        """Return ``X (I + ηρL)⁻¹`` for ``X`` of shape ``(d2, N)`` (same dtype and device)."""
+        return self._apply_a_rows(X.T.contiguous(), eta_rho).T.contiguous()
+
+    def _apply_a_rows(
+        self,
+        X: torch.Tensor,  # noqa: N803
+        eta_rho: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return ``(I + ηρL)⁻¹ X`` for ``X`` of shape ``(N, d2)`` (``A`` is symmetric)."""
+        if out is None:
+            out = torch.empty_like(X)
+        if eta_rho == 0 or self.num_edges == 0:
+            return out.copy_(X)
+        if self.method == "eigh":
+            return torch.matmul(self._dense_a(float(eta_rho), X.device, X.dtype), X, out=out)
+        solve = self._sparse_solver(float(eta_rho))
+        res = solve(X.detach().to(device="cpu", dtype=torch.float64).contiguous().numpy())
+        return out.copy_(torch.from_numpy(np.ascontiguousarray(res)))
+
+    # ------------------------------------------------------------------------------- solve
+
+    def _resolve_work_dtype(self, device: torch.device) -> torch.dtype:
+        if self.work_dtype is not None:
+            return self.work_dtype
+        return torch.float32 if device.type == "mps" else torch.float64
+
+    def solve(
+        self,
+        Z_t: torch.Tensor,  # noqa: N803
+        G: torch.Tensor,  # noqa: N803
+        lam: float,
+        eta: float,
+        p: PNorm = 2,
+        rho: float | None = None,
+        max_iter: int = 1000,
+        eps_abs: float = 1e-6,
+        eps_rel: float = 1e-4,
+        warm: ZStepState | None = None,
+        adaptive_rho: bool = False,
+        check_every: int = 1,
+    ) -> tuple[torch.Tensor, ZStepState, dict[str, Any]]:
+        """Solve the Z-step (MATH.md §5) by ADMM.
+
+        ``λ = 0`` or a graph without edges decouples the problem: the result is exactly
+        ``Z_t − (η/N) * G`` computed in the input dtype (no iterations).
+
+        Stopping (Boyd et al. 2011, §3.3.1), with ``r = ZQ − W``, ``s = ρ (W^{k+1} − W^k) Qᵀ``:
+        ``‖r‖_F ≤ √(d2·M) ε_abs + ε_rel max(‖ZQ‖_F, ‖W‖_F)`` and
+        ``‖s‖_F ≤ √(d2·N) ε_abs + ε_rel ‖ΩQᵀ‖_F``, or ``max_iter`` iterations.
+
+        Args:
+            Z_t: ``(d2, N)`` current personalised components (float32/float64, any device).
+            G: ``(d2, N)`` personalised gradients.
+            lam: ``λ ≥ 0``.
+            eta: step ``η > 0``.
+            p: ``1``, ``2`` or ``inf``.
+            rho: ADMM penalty ``ρ > 0``; ``None`` uses ``1/η`` (balances the two quadratic
+                terms of the Z-update).
+            max_iter: iteration cap ``K``.
+            eps_abs: absolute tolerance.
+            eps_rel: relative tolerance.
+            warm: state of a previous solve on the same graph and ``d2`` (``W``, ``Ω``);
+                ignored if the shapes do not match. Cold start is ``W = Ω = 0``.
+            adaptive_rho: residual balancing (Boyd et al. 2011, §3.4.1: ``μ = 10``,
+                ``τ = 2``); the unscaled dual needs no rescaling when ``ρ`` changes.
+            check_every: evaluate the residuals every this many iterations.
+
+        Returns:
+            ``(Z_next, state, info)``: ``Z_next`` in the dtype/device of ``Z_t``; ``state`` for
+            warm starts; ``info`` with ``iterations``, ``primal_residual``, ``dual_residual``,
+            ``converged`` and ``rho`` (final penalty).
+        """
+        if Z_t.dim() != 2 or Z_t.shape[1] != self.num_nodes:
+            raise ValueError(f"Z_t must have shape (d2, {self.num_nodes}), got {tuple(Z_t.shape)}")
+        if G.shape != Z_t.shape:
+            raise ValueError(f"G must have shape {tuple(Z_t.shape)}, got {tuple(G.shape)}")
+        if lam < 0:
+            raise ValueError("lam must be nonnegative")
+        if eta <= 0:
+            raise ValueError("eta must be positive")
+        if rho is None:
+            rho = 1.0 / eta
+        if rho <= 0:
+            raise ValueError("rho must be positive")
+        if max_iter < 1:
+            raise ValueError("max_iter must be >= 1")
+
+        n = self.num_nodes
+        d2 = Z_t.shape[0]
+        m = self.num_edges
+        device = Z_t.device
+        wd = self._resolve_work_dtype(device)
+        edges = self._edges(device)
+        G = G.to(device=device, dtype=Z_t.dtype)  # noqa: N806
+
+        if lam == 0 or m == 0:
+            z_next = Z_t - (eta / n) * G
+            state = ZStepState(
+                W=apply_Q(z_next.to(wd), edges),
+                Omega=torch.zeros((d2, m), dtype=wd, device=device),
+                rho=float(rho),
+            )
+            info = {
+                "iterations": 0,
+                "primal_residual": 0.0,
+                "dual_residual": 0.0,
+                "converged": True,
+                "rho": float(rho),
+            }
+            return z_next, state, info
+
+        # Row layout: Zᵀ (N, d2), Wᵀ and Ωᵀ (M, d2), so that the gathers and scatters over
+        # edges move contiguous rows; buffers are allocated once and reused.
+        base = (Z_t.to(wd) - (eta / n) * G.to(wd)).T.contiguous()
+        w_pen = None if self.weights is None else self.weights.to(device=device, dtype=wd)
+
+        if warm is not None and warm.W.shape == (d2, m) and warm.Omega.shape == (d2, m):
+            w_var = warm.W.T.to(device=device, dtype=wd).contiguous().clone()
+            omega = warm.Omega.T.to(device=device, dtype=wd).contiguous().clone()
+        else:
+            w_var = torch.zeros((m, d2), dtype=wd, device=device)
+            omega = torch.zeros((m, d2), dtype=wd, device=device)
+        wqt = q_rows(w_var, edges, n)  # (W Qᵀ)ᵀ
+        oqt = q_rows(omega, edges, n)  # (Ω Qᵀ)ᵀ
+        wqt_new = torch.empty_like(wqt)
+        rhs = torch.empty_like(base)
+        z = torch.empty_like(base)
+        zq = torch.empty((m, d2), dtype=wd, device=device)
+        v = torch.empty_like(zq)
+
+        sqrt_p = math.sqrt(d2 * m)
+        sqrt_n = math.sqrt(d2 * n)
+        r_norm = s_norm = float("inf")
+        converged = False
+        it = 0
+        for it in range(1, max_iter + 1):
+            # Z-update, anchored on Z_t (MATH.md §5): Zᵀ = A [base + η(ρ WQᵀ − ΩQᵀ)]ᵀ.
+            torch.mul(wqt, eta * rho, out=rhs)
+            rhs.sub_(oqt, alpha=eta)
+            rhs.add_(base)
+            self._apply_a_rows(rhs, eta * rho, out=z)
+            qt_rows(z, edges, out=zq, tmp=v)  # (Z Q)ᵀ
+            # W-update: column prox (rows here) with thresholds λ w_m / ρ.
+            torch.add(zq, omega, alpha=1.0 / rho, out=v)
+            tau = lam / rho if w_pen is None else (lam / rho) * w_pen
+            w_new = prox_columns(v.T, tau, p).T.contiguous()
+            check = (it % check_every == 0) or it == max_iter
+            if check:
+                zq_norm = float(torch.linalg.vector_norm(zq))
+                w_norm = float(torch.linalg.vector_norm(w_new))
+            # Ω-update with r = ZQ − W (zq becomes r in place).
+            r = zq.sub_(w_new)
+            omega.add_(r, alpha=rho)
+            q_rows(w_new, edges, n, out=wqt_new)
+            q_rows(omega, edges, n, out=oqt)
+            if check:
+                r_norm = float(torch.linalg.vector_norm(r))
+                s_norm = rho * float(torch.linalg.vector_norm(torch.sub(wqt_new, wqt, out=rhs)))
+                eps_pri = sqrt_p * eps_abs + eps_rel * max(zq_norm, w_norm)
+                eps_dual = sqrt_n * eps_abs + eps_rel * float(torch.linalg.vector_norm(oqt))
+            w_var = w_new
+            wqt, wqt_new = wqt_new, wqt
+            if check:
+                if r_norm <= eps_pri and s_norm <= eps_dual:
+                    converged = True
+                    break
+                if adaptive_rho:
+                    if r_norm > 10.0 * s_norm:
+                        rho = rho * 2.0
+                    elif s_norm > 10.0 * r_norm:
+                        rho = rho / 2.0
+
+        state = ZStepState(W=w_var.T, Omega=omega.T, rho=float(rho))
+        info = {
+            "iterations": it,
+            "primal_residual": r_norm,
+            "dual_residual": s_norm,
+            "converged": converged,
+            "rho": float(rho),
+        }
+        return z.T.to(dtype=Z_t.dtype).contiguous(), state, info

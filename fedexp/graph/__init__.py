@@ -1,0 +1,34 @@
+"""Similarity network of pFedNet: client sketches, k-NN graph, incidence operations.
+
+See ``MATH.md`` §2-§3 and ``docs/pfednet_math.md``.
+"""
+
+from fedexp.graph.incidence import apply_Q, apply_Qt, as_edge_tensor, incidence_matrix
+from fedexp.graph.knn import Graph, canonical_edges, knn_edges, laplacian
+from fedexp.graph.sketches import (
+    covariance_sketch,
+    kernel_sketch,
+    label_sketch,
+    make_rff,
+    median_bandwidth,
+    model_sketch,
+    sketch_distances,
+)
+
+__all__ = [
+    "Graph",
+    "apply_Q",
+    "apply_Qt",
+    "as_edge_tensor",
+    "canonical_edges",
+    "covariance_sketch",
+    "incidence_matrix",
+    "kernel_sketch",
+    "knn_edges",
+    "label_sketch",
+    "laplacian",
+    "make_rff",
+    "median_bandwidth",
+    "model_sketch",
+    "sketch_distances",
+]
