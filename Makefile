@@ -29,5 +29,18 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_engine.py
 
+# synthetic LUNA16/BraTS studies -> data_prep -> one short federated run per task (all under demo/)
+DEMO_RUN := $(VENV)/bin/fedexp run rounds=3 local_steps=2 batch_size=16 checkpoint_every=0 progress=log tracker.experiment=demo-imaging
+demo-imaging: $(STAMP)
+	test -d demo/raw/luna16 || $(PY) -m data_prep.synthetic luna16 --out demo/raw/luna16 --n-studies 24
+	test -d demo/raw/brats || $(PY) -m data_prep.synthetic brats --out demo/raw/brats --n-studies 12
+	$(PY) -m data_prep.luna16 --root demo/raw/luna16 --out demo/prepared/luna16 --quiet
+	$(PY) -m data_prep.brats --root demo/raw/brats --out demo/prepared/brats --quiet
+	$(DEMO_RUN) dataset=luna16 dataset.path=demo/prepared/luna16 model=densenet \
+		partition=label_imbalance lr=0.05 hydra.run.dir=demo/runs/luna16
+	$(DEMO_RUN) dataset=brats dataset.path=demo/prepared/brats model=unet \
+		partition=missing_channel partition.channel=1 'partition.clients=[0,1]' lr=0.1 \
+		hydra.run.dir=demo/runs/brats
+
 clean:
 	rm -rf outputs multirun mlruns mlartifacts mlflow.db mlflow.db.lock

@@ -34,7 +34,8 @@ def _print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
     from rich.table import Table
 
     table = Table(title="Per-client results on each client's own test split")
-    keys = [k for k in ("acc", "bal_acc", "auc", "loss") if k in result.per_client[0]]
+    # the task's metrics in its order (acc, bal_acc, auc / iou, label_iou, dice, acc), then loss
+    keys = [k for k in result.per_client[0] if k != "num_test"]
     for col in ("client", "test n", *keys):
         table.add_column(col, justify="right")
     for n, row in enumerate(result.per_client):
@@ -81,7 +82,8 @@ def _hydra_run(cfg: DictConfig) -> float:
         print(f"fedexp: error: {exc}", file=sys.stderr)
         sys.exit(1)
     _print_table(result)
-    return float(result.metrics.get("acc/weighted", math.nan))
+    headline = next(iter(result.per_client[0]), "acc")  # the task's first metric: acc or iou
+    return float(result.metrics.get(f"{headline}/weighted", math.nan))
 
 
 def main() -> None:

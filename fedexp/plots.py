@@ -11,15 +11,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_rounds(history: list[dict[str, float]], path: Path) -> Path | None:
-    """Accuracy (weighted, mean, worst client), training loss and cumulative bytes per round."""
+def plot_rounds(history: list[dict[str, float]], path: Path, metric: str = "acc") -> Path | None:
+    """A test metric (weighted, mean, worst client), training loss and cumulative bytes per round.
+
+    Args:
+        history: the per-round metrics.
+        path: the PNG to write.
+        metric: the test metric of the first panel (``acc``; ``iou`` for segmentation).
+    """
     if not history:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    evals = [h for h in history if "acc/weighted" in h]
-    for key, style in (("acc/weighted", "-"), ("acc/mean", "--"), ("acc/worst", ":")):
-        axes[0].plot([h["round"] for h in evals], [h[key] for h in evals], style, label=key)
-    axes[0].set(xlabel="round", ylabel="test accuracy", title="accuracy across clients")
+    evals = [h for h in history if f"{metric}/weighted" in h]
+    for suffix, style in (("weighted", "-"), ("mean", "--"), ("worst", ":")):
+        key = f"{metric}/{suffix}"
+        axes[0].plot([h["round"] for h in evals], [h.get(key) for h in evals], style, label=key)
+    axes[0].set(xlabel="round", ylabel=f"test {metric}", title=f"{metric} across clients")
     axes[0].legend()
     train = [h for h in history if "train/train_loss" in h]
     axes[1].plot([h["round"] for h in train], [h["train/train_loss"] for h in train])

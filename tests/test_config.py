@@ -15,7 +15,19 @@ from helpers import CONF, compose_config
 
 GROUPS = ["dataset", "model", "partition", "algorithm", "compressor", "tracker"]
 # options that need user input to compose into a runnable config
-NEEDS = {("dataset", "csv"): ["dataset.path=x.csv", "dataset.label=y"]}
+NEEDS = {
+    ("dataset", "csv"): ["dataset.path=x.csv", "dataset.label=y"],
+    ("dataset", "luna16"): ["dataset.path=no/such/folder"],
+    ("dataset", "brats"): ["dataset.path=no/such/folder"],
+}
+# datasets whose files are absent here: the error must name this (the file or the command)
+MISSING = {
+    "csv": "x.csv",
+    "luna16": "python -m data_prep.luna16",
+    "brats": "python -m data_prep.brats",
+}
+# input shape of one sample per model option (tabular models: 30 features)
+INPUT_SHAPES = {"densenet": [1, 32, 32], "unet": [4, 64, 64]}
 
 
 def options(group: str) -> list[str]:
@@ -30,14 +42,15 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
         for direction in ("uplink", "downlink"):
             build_channel(node[direction], f"compressor.{direction}")
     elif group == "model":
-        module, personal = build_model(node, [30], 2, seed=0)
-        assert personal and FlatModel(module, "cpu").layout.indices(personal).numel() > 0
+        module, personal = build_model(node, INPUT_SHAPES.get(option, [30]), 2, seed=0)
+        layout = FlatModel(module, "cpu").layout
+        assert personal and 0 < layout.indices(personal).numel() <= layout.numel
     elif group == "tracker":
         if option == "mlflow":
             node.uri = f"sqlite:///{tmp_path}/m.db"
         assert instantiate_checked(node, "tracker") is not None
-    elif (group, option) == ("dataset", "csv"):
-        with pytest.raises(FedexpError, match="x.csv"):  # the file does not exist
+    elif group == "dataset" and option in MISSING:
+        with pytest.raises(FedexpError, match=MISSING[option]):  # the files do not exist here
             instantiate_checked(node, "dataset")
     else:
         assert instantiate_checked(node, group) is not None

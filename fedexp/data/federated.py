@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from fedexp.data.dataset import ArrayDataset
+from fedexp.data.partitions import ClientSplit
 from fedexp.errors import DataError
 
 
@@ -72,35 +73,68 @@ def train_test_split(
     return np.sort(train_idx), np.sort(test_idx)
 
 
+def _zeroing(split: ClientSplit, x_shape: tuple[int, ...]) -> dict[int, list[int]]:
+    """Check the split's channels to zero against the inputs' shape (n, C, ...)."""
+    if not split.zero_channels:
+        return {}
+    if len(x_shape) < 3:
+        raise DataError(
+            f"the partition zeroes input channels {dict(split.zero_channels)}, but the data "
+            f"has no channel axis (input shape {list(x_shape[1:])}); use an image dataset "
+            "such as dataset=brats"
+        )
+    for n, channels in split.zero_channels.items():
+        bad = [c for c in channels if not 0 <= c < x_shape[1]]
+        if bad:
+            raise DataError(
+                f"partition.channel={bad[0]}: client {n} would lack channel {bad[0]} but the "
+                f"data has {x_shape[1]} channel(s) (expected 0..{x_shape[1] - 1})"
+            )
+    return {n: list(c) for n, c in split.zero_channels.items()}
+
+
 def federate(
     data: ArrayDataset,
-    partition: Callable[..., list[np.ndarray]],
+    partition: Callable[..., ClientSplit | list[np.ndarray]],
     num_clients: int,
     test_fraction: float,
     seed: int,
     device: torch.device,
 ) -> list[ClientData]:
-    """Partition ``data`` over clients, split each 80/20 and move the tensors to ``device``."""
+    """Partition ``data`` over clients, split each 80/20 and move the tensors to ``device``.
+
+    The partition returns index arrays or a :class:`ClientSplit`; the channels it lists for a
+    client are set to zero in that client's training and test inputs (MATH §9, "lack #c").
+    """
     if num_clients < 1:
         raise DataError(f"num_clients={num_clients}: expected at least 1")
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"test_fraction={test_fraction}: expected a value in (0, 1)")
-    parts = partition(labels=data.labels, num_clients=num_clients, seed=seed, groups=data.groups)
+    split = ClientSplit.of(
+        partition(labels=data.labels, num_clients=num_clients, seed=seed, groups=data.groups)
+    )
+    parts = split.parts
     if len(parts) != num_clients:
         raise DataError(f"the partition returned {len(parts)} parts for {num_clients} clients")
+    zero = _zeroing(split, data.x.shape)
     x_all = torch.from_numpy(np.ascontiguousarray(data.x))
     y_all = torch.from_numpy(np.ascontiguousarray(data.y))
+    labels = data.labels
     clients = []
     for n, idx in enumerate(parts):
-        train_idx, test_idx = train_test_split(idx, data.labels, test_fraction, seed, n)
+        train_idx, test_idx = train_test_split(idx, labels, test_fraction, seed, n)
         if len(train_idx) == 0 or len(test_idx) == 0:
             raise DataError(f"client {n} has {len(idx)} sample(s): no train/test split possible")
         tr, te = torch.from_numpy(train_idx), torch.from_numpy(test_idx)
+        x_train, x_test = x_all[tr], x_all[te]  # copies: zeroing never touches data.x
+        if n in zero:
+            x_train[:, zero[n]] = 0.0
+            x_test[:, zero[n]] = 0.0
         clients.append(
             ClientData(
-                x_all[tr].to(device),
+                x_train.to(device),
                 y_all[tr].to(device),
-                x_all[te].to(device),
+                x_test.to(device),
                 y_all[te].to(device),
             )
         )

@@ -3,13 +3,42 @@
 Every partition uses each sample at most once (all of them, except ``dirichlet`` which also
 uses all) and is deterministic given the seed. Configure one with ``_partial_: true``; the
 engine calls it with ``labels``, ``num_clients``, ``seed`` and ``groups``.
+
+A partition returns either a plain list of index arrays (one per client) or a
+:class:`ClientSplit`, which adds per-client input changes that
+:func:`fedexp.data.federated.federate` applies (e.g. the missing MRI channel of
+:func:`missing_channel`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from fedexp.errors import DataError
+
+
+@dataclass(frozen=True)
+class ClientSplit:
+    """Index arrays per client plus per-client input channels to zero.
+
+    Attributes:
+        parts: one index array per client, as the plain partitions return.
+        zero_channels: client -> input channels set to 0 in its train *and* test inputs
+            (pFedNet §VI "lack #c", MATH §9); clients not listed keep every channel.
+    """
+
+    parts: list[np.ndarray]
+    zero_channels: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, result: ClientSplit | Sequence[np.ndarray]) -> ClientSplit:
+        """Wrap a plain partition's list of index arrays (a ``ClientSplit`` is returned as is)."""
+        if isinstance(result, ClientSplit):
+            return result
+        return cls([np.asarray(p) for p in result])
 
 
 def _split_by_fractions(idx: np.ndarray, fractions: np.ndarray) -> list[np.ndarray]:
@@ -176,3 +205,50 @@ def natural(
     del seed
     parts = [np.flatnonzero(owner[inverse] == n) for n in range(num_clients)]
     return _check_nonempty(parts, f"natural with {num_clients} clients")
+
+
+def missing_channel(
+    labels: np.ndarray,
+    num_clients: int,
+    seed: int,
+    groups: np.ndarray | None = None,
+    channel: int = 0,
+    clients: list[int] | tuple[int, ...] = (0, 1),
+    base: Callable[..., list[np.ndarray]] | None = None,
+) -> ClientSplit:
+    """Missing MRI channel "lack #c" (pFedNet §VI-B, Tables III-IV; MATH §9).
+
+    The samples are split by ``base`` (IID by default); the listed clients then have input
+    channel ``channel`` (order FLAIR, T1, T1ce, T2 for BraTS) set to zero in their training and
+    test inputs. The model keeps all input channels, as in the paper.
+
+    Args:
+        labels: one label per sample (passed to ``base``).
+        num_clients: number of clients N.
+        seed: seed of the base split.
+        groups: sites/patients (passed to ``base``, e.g. ``natural``).
+        channel: the missing channel c ≥ 0 (checked against the data in ``federate``).
+        clients: the clients that lack the channel, each in ``[0, N)``.
+        base: the partition giving the index arrays (a partial partition function).
+
+    Returns:
+        The base split and, for each listed client, ``(channel,)`` to zero.
+
+    Raises:
+        DataError: a negative channel or a client outside ``[0, N)``.
+    """
+    if channel < 0:
+        raise DataError(f"partition.channel={channel}: expected a channel index ≥ 0")
+    bad = [c for c in clients if not 0 <= int(c) < num_clients]
+    if bad:
+        raise DataError(
+            f"partition.clients={list(clients)}: client(s) {bad} do not exist with "
+            f"num_clients={num_clients} (expected indices in [0, {num_clients}))"
+        )
+    split = ClientSplit.of(
+        (base or iid)(labels=labels, num_clients=num_clients, seed=seed, groups=groups)
+    )
+    zero = {n: tuple(split.zero_channels.get(n, ())) for n in range(num_clients)}
+    for c in clients:
+        zero[int(c)] = tuple(sorted({*zero[int(c)], int(channel)}))
+    return ClientSplit(split.parts, {n: ch for n, ch in zero.items() if ch})

@@ -11,7 +11,7 @@ import torch
 from fedexp.data.federated import ClientData
 from fedexp.errors import DivergenceError
 from fedexp.models.flat import FlatModel
-from fedexp.models.task import ClassificationTask
+from fedexp.models.task import Task
 
 #: Extra gradient term g(params) added to the loss gradient (e.g. FedProx's μ(θ − x)).
 GradExtra = Callable[[torch.Tensor], torch.Tensor]
@@ -33,10 +33,12 @@ class Context:
         personal_idx: flat coordinates of the personalised parameters P (MATH §1).
         shared_idx: flat coordinates of the shared parameters S.
         round: the current round (set by the engine before the hooks of a round run).
+        eval_batch_size: test inputs per forward pass in :meth:`evaluate` (images would not
+            fit one pass).
     """
 
     model: FlatModel
-    task: ClassificationTask
+    task: Task
     num_clients: int
     lr: float
     local_steps: int
@@ -46,6 +48,7 @@ class Context:
     personal_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     shared_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     round: int = 0
+    eval_batch_size: int = 256
 
     @property
     def device(self) -> torch.device:
@@ -120,9 +123,14 @@ class Context:
 
     @torch.no_grad()
     def evaluate(self, params: torch.Tensor, data: ClientData) -> dict[str, float]:
-        """Metrics of ``params`` on the client's own test split, plus its test loss."""
+        """Metrics of ``params`` on the client's own test split, plus its test loss.
+
+        The test inputs go through the model in chunks of ``eval_batch_size``; the metrics and
+        the loss are computed once, on all the client's logits.
+        """
         self.model.module.eval()
-        logits = self.model(params, data.x_test)
+        size = max(1, self.eval_batch_size)
+        logits = torch.cat([self.model(params, chunk) for chunk in torch.split(data.x_test, size)])
         out = self.task.evaluate(logits, data.y_test)
         out["loss"] = float(self.task.loss(logits, data.y_test))
         return out

@@ -10,7 +10,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 log = logging.getLogger("fedexp")
 
-_SHOWN = ("acc/weighted", "train/train_loss", "pfednet/spread", "bytes/up_cum", "bytes/down_cum")
+_SHOWN = (
+    "acc/weighted",
+    "iou/weighted",
+    "train/train_loss",
+    "pfednet/spread",
+    "bytes/up_cum",
+    "bytes/down_cum",
+)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -24,7 +24,7 @@ from fedexp.engine.progress import RoundProgress
 from fedexp.errors import ConfigError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
-from fedexp.models.task import ClassificationTask
+from fedexp.models.task import task_for
 from fedexp.tracking.base import Tracker
 
 log = logging.getLogger("fedexp")
@@ -108,7 +108,7 @@ def build_engine(cfg: DictConfig) -> Engine:
     shared_mask[personal] = False
     ctx = Context(
         model=model,
-        task=ClassificationTask(data.num_classes),
+        task=task_for(data),
         num_clients=cfg.num_clients,
         lr=cfg.lr,
         local_steps=cfg.local_steps,
@@ -139,6 +139,9 @@ def flatten_config(cfg: DictConfig) -> dict[str, str]:
         if isinstance(node, dict):
             for k, v in node.items():
                 walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list) and any(isinstance(v, dict) for v in node):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}{i}.")
         else:
             out[prefix[:-1]] = str(node)
 
@@ -196,7 +199,7 @@ def _write_outputs(
         ]
     )
     for png in (
-        plot_rounds(history, out / "curves.png"),
+        plot_rounds(history, out / "curves.png", next(iter(per_client[0]))),
         plot_client_models(models, out / "client_models_pca.png", edges),
     ):
         if png is not None:

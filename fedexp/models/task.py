@@ -1,11 +1,35 @@
-"""What a model is trained for: its loss and its per-client evaluation."""
+"""What a model is trained for: its loss and its per-client evaluation.
+
+The task follows the data set's ``task`` attribute (:data:`TASKS`, :func:`task_for`):
+``classification`` (tabular data, LUNA16) or ``segmentation`` (BraTS).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
+from monai.losses import DiceCELoss
 
-from fedexp.metrics import classification_metrics
+from fedexp.data.dataset import ArrayDataset
+from fedexp.errors import DataError
+from fedexp.metrics import classification_metrics, segmentation_metrics
+
+
+class Task(Protocol):
+    """Loss and evaluation of one kind of prediction."""
+
+    num_classes: int
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean training loss of a batch (differentiable)."""
+        ...
+
+    def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Metrics of one client's test split (the first is the headline figure)."""
+        ...
 
 
 class ClassificationTask:
@@ -23,3 +47,47 @@ class ClassificationTask:
     def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """Accuracy, balanced accuracy and AUC on one client's test split."""
         return classification_metrics(logits, y, self.num_classes)
+
+
+class SegmentationTask:
+    """Per-pixel segmentation (pFedNet §VI, BraTS2017 with U-Net).
+
+    The loss is MONAI's Dice + cross-entropy (:class:`monai.losses.DiceCELoss`, softmax over
+    the C output channels, one-hot targets, background included); evaluation is IoU, label IoU,
+    Dice and pixel accuracy pooled over the client's test pixels
+    (:func:`fedexp.metrics.segmentation_metrics`, MATH §10).
+    """
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self._loss = DiceCELoss(to_onehot_y=True, softmax=True)
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Dice + cross-entropy of (n, C, H, W) logits against (n, H, W) class masks."""
+        return self._loss(logits, y.long().unsqueeze(1))
+
+    def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """``iou``, ``label_iou``, ``dice``, ``acc`` pooled over the test pixels."""
+        return segmentation_metrics(logits, y, self.num_classes)
+
+
+#: ``ArrayDataset.task`` -> the task built for it (called with the number of classes).
+TASKS: dict[str, Callable[[int], Task]] = {
+    "classification": ClassificationTask,
+    "segmentation": SegmentationTask,
+}
+
+
+def task_for(data: ArrayDataset) -> Task:
+    """The task of a data set, from its ``task`` attribute.
+
+    Raises:
+        DataError: the data set names a task without a class in :data:`TASKS`.
+    """
+    try:
+        cls = TASKS[data.task]
+    except KeyError:
+        raise DataError(
+            f"dataset {data.name!r} has task={data.task!r}; known tasks: {', '.join(TASKS)}"
+        ) from None
+    return cls(data.num_classes)

@@ -1,0 +1,160 @@
+"""The imaging data sets of pFedNet §VI-A, loaded from the arrays ``data_prep`` writes.
+
+* LUNA16 lung-nodule candidates: 32x32 CT patches, label 1 = nodule (classification).
+* BraTS2017 brain tumours: 64x64 four-channel MRI patches (FLAIR, T1, T1ce, T2) with their
+  tumour mask (segmentation).
+
+The raw releases are converted once by ``python -m data_prep.luna16`` / ``data_prep.brats``
+(``docs/data_prep.md``); these loaders only read ``images.npy``, ``labels.npy`` or
+``masks.npy`` and ``manifest.csv``. ``groups`` is the CT series or the patient, so
+``partition=natural`` never splits one patient's patches over clients.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fedexp.data.dataset import ArrayDataset
+from fedexp.errors import DataError
+
+#: Mask channels of ``data_prep.brats --labels regions`` (BraTS evaluation regions).
+BRATS_REGIONS = ("whole", "core", "enhancing")
+
+
+def _folder(path: str, what: str, command: str) -> Path:
+    """The prepared folder, or a DataError saying which ``data_prep`` command makes it."""
+    folder = Path(path).expanduser()
+    if not (folder / "images.npy").is_file():
+        state = "does not exist" if not folder.exists() else "has no images.npy"
+        raise DataError(
+            f"dataset.path={path!r}: {folder} {state}; the prepared {what} arrays are made by "
+            f"`{command.format(out=folder)}` (see docs/data_prep.md)"
+        )
+    return folder
+
+
+def _load(folder: Path, name: str, command: str) -> np.ndarray:
+    file = folder / name
+    if not file.is_file():
+        raise DataError(
+            f"{file} is missing; run `{command.format(out=folder)}` again (see docs/data_prep.md)"
+        )
+    try:
+        return np.load(file, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{file}: cannot be read as a NumPy array ({exc})") from None
+
+
+def _manifest(folder: Path, column: str, n: int) -> np.ndarray:
+    file = folder / "manifest.csv"
+    if not file.is_file():
+        raise DataError(f"{file} is missing (expected one row per patch with a '{column}' column)")
+    frame = pd.read_csv(file, dtype={column: str})
+    if column not in frame.columns:
+        raise DataError(f"{file}: no '{column}' column (columns are: {', '.join(frame.columns)})")
+    if len(frame) != n:
+        raise DataError(f"{file}: {len(frame)} rows for {n} patches in images.npy")
+    return frame[column].to_numpy(dtype=str)
+
+
+def _check_shape(folder: Path, name: str, array: np.ndarray, expected: str, ok: bool) -> None:
+    if not ok:
+        raise DataError(
+            f"{folder / name}: shape {list(array.shape)} and dtype {array.dtype}, expected "
+            f"{expected}"
+        )
+
+
+def luna16(path: str, delta: float | None = None, seed: int = 0) -> ArrayDataset:
+    """LUNA16 nodule candidates as 32x32 patches (pFedNet §VI-A, lung nodule classification).
+
+    Args:
+        path: folder written by ``python -m data_prep.luna16 --root RAW --out PATH``.
+        delta: optional dataset-level label imbalance δ = n_negative / n_positive (pFedNet
+            §VI-B uses δ ∈ {1, 2, 4, 7}, MATH §9): all nodules are kept and ``round(δ·n_pos)``
+            non-nodules are drawn at random, the same rule as ``data_prep.luna16 --delta``;
+            null keeps every prepared candidate. (Per-client imbalance is
+            ``partition=label_imbalance``.)
+        seed: seed of the δ draw.
+
+    Returns:
+        Classification data: x float32 (n, 1, 32, 32) in [0, 1], y int64 (n,) with 1 = nodule,
+        groups = the CT series UID of each candidate.
+
+    Raises:
+        DataError: the prepared arrays are missing or inconsistent, or δ ≤ 0.
+    """
+    command = "python -m data_prep.luna16 --root RAW --out {out}"
+    folder = _folder(path, "LUNA16", command)
+    x = _load(folder, "images.npy", command)
+    y = _load(folder, "labels.npy", command)
+    _check_shape(folder, "images.npy", x, "(N, 1, H, W) float32", x.ndim == 4 and x.shape[1] == 1)
+    _check_shape(folder, "labels.npy", y, f"({len(x)},) integers", y.shape == (len(x),))
+    groups = _manifest(folder, "seriesuid", len(x))
+    keep = np.arange(len(x))
+    if delta is not None:
+        if delta <= 0:
+            raise DataError(f"dataset.delta={delta}: expected δ > 0 (or null for all candidates)")
+        pos, neg = np.flatnonzero(y == 1), np.flatnonzero(y != 1)
+        n_neg = min(len(neg), int(round(delta * len(pos))))
+        drawn = np.random.default_rng([seed, 31]).choice(neg, size=n_neg, replace=False)
+        keep = np.sort(np.concatenate([pos, drawn]))
+    return ArrayDataset(
+        "luna16",
+        np.asarray(x[keep], dtype=np.float32),
+        np.asarray(y[keep], dtype=np.int64),
+        2,
+        groups[keep],
+        task="classification",
+    )
+
+
+def brats(path: str, region: str = "whole") -> ArrayDataset:
+    """BraTS2017 tumour patches, 64x64 with four MRI channels (pFedNet §VI-A, segmentation).
+
+    Args:
+        path: folder written by ``python -m data_prep.brats --root RAW --out PATH``.
+        region: the binary target: ``whole`` tumour (the default and the only one of
+            ``--labels whole`` masks), or ``core`` / ``enhancing`` from ``--labels regions``
+            masks.
+
+    Returns:
+        Segmentation data: x float32 (n, 4, 64, 64), channels FLAIR, T1, T1ce, T2 (z-scored per
+        patient); y int64 (n, 64, 64) in {0, 1}; groups = the patient of each patch. Its
+        ``labels`` (one per sample, for partitions and the stratified 80/20 split) say whether
+        the patch holds tumour.
+
+    Raises:
+        DataError: the prepared arrays are missing or inconsistent, or the region is not in
+            the masks.
+    """
+    command = "python -m data_prep.brats --root RAW --out {out}"
+    folder = _folder(path, "BraTS", command)
+    x = _load(folder, "images.npy", command)
+    masks = _load(folder, "masks.npy", command)
+    _check_shape(folder, "images.npy", x, "(N, 4, H, W) float32", x.ndim == 4 and x.shape[1] == 4)
+    if region not in BRATS_REGIONS:
+        raise DataError(f"dataset.region={region!r}: expected one of {', '.join(BRATS_REGIONS)}")
+    if masks.ndim == 3 and region != "whole":
+        raise DataError(
+            f"dataset.region={region!r}: {folder / 'masks.npy'} holds whole-tumour masks only; "
+            f"prepare with `python -m data_prep.brats --root RAW --out {folder} --labels regions`"
+        )
+    shape_ok = masks.shape[0] == len(x) and (
+        (masks.ndim == 3 and masks.shape[1:] == x.shape[2:])
+        or (masks.ndim == 4 and masks.shape[1] == 3 and masks.shape[2:] == x.shape[2:])
+    )
+    _check_shape(folder, "masks.npy", masks, f"({len(x)}, H, W) or ({len(x)}, 3, H, W)", shape_ok)
+    groups = _manifest(folder, "patient", len(x))
+    y = masks if masks.ndim == 3 else masks[:, BRATS_REGIONS.index(region)]
+    return ArrayDataset(
+        "brats",
+        np.array(x, dtype=np.float32),
+        (np.asarray(y) > 0).astype(np.int64),
+        2,
+        groups,
+        task="segmentation",
+    )

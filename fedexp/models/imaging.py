@@ -1,0 +1,185 @@
+"""Image models of pFedNet §VI: thin builders around ``monai.networks.nets``.
+
+* :func:`densenet`: the DenseNet-BC (Huang et al., 2017) of the lung-nodule task (pFedNet §VI,
+  "D-Net"; the fully connected classifier is the personalised part).
+* :func:`unet`: the U-Net (Ronneberger et al., 2015) of the brain-tumour task (pFedNet §VI;
+  down-sampling path shared, up-sampling path personalised).
+
+Why no batch norm: the engine evaluates one module at many flat parameter vectors through
+:func:`torch.func.functional_call` (MATH §1), and module *buffers* are neither carried per
+client nor stored in checkpoints. Batch norm's running mean and variance are such buffers: they
+would be updated by every client's batches in turn (one client's statistics leaking into the
+next client's evaluation), would not be averaged or personalised by any algorithm, and would be
+lost on resume. The builders therefore use per-sample normalisation (instance norm with a
+learnable affine, or group norm), which has parameters only, and refuse any configuration that
+creates buffers. Keeping per-client BN statistics as client state (FedBN, Li et al., 2021) is
+future work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from monai.networks.nets import DenseNet, UNet
+from torch import nn
+
+from fedexp.errors import ConfigError
+
+#: Instance norm with a learnable scale and shift: parameters, no running statistics.
+INSTANCE_AFFINE: tuple[str, dict[str, Any]] = ("instance", {"affine": True})
+
+
+def _norm(norm: str | Sequence[Any]) -> str | tuple[Any, ...]:
+    """MONAI's ``(name, kwargs)`` form from a config value (YAML gives lists)."""
+    return norm if isinstance(norm, str) else tuple(norm)
+
+
+def _image_shape(input_shape: Sequence[int], model: str) -> tuple[int, int, int]:
+    if len(input_shape) != 3:
+        raise ConfigError(
+            f"model={model} needs image inputs (channels, height, width); the dataset gives "
+            f"inputs of shape {list(input_shape)} (use dataset=luna16 or dataset=brats)"
+        )
+    c, h, w = (int(s) for s in input_shape)
+    return c, h, w
+
+
+def _without_buffers(module: nn.Module, model: str) -> nn.Module:
+    """Refuse modules with buffers (running statistics), see the module docstring."""
+    names = [name for name, _ in module.named_buffers()]
+    if names:
+        raise ConfigError(
+            f"model={model}: model.norm gives running-statistics buffers ({names[0]}, ...), "
+            "which the engine neither keeps per client nor checkpoints; use instance or group "
+            "norm (e.g. model.norm=[instance,{affine:true}])"
+        )
+    return module
+
+
+def densenet(
+    input_shape: Sequence[int],
+    num_classes: int,
+    growth_rate: int = 6,
+    block_config: Sequence[int] = (16, 16, 16),
+    init_features: int | None = None,
+    bn_size: int = 4,
+    norm: str | Sequence[Any] = INSTANCE_AFFINE,
+    dropout_prob: float = 0.0,
+) -> nn.Module:
+    """DenseNet-BC for small patches (pFedNet §VI: LUNA16 32x32 candidates, "D-Net").
+
+    The authors' network: DenseNet-BC with growth rate 6 and three dense blocks of 16
+    bottleneck layers, compression 0.5 at the transitions (Huang et al., 2017, CIFAR variant).
+    Built with :class:`monai.networks.nets.DenseNet` (``spatial_dims=2``); its ImageNet stem
+    (7x7 stride-2 convolution and max pooling, a 4x reduction meant for 224x224 inputs) is
+    replaced by the CIFAR stem, a 3x3 stride-1 convolution, so a 32x32 patch is seen at 32x32,
+    16x16 and 8x8 by the three blocks.
+
+    Parameter names: ``features.*`` (stem, dense blocks, transitions) and
+    ``class_layers.out.*``, the fully connected classifier that ``conf/model/densenet.yaml``
+    makes personal (pFedNet §VI).
+
+    Normalisation is per sample (instance norm with affine parameters by default), not batch
+    norm: batch norm's running statistics are module buffers, which the engine does not keep
+    per client nor in checkpoints, so they would leak across clients (see the module
+    docstring; per-client BN statistics as in FedBN are future work).
+
+    Args:
+        input_shape: (channels, height, width) of one input, e.g. (1, 32, 32).
+        num_classes: number of classes C (C logits; 2 for nodule / not).
+        growth_rate: k, channels added by each dense layer.
+        block_config: dense layers per block.
+        init_features: channels of the stem (default 2k, as DenseNet-BC).
+        bn_size: bottleneck width factor (bottleneck layers have ``bn_size * k`` channels).
+        norm: MONAI norm name or ``[name, kwargs]``; must not create buffers.
+        dropout_prob: dropout after each dense layer.
+
+    Raises:
+        ConfigError: inputs are not images, or the norm has running statistics.
+    """
+    channels, _, _ = _image_shape(input_shape, "densenet")
+    init = 2 * growth_rate if init_features is None else init_features
+    net = DenseNet(
+        spatial_dims=2,
+        in_channels=channels,
+        out_channels=num_classes,
+        init_features=init,
+        growth_rate=growth_rate,
+        block_config=tuple(block_config),
+        bn_size=bn_size,
+        norm=_norm(norm),
+        dropout_prob=dropout_prob,
+    )
+    stem = nn.Conv2d(channels, init, kernel_size=3, padding=1, bias=False)
+    nn.init.kaiming_normal_(stem.weight)
+    net.features.conv0 = stem
+    net.features.pool0 = nn.Identity()
+    return _without_buffers(net, "densenet")
+
+
+def unet(
+    input_shape: Sequence[int],
+    num_classes: int,
+    channels: Sequence[int] = (16, 32, 64, 128),
+    strides: Sequence[int] = (2, 2, 2),
+    num_res_units: int = 0,
+    norm: str | Sequence[Any] = INSTANCE_AFFINE,
+    act: str | Sequence[Any] = "PRELU",
+    dropout: float = 0.0,
+) -> nn.Module:
+    """2-D U-Net (pFedNet §VI: BraTS2017 64x64 four-channel patches, tumour segmentation).
+
+    Built with :class:`monai.networks.nets.UNet` (``spatial_dims=2``, ``in_channels`` from the
+    data: 4 MRI channels, ``out_channels = num_classes``: 2 for background / whole tumour). The
+    default widths (16 to 128) are smaller than the original U-Net's (64 to 1024) so that a
+    federated round on a CPU takes seconds; set ``model.channels`` for the full size.
+
+    Parameter names follow MONAI's nesting: ``model.0.*`` is the first down-sampling block,
+    ``model.1.submodule.0.*`` the next, ..., the innermost ``...submodule.*`` the bottom block,
+    and ``...submodule.2.*`` / ``model.2.*`` the up-sampling blocks (the decoder), which
+    ``conf/model/unet.yaml`` makes personal (pFedNet §VI).
+
+    Normalisation is per sample (instance norm with affine parameters by default), never batch
+    norm, whose running statistics the engine could not keep per client (see the module
+    docstring).
+
+    Args:
+        input_shape: (channels, height, width) of one input, e.g. (4, 64, 64).
+        num_classes: output channels (classes, background included).
+        channels: feature channels of each level, from the top.
+        strides: down-sampling stride between levels (``len(channels) - 1`` of them).
+        num_res_units: residual units per block (0: plain convolutions).
+        norm: MONAI norm name or ``[name, kwargs]``; must not create buffers.
+        act: MONAI activation name or ``[name, kwargs]``.
+        dropout: dropout rate.
+
+    Raises:
+        ConfigError: inputs are not images, the levels do not fit the patch size, or the norm
+            has running statistics.
+    """
+    in_channels, height, width = _image_shape(input_shape, "unet")
+    if len(strides) != len(channels) - 1:
+        raise ConfigError(
+            f"model.strides={list(strides)}: expected len(model.channels) - 1 = "
+            f"{len(channels) - 1} strides"
+        )
+    scale = math.prod(strides)
+    if height % scale or width % scale:
+        raise ConfigError(
+            f"model.strides={list(strides)}: the patch size {height}x{width} must be divisible "
+            f"by their product {scale}"
+        )
+    net = UNet(
+        spatial_dims=2,
+        in_channels=in_channels,
+        out_channels=num_classes,
+        channels=tuple(channels),
+        strides=tuple(strides),
+        num_res_units=num_res_units,
+        norm=_norm(norm),
+        act=_norm(act),
+        dropout=dropout,
+    )
+    return _without_buffers(net, "unet")

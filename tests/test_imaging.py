@@ -1,0 +1,269 @@
+"""Imaging: LUNA16/BraTS loaders, DenseNet/U-Net builders, segmentation metrics, lack #c."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from monai.metrics import compute_confusion_matrix_metric, get_confusion_matrix
+
+from data_prep import brats as brats_prep
+from data_prep import luna16 as luna_prep
+from data_prep import synthetic
+from data_prep.brats import BratsOptions
+from data_prep.luna16 import LunaOptions
+from fedexp.cli import _print_table
+from fedexp.data import partitions as P
+from fedexp.data.imaging import brats, luna16
+from fedexp.engine.runner import build_engine, run
+from fedexp.errors import ConfigError, DataError
+from fedexp.metrics import segmentation_metrics
+from fedexp.models.builder import build_model
+from fedexp.models.flat import FlatModel
+from fedexp.models.imaging import densenet, unet
+from fedexp.models.task import SegmentationTask
+from fedexp.tracking.base import NullTracker
+from helpers import compose_config
+
+TINY = {
+    "densenet": ["model=densenet", "model.growth_rate=4", "model.block_config=[2,2]"],
+    "unet": ["model=unet", "model.channels=[8,16]", "model.strides=[2]"],
+}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> SimpleNamespace:
+    """Synthetic releases converted by data_prep, in-process."""
+    root = tmp_path_factory.mktemp("imaging")
+    synthetic.write_luna16(root / "luna_raw", n_studies=6, seed=0)
+    luna_prep.convert(root / "luna_raw", root / "luna", LunaOptions(quiet=True))
+    synthetic.write_brats(root / "brats_raw", "brats2017", n_studies=5, seed=0)
+    brats_prep.convert(root / "brats_raw", root / "brats", BratsOptions(quiet=True))
+    return SimpleNamespace(luna=root / "luna", brats=root / "brats")
+
+
+def _onehot_logits(pred: torch.Tensor) -> torch.Tensor:
+    return torch.stack([pred == 0, pred == 1], dim=1).float()
+
+
+# ----------------------------------------------------------------------------- metrics
+TARGET = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]])
+PRED = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_iou_label_iou_dice_by_hand_on_a_4x4_mask():
+    # tumour: 6 true pixels, 5 predicted, 4 in common -> TP 4, FP 1, FN 2
+    # background: TP 16 - 7 = 9, FP 2, FN 1
+    m = segmentation_metrics(_onehot_logits(PRED[None]), TARGET[None], 2)
+    assert m["label_iou"] == pytest.approx(4 / 7)
+    assert m["iou"] == pytest.approx((4 / 7 + 9 / 12) / 2)  # = 37/56
+    assert m["dice"] == pytest.approx(8 / 11)
+    assert m["acc"] == pytest.approx(13 / 16)
+
+
+def test_iou_is_pooled_over_pixels_not_averaged_per_image():
+    # second image: no tumour, one false-positive pixel (its own label IoU would be 0)
+    pred2 = torch.zeros(4, 4, dtype=torch.long)
+    pred2[3, 3] = 1
+    target = torch.stack([TARGET, torch.zeros_like(TARGET)])
+    logits = _onehot_logits(torch.stack([PRED, pred2]))
+    m = segmentation_metrics(logits, target, 2)
+    assert m["label_iou"] == pytest.approx(4 / (4 + 2 + 2))  # pooled: TP 4, FP 2, FN 2
+    assert m["label_iou"] != pytest.approx((4 / 7 + 0) / 2)
+    # the same figure from MONAI's per-image confusion counts, summed over the images
+    counts = get_confusion_matrix(logits, _onehot_logits(target), include_background=True)
+    iou = compute_confusion_matrix_metric("threat score", counts.sum(0))
+    assert m["label_iou"] == pytest.approx(float(iou[1]))
+    assert m["iou"] == pytest.approx(float(iou.mean()))
+
+
+def test_absent_tumour_gives_nan_label_iou_and_perfect_background():
+    target = torch.zeros(2, 4, 4, dtype=torch.long)
+    m = segmentation_metrics(_onehot_logits(target), target, 2)
+    assert m["iou"] == 1.0 and m["acc"] == 1.0
+    assert math.isnan(m["label_iou"]) and math.isnan(m["dice"])
+
+
+def test_segmentation_loss_is_lower_for_the_right_mask():
+    task = SegmentationTask(2)
+    good = task.loss(_onehot_logits(TARGET[None]) * 10, TARGET[None])
+    bad = task.loss(_onehot_logits(1 - TARGET[None]) * 10, TARGET[None])
+    assert torch.isfinite(good) and good < bad
+
+
+# ----------------------------------------------------------------------------- datasets
+def test_luna16_loads_the_prepared_arrays(prepared):
+    data = luna16(str(prepared.luna))
+    manifest = pd.read_csv(prepared.luna / "manifest.csv", dtype={"seriesuid": str})
+    assert data.x.shape[1:] == (1, 32, 32) and data.x.dtype == np.float32
+    assert data.task == "classification" and data.num_classes == 2
+    assert set(np.unique(data.y)) == {0, 1}
+    assert list(data.groups) == manifest["seriesuid"].tolist()
+    balanced = luna16(str(prepared.luna), delta=1.0)
+    assert (balanced.y == 0).sum() == (balanced.y == 1).sum() == (data.y == 1).sum()
+
+
+def test_brats_loads_the_prepared_arrays(prepared):
+    data = brats(str(prepared.brats))
+    manifest = pd.read_csv(prepared.brats / "manifest.csv")
+    assert data.x.shape[1:] == (4, 64, 64) and data.y.shape[1:] == (64, 64)
+    assert data.task == "segmentation" and data.num_classes == 2
+    assert list(data.groups) == manifest["patient"].tolist()
+    assert np.array_equal(data.labels, manifest["has_tumour"].to_numpy())  # one per patch
+
+
+def test_natural_partition_keeps_each_patient_on_one_client(prepared):
+    data = brats(str(prepared.brats))
+    parts = P.natural(data.labels, 3, seed=0, groups=data.groups)
+    owners = [{data.groups[i] for i in part} for part in parts]
+    assert sum(len(o) for o in owners) == len(set(data.groups))
+
+
+@pytest.mark.parametrize(
+    "loader,command", [(luna16, "python -m data_prep.luna16"), (brats, "python -m data_prep.brats")]
+)
+def test_missing_prepared_folder_names_it_and_the_command(tmp_path, loader, command):
+    folder = tmp_path / "nowhere"
+    with pytest.raises(DataError) as info:
+        loader(str(folder))
+    assert str(folder) in str(info.value) and command in str(info.value)
+
+
+# ----------------------------------------------------------------------------- models
+def _is_personal(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+@pytest.mark.parametrize(
+    "option,shape,part",
+    [
+        ("densenet", [1, 32, 32], lambda n: n.startswith("class_layers.")),
+        ("unet", [4, 64, 64], lambda n: n.startswith("model.2.") or ".submodule.2." in n),
+    ],
+    ids=["densenet-classifier", "unet-decoder"],
+)
+@pytest.mark.parametrize("size", ["tiny", "default"])
+def test_personal_patterns_select_the_classifier_or_decoder(option, shape, part, size):
+    overrides = TINY[option] if size == "tiny" else [f"model={option}"]
+    cfg = compose_config(*overrides)
+    module, personal = build_model(cfg.model, shape, 2, seed=0)
+    layout = FlatModel(module, torch.device("cpu")).layout
+    assert 0 < layout.indices(personal).numel() < layout.numel  # non-empty, proper subset
+    for name in layout.names:
+        assert _is_personal(name, personal) == part(name), name
+    assert not list(module.named_buffers())
+    if size == "tiny":
+        assert module(torch.zeros(2, *shape)).shape[:2] == (2, 2)
+
+
+def test_models_refuse_batch_norm_and_tabular_inputs():
+    with pytest.raises(ConfigError, match="buffers"):
+        unet([4, 64, 64], 2, channels=(8, 16), strides=(2,), norm="batch")
+    with pytest.raises(ConfigError, match="image inputs"):
+        densenet([30], 2)
+    with pytest.raises(ConfigError, match="divisible"):
+        unet([4, 60, 60], 2, channels=(8, 16, 32), strides=(2, 4))
+
+
+def test_densenet_sees_32x32_patches_at_full_resolution():
+    net = densenet([1, 32, 32], 2, growth_rate=4, block_config=(2, 2, 2))
+    stem_and_block1 = net.features[:5]  # conv0, norm0, relu0, pool0 (identity), denseblock1
+    assert list(stem_and_block1.named_children())[-1][0] == "denseblock1"
+    assert stem_and_block1(torch.zeros(1, 1, 32, 32)).shape[-2:] == (32, 32)
+
+
+# ----------------------------------------------------------------------------- lack #c
+def test_missing_channel_clients_see_zeros_in_train_and_test(prepared, small_cfg):
+    cfg = small_cfg(
+        "dataset=brats",
+        f"dataset.path={prepared.brats}",
+        *TINY["unet"],
+        "num_clients=4",
+        "partition=missing_channel",
+        "partition.channel=1",
+        "partition.clients=[0,2]",
+    )
+    clients = build_engine(cfg).clients
+    for n, c in enumerate(clients):
+        for x in (c.x_train, c.x_test):
+            assert bool((x[:, 1] == 0).all()) == (n in (0, 2)), n
+            assert bool((x[:, 0] != 0).any())  # the other channels are kept
+        assert c.x_train.shape[1] == 4
+
+
+def test_missing_channel_wraps_the_base_split_and_checks_its_arguments():
+    labels = np.arange(40) % 2
+    groups = (np.arange(40) // 8).astype(str)
+    split = P.missing_channel(labels, 4, 0, groups, channel=3, clients=[1], base=P.natural)
+    natural = P.natural(labels, 4, 0, groups)
+    assert all(np.array_equal(a, b) for a, b in zip(split.parts, natural, strict=True))
+    assert dict(split.zero_channels) == {1: (3,)}
+    with pytest.raises(DataError, match=r"partition\.clients"):
+        P.missing_channel(labels, 4, 0, groups, channel=1, clients=[4])
+
+
+def test_a_channel_the_data_lacks_is_refused(prepared, small_cfg):
+    cfg = small_cfg(
+        "dataset=brats",
+        f"dataset.path={prepared.brats}",
+        *TINY["unet"],
+        "partition=missing_channel",
+        "partition.channel=4",
+    )
+    with pytest.raises(DataError, match=r"partition\.channel=4.*4 channel"):
+        build_engine(cfg)
+
+
+# ----------------------------------------------------------------------------- end to end
+RUNS = {
+    "luna16": ["dataset=luna16", *TINY["densenet"], "partition=iid"],
+    "brats": ["dataset=brats", *TINY["unet"], "partition=missing_channel"],
+}
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "local"])
+@pytest.mark.parametrize("dataset", ["luna16", "brats"])
+def test_end_to_end_on_synthetic_imaging(prepared, small_cfg, dataset, algorithm, capsys):
+    cfg = small_cfg(
+        *RUNS[dataset],
+        f"dataset.path={getattr(prepared, dataset.replace('16', ''))}",
+        f"algorithm={algorithm}",
+        "rounds=2",
+        "num_clients=3",
+        "local_steps=2",
+        "batch_size=8",
+        "lr=0.05",
+    )
+    result = run(cfg, tracker=NullTracker())
+    headline = {"luna16": "acc", "brats": "iou"}[dataset]
+    assert math.isfinite(result.metrics[f"{headline}/weighted"])
+    assert len(result.per_client) == 3
+    if dataset == "brats":
+        assert {"iou", "label_iou", "dice", "acc", "loss"} <= set(result.per_client[0])
+    _print_table(result)
+    out = capsys.readouterr().out
+    assert headline in out and ("label_iou" in out) == (dataset == "brats")
+
+
+def test_chunked_evaluation_equals_one_pass(prepared, small_cfg):
+    cfg = small_cfg("dataset=brats", f"dataset.path={prepared.brats}", *TINY["unet"])
+    engine = build_engine(cfg)
+    ctx, data = engine.ctx, engine.clients[0]
+    whole = ctx.evaluate(engine.x0, data)
+    ctx.eval_batch_size = 3
+    chunked = ctx.evaluate(engine.x0, data)
+    assert chunked.keys() == whole.keys()
+    for k in whole:
+        assert chunked[k] == pytest.approx(whole[k], rel=1e-5, nan_ok=True)
+
+
+def test_missing_folder_fails_the_run_naming_the_command(small_cfg, tmp_path: Path):
+    cfg = small_cfg("dataset=brats", f"dataset.path={tmp_path / 'none'}", *TINY["unet"])
+    with pytest.raises(DataError, match="data_prep.brats"):
+        build_engine(cfg)
