@@ -51,11 +51,27 @@ def _print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
     console.print(result.tracker.describe())
 
 
+def _set_threads(threads: int, hc: DictConfig) -> None:
+    """Cap torch's CPU threads: ``threads``, or cores / parallel jobs in a parallel sweep."""
+    import os
+
+    import torch
+
+    if threads <= 0 and hc.mode == RunMode.MULTIRUN:
+        jobs = hc.launcher.get("n_jobs") if hc.launcher is not None else None
+        cores = os.cpu_count() or 1
+        if jobs is not None and jobs != 1:
+            threads = max(1, cores // (cores if jobs < 0 else jobs))
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def _hydra_run(cfg: DictConfig) -> float:
     from fedexp.engine.runner import run
 
     hc = HydraConfig.get()
+    _set_threads(cfg.threads, hc)
     tags: dict[str, str] = {
         f"choice.{k}": str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra")
     }

@@ -36,6 +36,9 @@ class RunConfig:
         test_fraction: per-client test share (the paper's 80/20 split).
         progress: "auto" (rich bar on a TTY, log lines otherwise), "bar", "log" or "none".
         output_dir: where checkpoints and result files go (null: Hydra's run folder).
+        threads: torch CPU threads of this job; 0 = PyTorch's default for a single run and
+            cores / parallel jobs in a parallel sweep (two jobs each using every core stall
+            each other's small kernels on a 2-core machine).
     """
 
     rounds: int = 50
@@ -53,6 +56,7 @@ class RunConfig:
     test_fraction: float = 0.2
     progress: str = "auto"
     output_dir: str | None = None
+    threads: int = 0
     dataset: Any = field(default_factory=dict)
     model: Any = field(default_factory=dict)
     partition: Any = field(default_factory=dict)
