@@ -81,8 +81,8 @@ def _hydra_run(cfg: DictConfig) -> float:
             cfg.output_dir = hc.runtime.output_dir
         if hc.mode == RunMode.MULTIRUN:
             sweep = Path(hc.sweep.dir).as_posix().replace("/", "_")
-            if cfg.tracker.get("experiment") is not None:
-                cfg.tracker.experiment = f"{cfg.tracker.experiment}/{sweep}"
+            if "experiment" in cfg.tracker and cfg.tracker.experiment is None:
+                cfg.tracker.experiment = f"fedexp/{sweep}"  # one experiment per sweep
             tags.update({"sweep": sweep, "sweep.overrides": " ".join(hc.overrides.task)})
             tags.update(
                 {
@@ -96,6 +96,8 @@ def _hydra_run(cfg: DictConfig) -> float:
         result = run(cfg, run_name=run_name, tags=tags)
     except FedexpError as exc:
         print(f"fedexp: error: {exc}", file=sys.stderr)
+        if hc.mode == RunMode.MULTIRUN:  # one bad job of a sweep does not stop the others
+            return math.nan
         sys.exit(1)
     _print_table(result)
     headline = next(iter(result.per_client[0]), "acc")  # the task's first metric: acc or iou

@@ -91,3 +91,23 @@ def test_struct_mode_rejects_unknown_group_key_without_plus():
     with pytest.raises((ConfigCompositionException, ConfigKeyError)) as info:
         compose_config("partition.deltaa=2")
     assert "deltaa" in str(info.value) + str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("launcher", ["parallel", "slurm"])
+def test_launcher_configs_compose(launcher):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    node = cfg.hydra.launcher
+    if launcher == "parallel":
+        assert node._target_.endswith("JoblibLauncher") and node.n_jobs == 2
+    else:
+        assert node._target_.endswith("SlurmLauncher") and node.timeout_min == 120
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_experiment_configs_compose_and_build(experiment):
+    cfg = compose_config(f"+experiment={experiment}", "device=cpu")
+    engine = build_engine(cfg)
+    assert engine.clients and cfg.tracker.experiment.startswith("fedexp/")

@@ -30,15 +30,16 @@ class MLflowTracker:
     Args:
         uri: tracking URI; None uses MLflow's default (``sqlite:///mlflow.db``) unless the
             MLFLOW_TRACKING_URI environment variable says otherwise.
-        experiment: experiment name (multirun sweeps get their own experiment, see cli).
+        experiment: experiment name; None: "fedexp" for a single run, and for the runs of a
+            multirun one experiment per sweep, "fedexp/<sweep folder>" (set by the CLI).
         retries: attempts for a write that fails on a busy store.
     """
 
     def __init__(
-        self, uri: str | None = None, experiment: str = "fedexp", retries: int = 20
+        self, uri: str | None = None, experiment: str | None = None, retries: int = 20
     ) -> None:
         self.uri = uri or mlflow.get_tracking_uri()
-        self.experiment = experiment
+        self.experiment = experiment or "fedexp"
         self.retries = retries
         self.run_id: str | None = None
         self._lock_path: Path | None = None
