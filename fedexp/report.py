@@ -165,7 +165,8 @@ def table(
                 cells.append("")
                 continue
             arr = np.asarray(v) * scale
-            cells.append(f"{arr.mean():.2f} ± {arr.std():.2f} (n={len(arr)})")
+            fmt = ".2f" if scale == 100.0 else ".4g"
+            cells.append(f"{arr.mean():{fmt}} ± {arr.std():{fmt}} (n={len(arr)})")
         lines.append("| " + " | ".join(["/".join(r), *cells]) + " |")
     return "\n".join(lines)
 
@@ -201,4 +202,4 @@ def main(argv: list[str]) -> None:
         print(f"fedexp: error: {exc}", file=sys.stderr)
         sys.exit(1)
     print(f"{args.metric} (final round, × {args.scale:g}), mean ± std over runs\n")
-    print(table(groups, len(args.rows), ",".join(args.rows), ",".join(args.cols)))
+    print(table(groups, len(args.rows), ",".join(args.rows), ",".join(args.cols), args.scale))

@@ -39,3 +39,17 @@ def test_report_tables_from_mlflow(small_cfg, tmp_path):
     assert "0/2" in reach_table(never, "algorithm", 1.01, "acc/weighted")
     reach_plot(reached, str(tmp_path / "p.png"), "acc/weighted")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_report_command_scales_values(small_cfg, tmp_path, capsys):
+    from fedexp.report import main
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = small_cfg("rounds=2")
+    with open_dict(cfg):
+        cfg.tracker.uri = uri
+        cfg.tracker.experiment = "one"
+    res = run(cfg, tags={"choice.algorithm": "fedavg"})
+    main(["--uri", uri, "-e", "one", "--scale", "1"])
+    out = capsys.readouterr().out
+    assert f"{res.metrics['acc/weighted']:.4g} ± 0 (n=1)" in out
