@@ -23,8 +23,13 @@ from fedexp.plots import plt  # noqa: E402
 
 
 def train(lam: float, rounds: int) -> tuple[torch.Tensor, float]:
-    cfg = compose_config("algorithm=pfednet", f"algorithm.lam={lam}", "device=cpu",
-                         "tracker=none", f"rounds={rounds}")
+    cfg = compose_config(
+        "algorithm=pfednet",
+        f"algorithm.lam={lam}",
+        "device=cpu",
+        "tracker=none",
+        f"rounds={rounds}",
+    )
     engine = build_engine(cfg)
     engine.setup()
     for _ in range(rounds):

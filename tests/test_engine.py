@@ -105,3 +105,28 @@ def test_divergence_stops_the_run_and_keeps_checkpoints(small_cfg, tmp_path):
     tree, _ = checkpoint.load(tmp_path / "out" / "checkpoints")
     assert torch.isfinite(tree["server"]["x"]).all()
     assert math.isfinite(tracker.metrics["acc/weighted"][2])
+
+
+def test_lossy_downlink_with_error_feedback_tracks_the_server_model(small_cfg):
+    """STC both ways: the clients' models follow the server's (no double-counted residual)."""
+    engine = build_engine(small_cfg("compressor=stc", "model=mlp", "model.hidden=16", "lr=0.1"))
+    for _ in range(40):
+        m = engine.run_round()
+    x = engine.server["x"]
+    for n in range(5):
+        gap = (engine.replica[n] - x).norm() / x.norm()
+        assert gap < 0.5, (n, float(gap))
+    agg, _ = engine.evaluate()
+    assert agg["acc/weighted"] > 0.85
+    assert m["compression/down"] > 5 and m["compression/up"] > 5
+
+
+def test_lossy_downlink_without_error_feedback_drops_the_error(small_cfg):
+    engine = build_engine(small_cfg("compressor=stc_twomean", "model=mlp", "model.hidden=16"))
+    engine.run_round()
+    sent = engine.server["x"].clone()  # what the server sends in the next round
+    engine.run_round()
+    # the reference of the next change is the server's own last message, not what the client
+    # decoded: the compression error is not sent again
+    assert torch.equal(engine.down_reference[0], sent)
+    assert not torch.equal(engine.replica[0], sent)

@@ -57,7 +57,7 @@ class Engine:
     server: State = field(default_factory=dict)
     client_states: list[State] = field(default_factory=list)
     up_residual: dict[int, torch.Tensor] = field(default_factory=dict)
-    down_residual: dict[int, torch.Tensor] = field(default_factory=dict)
+    down_reference: dict[int, torch.Tensor] = field(default_factory=dict)
     replica: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -73,7 +73,16 @@ class Engine:
         return ch.codec.lossless and not ch.transforms and not ch.error_feedback
 
     def _send_down(self, n: int, msg: torch.Tensor) -> torch.Tensor:
-        """Server → client n. Lossy downlinks send the change since what client n holds."""
+        """Server → client n.
+
+        A lossless downlink sends the model itself. A lossy one sends the change against a
+        reference and the client adds what it decodes to the model it holds (every client
+        starts from the common initial model). With error feedback the reference is what the
+        client holds (the server's replica of it), so the part not yet transmitted is sent
+        later: that gap is the error-feedback memory (Sattler et al. 2019), and no separate
+        residual is kept. Without it the reference is the server's previous message, so the
+        compression error is dropped.
+        """
         gen = rng.generator(self.seed, _DOWNLINK, self.round, n)
         if self._down_is_exact:
             payload, _, _ = self.downlink.send(msg, None, gen)
@@ -82,12 +91,13 @@ class Engine:
         held = self.replica.get(n)
         if held is None:  # every client knows the common initial model
             held = self.x0 if msg.shape == self.x0.shape else torch.zeros_like(msg)
-        payload, res, _ = self.downlink.send(msg - held, self.down_residual.get(n), gen)
-        if res is not None:
-            self.down_residual[n] = res
+        ref = held if self.downlink.error_feedback else self.down_reference.get(n, held)
+        payload, _, _ = self.downlink.send(msg - ref, None, gen)
         self.ledger.add("down", payload, msg.numel())
         received = held + self.downlink.receive(payload, msg.numel(), msg.device)
         self.replica[n] = received
+        if not self.downlink.error_feedback:
+            self.down_reference[n] = msg.detach().clone()
         return received
 
     def _send_up(self, n: int, update: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -181,7 +191,7 @@ class Engine:
             "server": self.server,
             "client": {str(n): s for n, s in enumerate(self.client_states)},
             "uplink_residual": {str(n): r for n, r in self.up_residual.items()},
-            "downlink_residual": {str(n): r for n, r in self.down_residual.items()},
+            "downlink_reference": {str(n): r for n, r in self.down_reference.items()},
             "replica": {str(n): r for n, r in self.replica.items()},
         }
 
@@ -196,7 +206,7 @@ class Engine:
         ]
         for name, target in (
             ("uplink_residual", self.up_residual),
-            ("downlink_residual", self.down_residual),
+            ("downlink_reference", self.down_reference),
             ("replica", self.replica),
         ):
             target.clear()

@@ -45,9 +45,14 @@ class Tracker(Protocol):
 
 
 class NullTracker:
-    """Keeps everything in memory (tests, dry runs)."""
+    """Keeps everything in memory (tests, dry runs).
 
-    def __init__(self) -> None:
+    Args:
+        uri: ignored (accepted so that ``tracker=none`` works with any experiment config).
+        experiment: ignored, likewise.
+    """
+
+    def __init__(self, uri: str | None = None, experiment: str | None = None) -> None:
         self.metrics: dict[str, dict[int, float]] = {}
         self.params: dict[str, str] = {}
         self.tags: dict[str, str] = {}
