@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import compose_config  # noqa: E402
-
 from fedexp.engine.runner import build_engine  # noqa: E402
 from fedexp.plots import plt  # noqa: E402
+from helpers import compose_config  # noqa: E402
 
 
 def train(lam: float, rounds: int) -> tuple[torch.Tensor, float]:
