@@ -1,4 +1,4 @@
-"""Rounds per second of the fedexp engine vs a plain per-client PyTorch loop.
+"""Rounds per second of the fedexp engine (both backends) vs a plain per-client PyTorch loop.
 
 Same work on both sides: FedAvg, logistic regression, synthetic tabular data (20 features,
 50 samples per client, 80/20 split), every client every round, E local SGD steps of batch B,
@@ -25,7 +25,7 @@ from fedexp.engine.runner import build_engine  # noqa: E402
 from helpers import compose_config  # noqa: E402
 
 
-def fedexp_engine(num_clients: int, rounds: int, steps: int, batch: int):
+def fedexp_engine(num_clients: int, rounds: int, steps: int, batch: int, backend: str):
     cfg = compose_config(
         "dataset=synthetic",
         f"dataset.num_samples={50 * num_clients}",
@@ -35,6 +35,7 @@ def fedexp_engine(num_clients: int, rounds: int, steps: int, batch: int):
         f"batch_size={batch}",
         "device=cpu",
         "tracker=none",
+        f"backend={backend}",
     )
     engine = build_engine(cfg)
     engine.run_round()  # warm-up
@@ -96,13 +97,21 @@ def main() -> None:
         f"torch {torch.__version__}, 1 thread, E={args.steps}, B={args.batch}, "
         f"{args.rounds} timed rounds after one warm-up round\n"
     )
-    print("| clients | fedexp rounds/s | plain PyTorch + DataLoader rounds/s | ratio |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| clients | plain PyTorch + DataLoader | fedexp sequential | fedexp lockstep "
+        "| sequential / plain | lockstep / plain |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for n in args.clients:
         rounds = max(1, args.rounds if n <= 100 else args.rounds // 2)
-        ours, engine = fedexp_engine(n, rounds, args.steps, args.batch)
+        seq, engine = fedexp_engine(n, rounds, args.steps, args.batch, "sequential")
+        lock, _ = fedexp_engine(n, rounds, args.steps, args.batch, "lockstep")
         base = plain_loop(engine, rounds, args.steps, args.batch)
-        print(f"| {n} | {ours:.2f} | {base:.2f} | {ours / base:.2f}x |", flush=True)
+        print(
+            f"| {n} | {base:.2f} | {seq:.2f} | {lock:.2f} | {seq / base:.2f}x "
+            f"| {lock / base:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

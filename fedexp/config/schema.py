@@ -36,6 +36,8 @@ class RunConfig:
         test_fraction: per-client test share (the paper's 80/20 split).
         progress: "auto" (rich bar on a TTY, log lines otherwise), "bar", "log" or "none".
         output_dir: where checkpoints and result files go (null: Hydra's run folder).
+        backend: "sequential" (clients one after another) or "lockstep" (the sampled
+            clients' local SGD batched with torch.func.vmap; same results up to rounding).
         threads: torch CPU threads of this job; 0 = PyTorch's default for a single run and
             cores / parallel jobs in a parallel sweep (two jobs each using every core stall
             each other's small kernels on a 2-core machine).
@@ -57,6 +59,7 @@ class RunConfig:
     progress: str = "auto"
     output_dir: str | None = None
     threads: int = 0
+    backend: str = "sequential"
     dataset: Any = field(default_factory=dict)
     model: Any = field(default_factory=dict)
     partition: Any = field(default_factory=dict)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +51,10 @@ class Context:
     shared_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     round: int = 0
     eval_batch_size: int = 256
+    #: set by the lockstep backend while a round's clients run (``fedexp.engine.backends``)
+    batcher: Any = None
+    #: held while the shared module runs (client threads of the lockstep backend)
+    model_lock: Any = field(default_factory=threading.RLock)
 
     @property
     def device(self) -> torch.device:
@@ -67,8 +73,9 @@ class Context:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss at ``params`` on (x, y) and its gradient with respect to ``params``."""
         p = params.detach().requires_grad_(True)
-        loss = self.task.loss(self.model(p, x), y)
-        (grad,) = torch.autograd.grad(loss, p)
+        with self.model_lock:  # functional_call swaps the shared module's parameters
+            loss = self.task.loss(self.model(p, x), y)
+            (grad,) = torch.autograd.grad(loss, p)
         return loss.detach(), grad
 
     def sgd(
@@ -99,9 +106,11 @@ class Context:
         Raises:
             DivergenceError: the loss became NaN or infinite.
         """
-        self.model.module.train()
         steps = self.steps_for(data) if steps is None else steps
         lr = self.lr if lr is None else lr
+        if self.batcher is not None and extra is None and mask is None and self.batch_size > 0:
+            return self.batcher.sgd(params, data, generator, steps, lr)
+        self.model.module.train()
         p = params.detach().clone()
         total = torch.zeros((), device=p.device)
         for _ in range(steps):

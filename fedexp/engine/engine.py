@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, State
+from fedexp.algorithms.base import Algorithm, ClientResult, State
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
+from fedexp.engine.backends import BACKENDS
 from fedexp.engine.context import Context
 from fedexp.engine.ledger import ByteLedger
-from fedexp.errors import DivergenceError
+from fedexp.errors import ConfigError
 from fedexp.metrics import aggregate
 
 # Stream purposes of the channels and the set-up (beside rng.CLIENT etc.).
@@ -42,6 +43,7 @@ class Engine:
         seed: root of all random streams.
         participation: fraction of clients sampled per round.
         x0: the common initial model.
+        backend: "sequential" or "lockstep" (``fedexp.engine.backends``).
     """
 
     ctx: Context
@@ -52,6 +54,7 @@ class Engine:
     seed: int
     participation: float
     x0: torch.Tensor
+    backend: str = "sequential"
     round: int = 0
     ledger: ByteLedger = field(default_factory=ByteLedger)
     server: State = field(default_factory=dict)
@@ -61,6 +64,8 @@ class Engine:
     replica: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         self.server = self.algorithm.init_server(self.ctx, self.x0)
         self.client_states = [
             self.algorithm.init_client(self.ctx, self.x0, n) for n in range(len(self.clients))
@@ -135,16 +140,20 @@ class Engine:
         sampled = rng.sample_clients(self.seed, t, len(self.clients), self.participation)
         updates: dict[int, torch.Tensor] = {}
         sums: dict[str, float] = {}
-        for n in sampled:
+        inbox: dict[int, torch.Tensor | None] = {}
+        for n in sampled:  # downlink, in client order
             msg = self.algorithm.downlink(self.ctx, self.server, n)
-            model_in = None if msg is None else self._send_down(n, msg)
+            inbox[n] = None if msg is None else self._send_down(n, msg)
+
+        def client(n: int) -> ClientResult:
             gen = rng.generator(self.seed, rng.CLIENT, t, n)
-            try:
-                result = self.algorithm.client_update(
-                    self.ctx, model_in, self.client_states[n], self.clients[n], gen
-                )
-            except DivergenceError as exc:
-                raise DivergenceError(f"client {n}: {exc}") from None
+            return self.algorithm.client_update(
+                self.ctx, inbox[n], self.client_states[n], self.clients[n], gen
+            )
+
+        results = BACKENDS[self.backend](sampled, client, self.ctx)
+        for n in sampled:  # uplink, in client order
+            result = results[n]
             self.client_states[n] = result.state
             metrics = dict(result.metrics)
             if result.update is not None:

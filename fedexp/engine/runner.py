@@ -128,6 +128,7 @@ def build_engine(cfg: DictConfig) -> Engine:
         seed=cfg.seed,
         participation=cfg.participation,
         x0=model.initial(),
+        backend=cfg.backend,
     )
 
 
