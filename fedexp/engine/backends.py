@@ -168,11 +168,11 @@ def run_lockstep(
         finally:
             ctx.batcher = None
         if errors:
-            n = min(errors)
-            exc = errors[n]
-            if isinstance(exc, DivergenceError):
-                raise DivergenceError(f"client {n}: {exc}") from None
-            raise exc
+            first = min(errors)
+            error = errors[first]
+            if isinstance(error, DivergenceError):
+                raise DivergenceError(f"client {first}: {error}") from None
+            raise error
     return out
 
 
