@@ -111,3 +111,9 @@ def test_experiment_configs_compose_and_build(experiment):
     cfg = compose_config(f"+experiment={experiment}", "device=cpu")
     engine = build_engine(cfg)
     assert engine.clients and cfg.tracker.experiment.startswith("fedexp/")
+
+
+def test_codec_without_arguments_refuses_a_key():
+    cfg = compose_config("compressor=cer_runs", "+compressor.uplink.codec.q=0.01")
+    with pytest.raises(ConfigError, match=r"compressor\.uplink\.codec\.q"):
+        build_channel(cfg.compressor.uplink, "compressor.uplink")

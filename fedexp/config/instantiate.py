@@ -57,8 +57,11 @@ def check_node(node: DictConfig | dict, path: str, extra: set[str] | None = None
     except Exception as exc:  # noqa: BLE001 - any import failure is a config error
         raise ConfigError(f"{path}._target_: cannot import '{target}' ({exc})") from None
     fn = obj.__init__ if inspect.isclass(obj) else obj
-    sig = inspect.signature(fn)
-    hints = typing.get_type_hints(fn) if not isinstance(fn, type) else {}
+    sig = inspect.signature(obj)  # a class's signature is its constructor's, without self
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: check names only
+        hints = {}
     params = {n: p for n, p in sig.parameters.items() if n != "self"}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     for key in node:
