@@ -43,17 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-try:  # pragma: no cover - the branch taken depends on the environment
-    from numba import njit
-except ImportError:  # pragma: no cover
-
-    def njit(*args, **kwargs):  # type: ignore[no-redef]
-        """Stand-in for ``numba.njit`` when numba is missing: returns the function as is."""
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return lambda fn: fn
-
+from numba import njit
 
 ArrayOrTensor = np.ndarray | torch.Tensor
 

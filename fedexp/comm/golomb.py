@@ -11,8 +11,7 @@ Bits are packed most significant bit first within each byte. The gap of the firs
 ``p_1`` is ``p_1`` itself, the following ones are ``p_j - p_{j-1} - 1`` (so gaps are >= 0 and
 consecutive positions cost a gap of 0).
 
-The two inner loops (Rice writing and reading) are compiled with numba when it is installed;
-without numba the same Python functions run as they are (correct, but slow on large inputs).
+The two inner loops (Rice writing and reading) are compiled with numba.
 """
 
 from __future__ import annotations
@@ -20,17 +19,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-try:  # pragma: no cover - the branch taken depends on the environment
-    from numba import njit
-except ImportError:  # pragma: no cover
-
-    def njit(*args, **kwargs):  # type: ignore[no-redef]
-        """Stand-in for ``numba.njit`` when numba is missing: returns the function as is."""
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return lambda fn: fn
-
+from numba import njit
 
 #: Largest Rice parameter accepted (a gap is at most 2**63 - 1).
 MAX_RICE_PARAMETER = 62

@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.comm.codec import Codec
-from fedexp.comm.topk import (
-    check_fraction,
-    decode_sparse_values,
-    encode_sparse_values,
-    flat_cpu_float32,
-    keep_count,
-    rice_parameter_for,
-)
+from fedexp.comm.topk import TopKCodec, keep_count
 
 
-class RandKCodec(Codec):
+class RandKCodec(TopKCodec):
     """Keep ``ceil(q d)`` uniformly random entries, sent as float32 with coded positions.
+
+    Only the choice of entries differs from :class:`TopKCodec`; the byte format is its own.
 
     Args:
         q: fraction of entries kept, in (0, 1].
@@ -38,9 +32,8 @@ class RandKCodec(Codec):
     def __init__(
         self, q: float = 0.5, unbiased: bool = False, adaptive_golomb: bool = False
     ) -> None:
-        self.q = check_fraction(q)
+        super().__init__(q, adaptive_golomb)
         self.unbiased = bool(unbiased)
-        self.adaptive_golomb = bool(adaptive_golomb)
 
     def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Zero all but ``k`` random entries, optionally scaled by ``d / k``.
@@ -63,17 +56,6 @@ class RandKCodec(Codec):
             kept = kept * (d / k)
         out[idx] = kept
         return out
-
-    def encode(self, x: torch.Tensor) -> bytes:
-        """Same byte layout as top-k: header, Rice-coded positions, float32 values."""
-        return encode_sparse_values(
-            flat_cpu_float32(x),
-            lambda gaps: rice_parameter_for(gaps, self.q, self.adaptive_golomb),
-        )
-
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        """Rebuild the sparse float32 vector."""
-        return decode_sparse_values(payload, numel)
 
     def __repr__(self) -> str:
         return f"RandKCodec(q={self.q}, unbiased={self.unbiased})"
