@@ -277,7 +277,7 @@ def run(
                     callback(engine, metrics)
         if not per_client:
             _, per_client = engine.evaluate()
-        final = {k: v for k, v in history[-1].items()} if history else {}
+        final = dict(history[-1]) if history else {}
         for path in _write_outputs(out_dir, cfg, per_client, history, engine):
             tracker.log_artifact(path)
         tracker.end("FINISHED")
