@@ -44,7 +44,7 @@ class PFedNet(Algorithm):
 
     Args:
         lam: λ, strength of the network penalty (0 decouples the clients' personal parts).
-        p: norm of the penalty, 1, 2 or "inf".
+        p: norm of the penalty, 1, 2 or inf (``algorithm.p=inf``).
         eta_x: server step of the shared part (None: the client lr, which makes pFedNet with
             nothing personal equal to FedAvg with server_lr = 1 and uniform weights).
         eta_z: η_z of the Z-step (None: N·lr, so that with λ = 0 each personal part moves
@@ -70,7 +70,7 @@ class PFedNet(Algorithm):
     def __init__(
         self,
         lam: float = 0.01,
-        p: int | str = 2,
+        p: float | str = 2,
         eta_x: float | None = None,
         eta_z: float | None = None,
         rho: float | None = None,
@@ -90,7 +90,7 @@ class PFedNet(Algorithm):
     ) -> None:
         if lam < 0:
             raise ValueError(f"lam={lam}: expected λ ≥ 0")
-        if str(p) not in ("1", "2", "inf"):
+        if str(p) not in ("1", "2", "inf", "1.0", "2.0"):
             raise ValueError(f"p={p!r}: expected 1, 2 or inf")
         if sketch not in _SKETCHES:
             raise ValueError(f"sketch={sketch!r}: expected one of {', '.join(_SKETCHES)}")
@@ -98,7 +98,7 @@ class PFedNet(Algorithm):
             raise ValueError(f"k={k}: expected k ≥ 1")
         if x_rounds < 0 or z_rounds < 0 or (x_rounds == 0) != (z_rounds == 0):
             raise ValueError("x_rounds and z_rounds: both 0 (joint) or both ≥ 1 (alternating)")
-        self.lam, self.p = lam, (math.inf if str(p) == "inf" else int(p))
+        self.lam, self.p = lam, (math.inf if str(p) == "inf" else int(float(p)))
         self.eta_x, self.eta_z, self.rho = eta_x, eta_z, rho
         self.admm = {"max_iter": admm_max_iter, "eps_abs": admm_eps_abs, "eps_rel": admm_eps_rel}
         self.sketch, self.k, self.metric = sketch, k, metric

@@ -116,3 +116,11 @@ def test_pfednet_run_resumes_exactly(small_cfg, tmp_path):
     run(cfg, tracker=part)
     for key, steps in full.metrics.items():
         assert part.metrics[key] == steps, key
+
+
+@pytest.mark.parametrize("p", ["1", "2", "inf"])
+def test_each_norm_from_the_command_line(small_cfg, p):
+    e = build_engine(small_cfg("algorithm=pfednet", f"algorithm.p={p}", "algorithm.lam=0.1"))
+    e.setup()
+    m = _rounds(e, 2)
+    assert e.algorithm.p == float(p) and m["pfednet/admm_iterations"] >= 1
