@@ -66,6 +66,16 @@ def _set_threads(threads: int, hc: DictConfig) -> None:
         torch.set_num_threads(threads)
 
 
+def _describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
+    """One line on why the run stopped and, where a checkpoint exists, how to resume it."""
+    text = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {exc}"
+    folder = Path(cfg.resume) if cfg.resume else Path(cfg.output_dir) / "checkpoints"
+    if (folder / "last.safetensors").exists() or folder.name == "last.safetensors":
+        overrides = " ".join(o for o in hc.overrides.task if not o.startswith("resume="))
+        text += f"; checkpoint kept: fedexp run {overrides} resume={folder}".replace("  ", " ")
+    return text
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def _hydra_run(cfg: DictConfig) -> float:
     from fedexp.engine.runner import run
@@ -94,11 +104,11 @@ def _hydra_run(cfg: DictConfig) -> float:
             run_name = ",".join(hc.overrides.task) or None
     try:
         result = run(cfg, run_name=run_name, tags=tags)
-    except FedexpError as exc:
-        print(f"fedexp: error: {exc}", file=sys.stderr)
-        if hc.mode == RunMode.MULTIRUN:  # one bad job of a sweep does not stop the others
-            return math.nan
-        sys.exit(1)
+    except (FedexpError, KeyboardInterrupt) as exc:
+        print(f"fedexp: {_describe_stop(exc, cfg, hc)}", file=sys.stderr)
+        if hc.mode == RunMode.MULTIRUN and not isinstance(exc, KeyboardInterrupt):
+            return math.nan  # one bad job of a sweep does not stop the others
+        sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
     _print_table(result)
     headline = next(iter(result.per_client[0]), "acc")  # the task's first metric: acc or iou
     return float(result.metrics.get(f"{headline}/weighted", math.nan))

@@ -128,3 +128,42 @@ def test_csv_dataset_runs_with_missing_values_and_sites(tmp_path, table):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Per-client results" in proc.stdout
+
+
+def test_interrupted_run_prints_how_to_resume_and_resumes(tmp_path):
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    args = [
+        "rounds=100000",
+        "checkpoint_every=2",
+        "tracker=none",
+        "progress=none",
+        "device=cpu",
+        f"hydra.run.dir={out}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from fedexp.cli import main; main()", "run", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "last.safetensors").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    line = next(ln for ln in err.splitlines() if "resume=" in ln)
+    command = shlex.split(line.split("checkpoint kept: ", 1)[1])
+    assert command[:2] == ["fedexp", "run"]
+    resumed = [a if not a.startswith("rounds=") else "rounds=4" for a in command[2:]]
+    done = run_cli("run", *resumed, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Per-client results" in done.stdout
