@@ -1,10 +1,10 @@
 """The one round loop every algorithm runs in.
 
 The engine owns all state (server, clients, channel residuals and replicas, the byte ledger),
-moves every message through its channel as bytes, and calls the algorithm's hooks. Clients are
-run one after another on the device; each draws from its own (seed, round, client) stream, so
-results do not depend on the order (a batched backend can replace ``_run_clients`` without
-touching the algorithms).
+moves every message through its channel as bytes, and calls the algorithm's hooks. The
+clients' hooks run through an execution backend (``fedexp.engine.backends``: one after another,
+or in lockstep with their local SGD batched); each client draws from its own
+(seed, round, client) stream, so results do not depend on the order.
 """
 
 from __future__ import annotations
