@@ -22,6 +22,7 @@ def _run(small_cfg, backend, *overrides, rounds=3):
     [
         ("algorithm=fedavg", "participation=0.6"),
         ("algorithm=local",),
+        ("algorithm=ditto", "algorithm.lam=0.5"),
         ("algorithm=pfednet", "model=mlp", "model.hidden=8"),
         ("algorithm=fedavg", "compressor=stc", "model=mlp", "model.hidden=8"),
         (
@@ -33,7 +34,7 @@ def _run(small_cfg, backend, *overrides, rounds=3):
             "local_epochs=1",
         ),
     ],
-    ids=["fedavg", "local", "pfednet", "fedavg-stc", "multiclass-epochs"],
+    ids=["fedavg", "local", "ditto", "pfednet", "fedavg-stc", "multiclass-epochs"],
 )
 def test_lockstep_equals_sequential(small_cfg, overrides):
     seq, m_seq = _run(small_cfg, "sequential", *overrides)
