@@ -64,3 +64,26 @@ def test_lockstep_divergence_names_the_client(small_cfg):
 def test_unknown_backend_is_refused(small_cfg):
     with pytest.raises(ConfigError, match="backend='gpu'"):
         build_engine(small_cfg("backend=gpu"))
+
+
+def test_lockstep_falls_back_when_the_loss_cannot_be_vmapped(small_cfg):
+    """An in-place op vmap refuses (MONAI's one_hot does this): same draws, same models."""
+
+    def patch(engine):
+        original = engine.ctx.task.loss
+
+        def loss(logits, y):
+            onehot = torch.zeros(y.shape[0], 2)
+            onehot.scatter_(1, y[:, None].long(), 1.0)  # not vmappable: y batched, onehot not
+            return original(logits, y) + 0.0 * onehot.sum()
+
+        engine.ctx.task.loss = loss
+        return engine
+
+    seq = patch(build_engine(small_cfg("backend=sequential")))
+    lock = patch(build_engine(small_cfg("backend=lockstep")))
+    for _ in range(2):
+        seq.run_round()
+        lock.run_round()
+    assert lock.ctx.vmap_ok is False
+    assert torch.equal(lock.server["x"], seq.server["x"])

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from torch.func import functional_call, grad_and_value, vmap
 from fedexp.algorithms.base import ClientResult
 from fedexp.data.federated import ClientData
 from fedexp.errors import DivergenceError
+
+log = logging.getLogger("fedexp")
 
 #: client id -> its update, given its decoded downlink message.
 ClientFn = Callable[[int], ClientResult]
@@ -91,15 +94,33 @@ class LockstepBatcher:
             for r in batch:
                 groups.setdefault((r.steps, r.lr), []).append(r)
             for (steps, lr), reqs in groups.items():
-                try:
-                    with self.ctx.model_lock:
-                        self._execute(reqs, steps, lr)
-                except Exception as exc:  # noqa: BLE001 - handed to each waiting client
-                    for r in reqs:
-                        r.error = exc
+                with self.ctx.model_lock:
+                    self._run_group(reqs, steps, lr)
                 for r in reqs:
                     r.done = True
             self.cond.notify_all()
+
+    def _run_group(self, reqs: list[_Request], steps: int, lr: float) -> None:
+        """Batched if the model and loss can be vmapped, else client by client."""
+        if self.ctx.vmap_ok:
+            states = [r.generator.get_state() for r in reqs]
+            try:
+                self._execute(reqs, steps, lr)
+                return
+            except RuntimeError as exc:  # e.g. an in-place op of the loss that vmap refuses
+                for r, state in zip(reqs, states, strict=True):
+                    r.generator.set_state(state)  # the same draws as if never batched
+                    r.error = None
+                self.ctx.vmap_ok = False
+                log.warning(
+                    "lockstep: cannot vmap this model/loss (%s); clients run one by one",
+                    str(exc).splitlines()[0][:160],
+                )
+        for r in reqs:
+            try:
+                r.result = self.ctx.local_sgd(r.params, r.data, r.generator, steps, lr)
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting client
+                r.error = exc
 
     def _execute(self, reqs: list[_Request], steps: int, lr: float) -> None:
         ctx = self.ctx

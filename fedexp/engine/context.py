@@ -55,6 +55,8 @@ class Context:
     batcher: Any = None
     #: held while the shared module runs (client threads of the lockstep backend)
     model_lock: Any = field(default_factory=threading.RLock)
+    #: False once the lockstep backend found the model or loss not vmappable
+    vmap_ok: bool = True
 
     @property
     def device(self) -> torch.device:
@@ -110,6 +112,19 @@ class Context:
         lr = self.lr if lr is None else lr
         if self.batcher is not None and extra is None and mask is None and self.batch_size > 0:
             return self.batcher.sgd(params, data, generator, steps, lr)
+        return self.local_sgd(params, data, generator, steps, lr, extra, mask)
+
+    def local_sgd(
+        self,
+        params: torch.Tensor,
+        data: ClientData,
+        generator: torch.Generator,
+        steps: int,
+        lr: float,
+        extra: GradExtra | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, float]:
+        """One client's local SGD, step by step (what :meth:`sgd` runs without a batcher)."""
         self.model.module.train()
         p = params.detach().clone()
         total = torch.zeros((), device=p.device)
