@@ -56,14 +56,14 @@ class Ditto(FedAvg):
     ) -> ClientResult:
         """Global part as FedAvg, then the personal steps pulled towards the received w."""
         assert model_in is not None
+        result = super().client_update(ctx, model_in, state, data, generator)
         w = model_in.detach()
-        theta, loss = ctx.sgd(w, data, generator)
         extra = None if self.lam == 0 else (lambda p: self.lam * (p - w))
         v, personal_loss = ctx.sgd(
             state["v"], data, generator, steps=self.personal_steps, extra=extra
         )
-        metrics = {"train_loss": loss, "personal_loss": personal_loss}
-        return ClientResult(w - theta, {"v": v}, metrics)
+        metrics = {**result.metrics, "personal_loss": personal_loss}
+        return ClientResult(result.update, {"v": v}, metrics)
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int

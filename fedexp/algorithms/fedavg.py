@@ -12,7 +12,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
 from fedexp.data.federated import ClientData
-from fedexp.engine.context import Context
+from fedexp.engine.context import Context, GradExtra
 
 
 class FedAvg(Algorithm):
@@ -29,6 +29,10 @@ class FedAvg(Algorithm):
         self.server_lr = server_lr
         self.weighting = weighting
 
+    def proximal(self, anchor: torch.Tensor) -> GradExtra | None:
+        """Extra gradient term of the local objective around the received model (none)."""
+        return None
+
     def client_update(
         self,
         ctx: Context,
@@ -39,7 +43,8 @@ class FedAvg(Algorithm):
     ) -> ClientResult:
         """E local SGD steps; send Δ = x − θ^E."""
         assert model_in is not None
-        theta, loss = ctx.sgd(model_in, data, generator)
+        extra = self.proximal(model_in.detach())
+        theta, loss = ctx.sgd(model_in, data, generator, extra=extra)
         return ClientResult(model_in - theta, state, {"train_loss": loss})
 
     def server_update(

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.data.federated import ClientData
-from fedexp.engine.context import Context
+from fedexp.engine.context import GradExtra
 
 
 class FedProx(FedAvg):
@@ -31,17 +29,6 @@ class FedProx(FedAvg):
         super().__init__(server_lr, weighting)
         self.mu = mu
 
-    def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """E local steps on f_n(θ) + (μ/2)‖θ − x‖²; send Δ = x − θ^E."""
-        assert model_in is not None
-        anchor = model_in.detach()
-        extra = None if self.mu == 0 else (lambda p: self.mu * (p - anchor))
-        theta, loss = ctx.sgd(model_in, data, generator, extra=extra)
-        return ClientResult(model_in - theta, state, {"train_loss": loss})
+    def proximal(self, anchor: torch.Tensor) -> GradExtra | None:
+        """μ(θ − x): the gradient of (μ/2)‖θ − x‖² (none when μ = 0)."""
+        return None if self.mu == 0 else (lambda p: self.mu * (p - anchor))
