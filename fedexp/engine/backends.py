@@ -150,15 +150,12 @@ class LockstepBatcher:
             params = params - lr * grads
             total = total + values
         means = (total / max(steps, 1)).tolist()
-        finite = torch.isfinite(params).all(dim=1).tolist()
-        for r, p, mean, ok in zip(reqs, params, means, finite, strict=True):
-            if ok and mean == mean and abs(mean) != float("inf"):
+        for r, p, mean in zip(reqs, params, means, strict=True):
+            try:
+                ctx.check_finite(p, mean, lr)
                 r.result = (p.clone(), mean)
-            else:
-                r.error = DivergenceError(
-                    f"training loss is {mean} at round {ctx.round}: the run diverged "
-                    f"(lower lr={lr} or check the data for extreme values)"
-                )
+            except DivergenceError as exc:
+                r.error = exc
 
 
 def run_lockstep(

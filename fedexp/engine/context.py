@@ -138,12 +138,16 @@ class Context:
             p = p - lr * grad
             total = total + loss
         mean = float(total) / max(steps, 1)
-        if not math.isfinite(mean) or not bool(torch.isfinite(p).all()):
+        self.check_finite(p, mean, lr)
+        return p, mean
+
+    def check_finite(self, params: torch.Tensor, mean_loss: float, lr: float) -> None:
+        """Raise :class:`DivergenceError` if the loss or the parameters are NaN or infinite."""
+        if not math.isfinite(mean_loss) or not bool(torch.isfinite(params).all()):
             raise DivergenceError(
-                f"training loss is {mean} at round {self.round}: the run diverged "
+                f"training loss is {mean_loss} at round {self.round}: the run diverged "
                 f"(lower lr={lr} or check the data for extreme values)"
             )
-        return p, mean
 
     @torch.no_grad()
     def evaluate(self, params: torch.Tensor, data: ClientData) -> dict[str, float]:
