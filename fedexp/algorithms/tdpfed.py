@@ -1,0 +1,239 @@
+"""TDPFed (tensor decomposition based personalised FL; papers/tdpfed.txt, MATH §11).
+
+Every weight tensor of the model has CP factors of the rank its compression rate gives
+(TDPFed eqs. 21-22, Table I; ``fedexp.models.cp``); the factors (and the biases, carried as
+they are) form the *tensorized local model* A. Client k keeps a full personalised model θ_k.
+Each round (Algorithm 1) it receives the global factors A, then for t' = 1..τ draws ONE
+minibatch B and takes
+
+* s Nesterov steps (step η_p) on θ for f_k(θ; B) + (λ/2)‖θ − [[A]]‖² (eq. 13), then
+* s′ Adam steps (step η) on A for (λ/2)‖θ − [[A]]‖² (eqs. 15-17),
+
+and uploads A only (the ledger's uplink is the factor vector: 4 bytes an entry dense). The
+server aggregates by
+
+* AFM (eq. 18): A ← (1−β)A + β Σ_k ω_k A_k, or
+* ACT (eqs. 19-20): ω̃ = (1−β)[[A]] + β Σ_k ω_k [[A_k]] per weight tensor, then new factors by
+  ``act_sweeps`` ALS sweeps on ω̃ started from the AFM factors (the paper does not say how
+  factors are recovered from ω̃; biases are averaged as in AFM).
+
+Clients are evaluated with θ_k. Choices where the paper is silent or inconsistent:
+
+* A_0: ``init_sweeps`` ALS sweeps fitting the common initial model x0 from a random start
+  seeded by the run's seed; θ_k starts at x0.
+* θ_k persists between rounds (Algorithm 1 and MATH §11); §V-A's text says the server
+  broadcasts the aggregated tensor as the personalised model: ``reset_personal=true`` starts
+  θ_k from [[A]] every round (computed by the client: the downlink is still factors only).
+* ω_k ∝ n_k (``weighting="samples"``, eq. 20's |D_k|); eq. 18 weights by the minibatch size
+  |B_k|, equal for every client: ``weighting="uniform"``.
+* The Nesterov momentum is not given: ``momentum`` 0.9 by default. Both optimisers' states
+  persist in the client's state (``opt_theta.*``, ``opt_a.*``).
+* BatchNorm statistics (not in the paper's models) are carried dense in A, taken from θ.
+
+Persists: θ_k (client ``theta``), the optimiser states; the server's factors ``a``.
+"""
+
+from __future__ import annotations
+
+import functools
+from functools import partial
+
+import torch
+
+from fedexp.algorithms.base import Algorithm, ClientResult, Message, State, weighted_mean
+from fedexp.data.federated import ClientData
+from fedexp.engine.context import Context
+from fedexp.engine.objective import Aux, Objective
+from fedexp.engine.optim import SGD, Adam
+from fedexp.models.cp import CPLayout, als, compose
+from fedexp.models.flat import Layout
+
+
+@functools.lru_cache(maxsize=8)
+def cp_layout(layout: Layout, rate: float) -> CPLayout:
+    """The factor layout of a model layout at a compression rate (cached: one per run)."""
+    return CPLayout(layout, rate)
+
+
+class TDPFed(Algorithm):
+    """TDPFed.
+
+    Args:
+        rate: the compression rate of every weight (TDPFed's ×1.5 or ×2).
+        aggregation: "afm" (factor mean, eq. 18) or "act" (composed-tensor mean, eq. 19-20).
+        lam: λ > 0, pull of θ_k to [[A]].
+        beta: β, server mixing (1: the weighted mean).
+        personal_steps: s, Nesterov steps on θ per local round.
+        factor_steps: s′, Adam steps on the factors per local round.
+        personal_lr: η_p, the step of the θ steps (the run's ``lr`` is η of the factor steps).
+        momentum: the Nesterov momentum of the θ steps.
+        local_rounds: τ, local rounds (one minibatch each) per round (None: the run's local
+            steps / epochs).
+        init_sweeps: ALS sweeps fitting A_0 to the initial model.
+        act_sweeps: ALS sweeps re-deriving factors from the ACT average.
+        reset_personal: start θ_k from [[A]] each round (§V-A's text) instead of keeping it.
+        weighting: "samples" (eq. 20) or "uniform" (eq. 18 with equal minibatches).
+    """
+
+    def __init__(
+        self,
+        rate: float = 2.0,
+        aggregation: str = "afm",
+        lam: float = 12.0,
+        beta: float = 1.0,
+        personal_steps: int = 5,
+        factor_steps: int = 17,
+        personal_lr: float = 0.08,
+        momentum: float = 0.9,
+        local_rounds: int | None = None,
+        init_sweeps: int = 10,
+        act_sweeps: int = 3,
+        reset_personal: bool = False,
+        weighting: str = "samples",
+    ) -> None:
+        if aggregation not in ("afm", "act"):
+            raise ValueError(f"aggregation={aggregation!r}: expected 'afm' or 'act'")
+        if lam <= 0:
+            raise ValueError(f"lam={lam}: expected λ > 0")
+        if rate <= 0:
+            raise ValueError(f"rate={rate}: expected a compression rate > 0")
+        if personal_steps < 0 or factor_steps < 0:
+            raise ValueError("personal_steps and factor_steps: expected ≥ 0")
+        if local_rounds is not None and local_rounds < 1:
+            raise ValueError(f"local_rounds={local_rounds}: expected τ ≥ 1")
+        if weighting not in ("samples", "uniform"):
+            raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")
+        self.rate, self.aggregation, self.lam, self.beta = rate, aggregation, lam, beta
+        self.personal_steps, self.factor_steps = personal_steps, factor_steps
+        self.personal_lr, self.local_rounds = personal_lr, local_rounds
+        self.init_sweeps, self.act_sweeps = init_sweeps, act_sweeps
+        self.reset_personal, self.weighting = reset_personal, weighting
+        self.theta_opt = SGD(momentum=momentum, nesterov=momentum > 0)
+        self.factor_opt = Adam()
+
+    def cp(self, ctx: Context) -> CPLayout:
+        """The factor layout of the run's model at this compression rate."""
+        return cp_layout(ctx.model.layout, self.rate)
+
+    # ------------------------------------------------------------------ server
+    def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
+        """A_0: ALS factors of the initial model from a random start seeded by the run."""
+        gen = torch.Generator().manual_seed(ctx.seed)
+        return {"a": self.cp(ctx).decompose(x0, sweeps=self.init_sweeps, generator=gen)}
+
+    def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
+        """θ_k starts at the common initial model."""
+        return {"theta": x0.clone()}
+
+    def downlink(self, ctx: Context, server: State, client: int) -> Message | None:
+        """The global factors A (and the biases)."""
+        return server["a"]
+
+    # ------------------------------------------------------------------ client
+    def factor_loss(
+        self,
+        cp: CPLayout,
+        params: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        aux: Aux,
+        u: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(λ/2)‖θ − [[A]]‖² (eq. 12 at fixed θ; its gradient is eq. 15); ``aux``: θ, λ."""
+        diff = aux["theta"] - cp.compose(params)
+        return 0.5 * aux["lam"] * (diff * diff).sum(), params.detach()
+
+    def client_update(
+        self,
+        ctx: Context,
+        model_in: Message | None,
+        state: State,
+        data: ClientData,
+        generator: torch.Generator,
+    ) -> ClientResult:
+        """τ local rounds of s θ-steps then s′ factor steps on one minibatch; upload A."""
+        assert isinstance(model_in, torch.Tensor)
+        cp = self.cp(ctx)
+        a = model_in.detach().clone()
+        theta = cp.compose(a) if self.reset_personal else state["theta"]
+        opt_theta = self.theta_opt.load(state, "opt_theta") or self.theta_opt.init(theta)
+        opt_a = self.factor_opt.load(state, "opt_a") or self.factor_opt.init(a)
+        buffers = ctx.model.buffer_mask if ctx.model.has_buffers else None
+        frozen_a = None if buffers is None else cp.model_mask(buffers)
+        lam = torch.tensor(float(self.lam), device=a.device, dtype=a.dtype)
+        rounds = ctx.steps_for(data) if self.local_rounds is None else self.local_rounds
+        total = 0.0
+        for _ in range(rounds):
+            xb, yb = data.batch(ctx.batch_size, generator)
+            batch = ClientData(xb, yb, data.x_test, data.y_test)
+            if self.personal_steps > 0:
+                personal = ctx.train(
+                    theta,
+                    batch,
+                    generator,
+                    objective=ctx.proximal_objective(cp.compose(a), self.lam),
+                    optimizer=self.theta_opt,
+                    opt_state=opt_theta,
+                    steps=self.personal_steps,
+                    lr=self.personal_lr,
+                    batch_size=0,
+                )
+                theta, opt_theta, total = personal.params, personal.opt_state, total + personal.loss
+            if frozen_a is not None:  # running statistics travel in A, taken from θ
+                a = torch.where(frozen_a, cp.decompose(theta, start=a, sweeps=0), a)
+            if self.factor_steps > 0:
+                aux = {"theta": theta.detach(), "lam": lam}
+                objective = Objective(partial(self.factor_loss, cp), aux=aux, frozen=frozen_a)
+                fit = ctx.train(
+                    a,
+                    batch,
+                    generator,
+                    objective=objective,
+                    optimizer=self.factor_opt,
+                    opt_state=opt_a,
+                    steps=self.factor_steps,
+                    batch_size=0,
+                )
+                a, opt_a = fit.params, fit.opt_state
+        new_state = {
+            **state,
+            "theta": theta,
+            **self.theta_opt.save(opt_theta, "opt_theta"),
+            **self.factor_opt.save(opt_a, "opt_a"),
+        }
+        metrics = {"train_loss": total / max(rounds, 1)}
+        return ClientResult(a, new_state, metrics)
+
+    # ------------------------------------------------------------------ server
+    def server_update(
+        self,
+        ctx: Context,
+        server: State,
+        updates: dict[int, Message],
+        weights: dict[int, float],
+    ) -> State:
+        """AFM (eq. 18) or ACT (eqs. 19-20 and ALS sweeps back to factors)."""
+        a = server["a"]
+        mean = weighted_mean(updates, weights)  # type: ignore[arg-type]
+        afm = (1.0 - self.beta) * a + self.beta * mean
+        if self.aggregation == "afm":
+            return {**server, "a": afm}
+        cp = self.cp(ctx)
+        new = afm.clone()
+        clients = sorted(updates)
+        for e in cp.entries:
+            if e.rank == 0:
+                continue
+            composed = torch.stack([compose(cp.factors(updates[n], e)) for n in clients])
+            w = torch.tensor([weights[n] for n in clients], dtype=a.dtype, device=a.device)
+            avg = torch.tensordot(w, composed, dims=1)
+            target = (1.0 - self.beta) * compose(cp.factors(a, e)) + self.beta * avg
+            fitted = als(target, cp.factors(afm, e), self.act_sweeps)
+            new[e.offset : e.offset + e.size] = torch.cat([f.reshape(-1) for f in fitted])
+        return {**server, "a": new}
+
+    def eval_params(
+        self, ctx: Context, server: State, client_state: State, client: int
+    ) -> torch.Tensor:
+        """Client k is evaluated with its personalised model θ_k."""
+        return client_state["theta"]
