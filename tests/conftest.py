@@ -33,10 +33,12 @@ def small_cfg(tmp_path):
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory) -> SimpleNamespace:
-    """Synthetic LUNA16 and BraTS releases converted by data_prep, in-process."""
+    """Synthetic LUNA16 and BraTS releases converted by data_prep, in-process; look-alike
+    MNIST, CIFAR-10/100 and Tiny ImageNet files in their official formats."""
     from data_prep import brats as brats_prep
     from data_prep import luna16 as luna_prep
     from data_prep import synthetic
+    from data_prep import synthetic_images as images
     from data_prep.brats import BratsOptions
     from data_prep.luna16 import LunaOptions
 
@@ -45,4 +47,11 @@ def prepared(tmp_path_factory) -> SimpleNamespace:
     luna_prep.convert(root / "luna_raw", root / "luna", LunaOptions(quiet=True))
     synthetic.write_brats(root / "brats_raw", "brats2017", n_studies=5, seed=0)
     brats_prep.convert(root / "brats_raw", root / "brats", BratsOptions(quiet=True))
-    return SimpleNamespace(luna=root / "luna", brats=root / "brats")
+    return SimpleNamespace(
+        luna=root / "luna",
+        brats=root / "brats",
+        mnist=images.write_mnist(root / "mnist", n_train=100, n_test=40),
+        cifar10=images.write_cifar10(root / "cifar10", per_file=20),
+        cifar100=images.write_cifar100(root / "cifar100", n_train=300, n_test=100),
+        tiny_imagenet=images.write_tiny_imagenet(root / "tiny", classes=4, train_per_class=8),
+    )

@@ -25,9 +25,19 @@ MISSING = {
     "csv": "x.csv",
     "luna16": "python -m data_prep.luna16",
     "brats": "python -m data_prep.brats",
+    "mnist": "train-images-idx3-ubyte",
+    "cifar10": "cifar-10-binary.tar.gz",
+    "cifar100": "cifar-100-binary.tar.gz",
+    "tiny_imagenet": "wnids.txt",
 }
 # input shape of one sample per model option (tabular models: 30 features)
-INPUT_SHAPES = {"densenet": [1, 32, 32], "unet": [4, 64, 64]}
+INPUT_SHAPES = {
+    "densenet": [1, 32, 32],
+    "unet": [4, 64, 64],
+    "vgg8": [3, 32, 32],
+    "resnet18": [3, 32, 32],
+    "resnet9": [3, 32, 32],
+}
 
 
 def options(group: str) -> list[str]:

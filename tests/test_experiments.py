@@ -39,10 +39,19 @@ SHRINK = [
 TINY_MODEL = {
     "fedexp.models.imaging.densenet": ["model.growth_rate=4", "model.block_config=[2,2]"],
     "fedexp.models.imaging.unet": ["model.channels=[8,16]", "model.strides=[2]"],
+    "fedexp.models.vision.vgg8": ["model.channels=[4,4,8,8,8]", "model.hidden=8"],
+    "fedexp.models.vision.resnet9": ["model.width=4"],
 }
 
 #: The prepared synthetic folder for each imaging data set, by the data set's builder.
-IMAGING = {"fedexp.data.imaging.luna16": "luna", "fedexp.data.imaging.brats": "brats"}
+IMAGING = {
+    "fedexp.data.imaging.luna16": "luna",
+    "fedexp.data.imaging.brats": "brats",
+    "fedexp.data.images.mnist": "mnist",
+    "fedexp.data.images.cifar10": "cifar10",
+    "fedexp.data.images.cifar100": "cifar100",
+    "fedexp.data.images.tiny_imagenet": "tiny_imagenet",
+}
 
 _PARSER = OverridesParser.create()
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedexp.config.instantiate import instantiate_checked
 from fedexp.data import partitions as P
 from fedexp.data.federated import train_test_split
 from fedexp.errors import DataError
+from helpers import compose_config
 
 rng = np.random.default_rng(0)
 BINARY = (rng.random(1000) < 0.35).astype(np.int64)
@@ -18,6 +20,7 @@ CASES = [
     ("iid", P.iid, BINARY, {}),
     ("label_imbalance", P.label_imbalance, BINARY, {"delta": 3.0}),
     ("dirichlet", P.dirichlet, MULTI, {"alpha": 0.3}),
+    ("dirichlet_balance", P.dirichlet, MULTI, {"alpha": 0.3, "balance": True}),
     ("shards", P.shards, MULTI, {"classes_per_client": 2}),
     ("natural", P.natural, MULTI, {}),
 ]
@@ -93,3 +96,87 @@ def test_train_test_split_is_stratified_disjoint_and_complete():
     assert len(np.intersect1d(train, test)) == 0
     assert sorted(np.concatenate([train, test]).tolist()) == idx.tolist()
     assert len(test) == 40 and (labels[test] == 1).sum() == 10
+
+
+def _dirichlet_before_balance(labels, num_clients, seed, alpha, min_size=2, max_tries=100):
+    """``P.dirichlet`` as it was before ``balance`` (its code, verbatim but for the errors)."""
+    rng = np.random.default_rng([seed, 13])
+    for _ in range(max_tries):
+        parts = [[] for _ in range(num_clients)]
+        for c in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            props = rng.dirichlet(np.full(num_clients, alpha))
+            for n, chunk in enumerate(P._split_by_fractions(idx, props)):
+                parts[n].append(chunk)
+        out = [np.sort(np.concatenate(p)) for p in parts]
+        if min(len(p) for p in out) >= min_size:
+            return out
+    return None
+
+
+@pytest.mark.parametrize("num_clients", [1, 5, 20])
+@pytest.mark.parametrize("alpha", [0.1, 0.5, 2.0])
+@pytest.mark.parametrize("min_size", [2, 20])
+def test_dirichlet_without_balance_is_the_partition_of_before(num_clients, alpha, min_size):
+    for labels, seed in ((MULTI, 0), (MULTI, 3), (np.repeat(np.arange(10), 60), 1)):
+        old = _dirichlet_before_balance(labels, num_clients, seed, alpha, min_size)
+        if old is None:
+            with pytest.raises(DataError, match="in 100 draws"):
+                P.dirichlet(labels, num_clients, seed, alpha=alpha, min_size=min_size)
+            continue
+        new = P.dirichlet(labels, num_clients, seed, alpha=alpha, min_size=min_size)
+        assert all(np.array_equal(a, b) for a, b in zip(old, new, strict=True))
+
+
+def test_dirichlet_redraws_identically_until_min_size_holds():
+    # the first draw leaves a client short, a later one does not: the retry path is compared
+    with pytest.raises(DataError, match="fewer than 20 samples in 1 draws"):
+        P.dirichlet(MULTI, 20, 0, alpha=0.5, min_size=20, max_tries=1)
+    new = P.dirichlet(MULTI, 20, 0, alpha=0.5, min_size=20)
+    old = _dirichlet_before_balance(MULTI, 20, 0, 0.5, 20)
+    assert all(np.array_equal(a, b) for a, b in zip(old, new, strict=True))
+    assert min(len(p) for p in new) >= 20
+
+
+# 200 classes of 25 (Tiny ImageNet's class count) over 100 clients at FedDWA's α = 0.07
+MANY = np.repeat(np.arange(200), 25)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dirichlet_balance_caps_clients_at_n_over_N(seed):
+    n, clients, cap = len(MANY), 100, len(MANY) / 100
+    plain = P.dirichlet(MANY, clients, seed, alpha=0.07, min_size=0)
+    capped = P.dirichlet(MANY, clients, seed, alpha=0.07, min_size=10, balance=True)
+    allidx = np.concatenate(capped)
+    assert sorted(allidx.tolist()) == list(range(n)), "disjoint and complete"
+    sizes = np.array([len(p) for p in capped])
+    assert sizes.min() >= 10
+    # a client only receives a class while it holds < n/N, so it ends below n/N plus the
+    # chunk of the last class it received (classes are dealt in label order)
+    for part in capped:
+        counts = np.bincount(MANY[part], minlength=200)
+        last = np.flatnonzero(counts)[-1]
+        assert len(part) - counts[last] < cap
+    assert sizes.max() <= cap + 25
+    assert max(len(p) for p in plain) > 2 * sizes.max(), "the cap should matter at α = 0.07"
+    assert np.std([len(p) for p in plain]) > 2 * sizes.std()
+
+
+def test_balance_cap_renormalises_and_falls_back_to_open_clients():
+    props = np.array([0.5, 0.3, 0.2])
+    np.testing.assert_allclose(P._cap_full_clients(props, np.array([9, 1, 1]), 5.0), [0, 0.6, 0.4])
+    np.testing.assert_allclose(P._cap_full_clients(props, np.array([0, 0, 0]), 5.0), props)
+    # all the drawn mass on full clients: the class goes equally to the open ones
+    np.testing.assert_allclose(
+        P._cap_full_clients(np.array([1.0, 0.0, 0.0]), np.array([9, 1, 1]), 5.0), [0, 0.5, 0.5]
+    )
+
+
+def test_dirichlet_config_keys():
+    cfg = compose_config("partition=dirichlet")
+    assert cfg.partition.balance is False and cfg.partition.min_size == 2
+    cfg = compose_config("partition=dirichlet", "partition.alpha=0.07", "partition.balance=true")
+    partition = instantiate_checked(cfg.partition, "partition")
+    parts = partition(labels=MANY, num_clients=100, seed=0, groups=None)
+    direct = P.dirichlet(MANY, 100, 0, alpha=0.07, balance=True)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, direct, strict=True))

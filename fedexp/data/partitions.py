@@ -129,6 +129,20 @@ def label_imbalance(
     return _check_nonempty(parts, f"label_imbalance with delta={delta}, {num_clients} clients")
 
 
+def _cap_full_clients(props: np.ndarray, sizes: np.ndarray, cap: float) -> np.ndarray:
+    """FedDWA's balance cap: clients already holding ``cap`` samples get no more.
+
+    ``p_j <- p_j * (|idx_j| < cap)``, renormalised. If the draw put (numerically) all its mass
+    on full clients, the class is shared equally among the clients below the cap instead.
+    """
+    open_ = sizes < cap
+    capped = props * open_
+    total = capped.sum()
+    if total > 0:
+        return capped / total
+    return open_ / open_.sum()
+
+
 def dirichlet(
     labels: np.ndarray,
     num_clients: int,
@@ -137,23 +151,47 @@ def dirichlet(
     alpha: float = 0.5,
     min_size: int = 2,
     max_tries: int = 100,
+    balance: bool = False,
 ) -> list[np.ndarray]:
     """Class proportions per client drawn from Dirichlet(α) (Hsu et al. 2019).
 
-    Redraws (deterministically) until every client has ``min_size`` samples, at most
-    ``max_tries`` times.
+    Each class c in turn is shuffled and dealt by proportions p ~ Dir(α·1_N). Redraws
+    (deterministically) until every client has ``min_size`` samples, at most ``max_tries``
+    times.
+
+    Args:
+        labels: one label per sample.
+        num_clients: number of clients N.
+        seed: seed of the shuffles and draws.
+        groups: unused.
+        alpha: concentration α > 0 (small: each class on few clients).
+        min_size: the fewest samples any client may get; the draw is repeated until it holds.
+        max_tries: draws before giving up with a DataError.
+        balance: the cap of FedDWA's and NIID-Bench's (Li et al. 2022) Dirichlet code: while
+            dealing a class, a client that already holds ≥ n/N samples gets proportion 0
+            (``p_j <- p_j * (|idx_j| < n/N)``, renormalised), so no client ends with more than
+            n/N plus its share of the last class it received. False keeps the plain draw
+            (the same partition as before the option existed).
+
+    Raises:
+        DataError: α ≤ 0, or no draw in ``max_tries`` gives every client ``min_size`` samples.
     """
     del groups
     if alpha <= 0:
         raise DataError(f"partition.alpha={alpha}: expected α > 0")
     rng = np.random.default_rng([seed, 13])
+    cap = len(labels) / num_clients
     for _ in range(max_tries):
         parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        sizes = np.zeros(num_clients, dtype=np.int64)
         for c in np.unique(labels):
             idx = rng.permutation(np.flatnonzero(labels == c))
             props = rng.dirichlet(np.full(num_clients, alpha))
+            if balance:
+                props = _cap_full_clients(props, sizes, cap)
             for n, chunk in enumerate(_split_by_fractions(idx, props)):
                 parts[n].append(chunk)
+                sizes[n] += len(chunk)
         out = [np.sort(np.concatenate(p)) for p in parts]
         if min(len(p) for p in out) >= min_size:
             return out

@@ -8,8 +8,9 @@
   states with :func:`torch.func.vmap`. Algorithms are unchanged; each client draws its
   minibatch indices (then its noise) from its own (seed, round, client) stream in the same
   order as in ``sequential``, so both backends give the same models up to floating-point
-  summation order. Calls with an ``extra`` gradient closure, and full-batch steps, run per
-  client.
+  summation order. Full-batch calls (every step on all of ``data``, e.g. pFedMe's and TDPFed's
+  steps on one drawn minibatch) are batched with the clients whose data have the same shape.
+  Calls with an ``extra`` gradient closure run per client.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class _Request:
     optimizer: Optimizer
     opt_state: OptState
     mask: torch.Tensor | None
+    full_batch: bool = False
     result: LocalResult | None = None
     error: Exception | None = None
     done: bool = False
@@ -71,6 +73,7 @@ class _Request:
             tuple(sorted(self.opt_state)),
             self.mask is None,
             self.objective.batch_key(),
+            tuple(self.data.x_train.shape) if self.full_batch else None,
         )
 
 
@@ -98,10 +101,23 @@ class LockstepBatcher:
         optimizer: Optimizer,
         opt_state: OptState,
         mask: torch.Tensor | None,
+        full_batch: bool = False,
     ) -> LocalResult:
-        """Queue one client's local training and wait until its batch has run."""
+        """Queue one client's local training and wait until its batch has run.
+
+        ``full_batch``: every step on all of ``data`` (no minibatch draws).
+        """
         req = _Request(
-            params.detach(), data, generator, steps, lr, objective, optimizer, opt_state, mask
+            params.detach(),
+            data,
+            generator,
+            steps,
+            lr,
+            objective,
+            optimizer,
+            opt_state,
+            mask,
+            full_batch,
         )
         with self.cond:
             self.pending.append(req)
@@ -161,6 +177,7 @@ class LockstepBatcher:
                     r.optimizer,
                     r.opt_state,
                     r.mask,
+                    batch_size=0 if r.full_batch else None,
                 )
             except Exception as exc:  # noqa: BLE001 - handed to the waiting client
                 r.error = exc
@@ -190,13 +207,18 @@ class LockstepBatcher:
         for _ in range(steps):
             idx, noise = [], []
             for r in reqs:  # the same order of draws as ``Context.local_train``
-                idx.append(
-                    torch.randint(r.data.num_train, (ctx.batch_size,), generator=r.generator)
-                )
+                if not first.full_batch:
+                    idx.append(
+                        torch.randint(r.data.num_train, (ctx.batch_size,), generator=r.generator)
+                    )
                 noise.append(torch.rand(obj.noise, generator=r.generator))
-            idx_t = torch.stack(idx).to(dev)
             u = torch.stack(noise).to(dev)
-            grads, (values, post) = grad_fn(params, xs[rows, idx_t], ys[rows, idx_t], aux, u)
+            if first.full_batch:  # equal shapes (the request key): no padding
+                xb, yb = xs, ys
+            else:
+                idx_t = torch.stack(idx).to(dev)
+                xb, yb = xs[rows, idx_t], ys[rows, idx_t]
+            grads, (values, post) = grad_fn(params, xb, yb, aux, u)
             if keep is not None:
                 grads = grads.masked_fill(keep, 0.0)
             new, state = step_fn(params, grads, state, step_lr)

@@ -211,9 +211,9 @@ class Context:
         if opt_state is None:
             opt_state = optimizer.init(params.detach())
         size = self.batch_size if batch_size is None else batch_size
-        if self.batcher is not None and extra is None and size > 0 and size == self.batch_size:
+        if self.batcher is not None and extra is None and (size <= 0 or size == self.batch_size):
             return self.batcher.train(
-                params, data, generator, steps, lr, objective, optimizer, opt_state, mask
+                params, data, generator, steps, lr, objective, optimizer, opt_state, mask, size <= 0
             )
         return self.local_train(
             params, data, generator, steps, lr, objective, optimizer, opt_state, mask, extra, size

@@ -1,0 +1,180 @@
+"""pFedSOP (Sen & Mohan, 2025): a Gompertz-personalised regularised-Fisher step per client.
+
+"pFedSOP: Accelerating Training Of Personalized Federated Learning Using Second-Order
+Optimization", arXiv:2506.07159 (the authors released no code).
+
+The server keeps only the global gradient update Δ_{t−1} (zero before the first round) and
+sends it, an *update*, not a model. Client i keeps its personal model x_i, its last local
+gradient update Δ_i and whether it has taken part before. In round t (Algorithms 1–3):
+
+1. A returning client personalises the global update (Alg. 1, Eq. 14–15):
+   θ = arccos(cos(Δ_i, Δ_{t−1})), β = 1 − exp(−exp(−λ(θ − 1))) (Gompertz),
+   Δp = (1 − β) Δ_i + β Δ_{t−1}; then takes one regularised-Fisher (Newton) step
+   x_i ← x_i − η₁ (Δp Δpᵀ + ρI)⁻¹ Δp = x_i − η₁ Δp / (ρ + ‖Δp‖²) (Sherman–Morrison, Eq. 18–19).
+   A new client takes no step: its x_i is the common initial model x (Alg. 3, line 6).
+2. From x_i⁰ = x_i (after the step) it runs T local SGD steps (the run's local steps / epochs,
+   step η₂ = the run's lr) and sends Δ_i = (x_i⁰ − x_i^T)/η₂ (Alg. 2, Eq. 11), the sum of its
+   T gradients.
+3. The server sets Δ_t = (1/K′) Σ_j Δ_j over the K′ received updates (Eq. 13).
+
+Clients are evaluated with x_i (never-sampled clients: the initial model).
+
+Choices where the paper is silent, and differences from ALGORITHMS.md:
+
+* x_i keeps the point after the Newton step, not x_i^T: Algorithm 2 only *computes* Δ_i "at the
+  point x_it" and Algorithm 3 outputs x_it (Alg. 1, line 6) as the personal model, so the local
+  SGD iterates are discarded. ``keep_trained=True`` is the other reading (x_i ← x_i^T).
+* If Δ_i or Δ_{t−1} is zero the cosine is taken as 0 (θ = π/2), as
+  ``torch.nn.functional.cosine_similarity`` does; it is clamped to [−1, 1] before arccos.
+* "Without PC" (Table III): the paper does not spell the ablation out. The personalisation
+  component is the Gompertz mix of Eq. 14–15; without it Δp = Δ_{t−1} (β ≡ 1): every client
+  steps along the global update. (The paper's Fig. 5, where the PC lowers the training loss
+  faster, fits this reading, not the local-only Δp = Δ_i.)
+* η₁ is not given in the paper (one learning rate η per run, Table IV): ``personal_lr=None``
+  uses the run's lr.
+* Running statistics (BatchNorm buffers) are not gradients: Δ_i is zero there (so are Δ_{t−1}
+  and the Newton step), and x_i takes them from x_i^T, the forward passes of the local steps.
+* The local steps use the run's optimiser, its state persisting as in FedAvg; with plain SGD
+  (the paper's) Δ_i is exactly the sum of the T minibatch gradients.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+
+from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
+from fedexp.data.federated import ClientData
+from fedexp.engine.context import Context
+
+
+def gompertz(theta: torch.Tensor, lam: float) -> torch.Tensor:
+    """β = 1 − exp(−exp(−λ(θ − 1))) (Eq. 14): near 1 for θ ≪ 1, 1 − 1/e at θ = 1, → 0."""
+    return 1 - torch.exp(-torch.exp(-lam * (theta - 1)))
+
+
+def angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Arccos of the cosine of ``a`` and ``b`` (clamped to [−1, 1]; 0 if either is zero)."""
+    norms = a.norm() * b.norm()
+    cos = torch.where(norms > 0, (a @ b) / torch.where(norms > 0, norms, 1), 0)
+    return torch.arccos(cos.clamp(-1.0, 1.0))
+
+
+def sop_direction(dp: torch.Tensor, rho: float) -> torch.Tensor:
+    """(Δp Δpᵀ + ρI)⁻¹ Δp = Δp / (ρ + ‖Δp‖²) (Sherman–Morrison, Eq. 18), in O(d)."""
+    return dp / (rho + dp @ dp)
+
+
+class PFedSOP(Algorithm):
+    """pFedSOP.
+
+    Persists: server ``delta`` (Δ_{t−1}); per client ``x`` (personal model), ``delta`` (Δ_i),
+    ``seen`` (1-element float, 1 once it has taken part) and ``opt.*`` (the run's optimiser).
+
+    Metrics: ``train_loss`` (mean loss of the local steps).
+
+    Args:
+        rho: ρ > 0, the Fisher regularisation (paper: 1).
+        lam: λ > 0, the steepness of the Gompertz function (paper: 1).
+        personal_lr: η₁ of the Newton step (None: the run's lr).
+        personal_correction: the Gompertz mix of Δ_i and Δ_{t−1}; False is the "without PC"
+            ablation (Table III): Δp = Δ_{t−1}.
+        keep_trained: False (the paper): x_i stays at the Newton step's point; True: x_i ← x_i^T.
+        weighting: "uniform" (Eq. 13: the plain mean) or "samples".
+    """
+
+    downlink_parts = MappingProxyType({"": "update"})
+
+    def __init__(
+        self,
+        rho: float = 1.0,
+        lam: float = 1.0,
+        personal_lr: float | None = None,
+        personal_correction: bool = True,
+        keep_trained: bool = False,
+        weighting: str = "uniform",
+    ) -> None:
+        if rho <= 0 or lam <= 0:
+            raise ValueError(f"rho={rho}, lam={lam}: expected ρ > 0 and λ > 0")
+        if personal_lr is not None and personal_lr < 0:
+            raise ValueError(f"personal_lr={personal_lr}: expected η₁ ≥ 0")
+        if weighting not in ("samples", "uniform"):
+            raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")
+        self.rho, self.lam, self.personal_lr = rho, lam, personal_lr
+        self.personal_correction, self.keep_trained = personal_correction, keep_trained
+        self.weighting = weighting
+
+    def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
+        """Δ_0 = 0: no global update before the first round."""
+        return {"delta": torch.zeros_like(x0)}
+
+    def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
+        """x_i = the common initial model; no Δ_i yet."""
+        return {
+            "x": x0.clone(),
+            "delta": torch.zeros_like(x0),
+            "seen": torch.zeros(1, dtype=x0.dtype, device=x0.device),
+        }
+
+    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
+        """The global gradient update Δ_{t−1} (coded as an update)."""
+        return server["delta"]
+
+    def personalized_update(self, local: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+        """Δp = (1 − β) Δ_i + β Δ_{t−1} (Eq. 15); Δ_{t−1} alone without the PC."""
+        if not self.personal_correction:
+            return glob
+        beta = gompertz(angle(local, glob), self.lam)
+        return (1 - beta) * local + beta * glob
+
+    def client_update(
+        self,
+        ctx: Context,
+        model_in: torch.Tensor | None,
+        state: State,
+        data: ClientData,
+        generator: torch.Generator,
+    ) -> ClientResult:
+        """Newton step (returning clients), T local steps from it, send Δ_i = (x⁰ − x^T)/η₂."""
+        assert isinstance(model_in, torch.Tensor)
+        x = state["x"]
+        glob = model_in.to(x)
+        eta1 = ctx.lr if self.personal_lr is None else self.personal_lr
+        dp = self.personalized_update(state["delta"], glob)
+        stepped = x - eta1 * sop_direction(dp, self.rho)
+        x_start = torch.where(state["seen"] > 0, stepped, x)
+        opt = ctx.optimizer
+        local = ctx.train(x_start, data, generator, opt_state=opt.load(state))
+        delta = (x_start - local.params) / ctx.lr
+        n = ctx.model.layout.num_params
+        if ctx.model.has_buffers:  # running statistics: no gradient, taken from x^T
+            delta = ctx.model.with_buffers(delta, torch.zeros_like(delta[n:]))
+        x_new = local.params if self.keep_trained else x_start
+        x_new = ctx.model.with_buffers(x_new, local.params[n:] if ctx.model.has_buffers else None)
+        new_state = {
+            **state,
+            "x": x_new,
+            "delta": delta,
+            "seen": torch.ones_like(state["seen"]),
+            **opt.save(local.opt_state),
+        }
+        return ClientResult(delta, new_state, {"train_loss": local.loss})
+
+    def server_update(
+        self,
+        ctx: Context,
+        server: State,
+        updates: dict[int, torch.Tensor],
+        weights: dict[int, float],
+    ) -> State:
+        """Δ_t = the mean of the received Δ_j (Eq. 13); unchanged if none arrived."""
+        if not updates:
+            return server
+        return {**server, "delta": weighted_mean(updates, weights)}
+
+    def eval_params(
+        self, ctx: Context, server: State, client_state: State, client: int
+    ) -> torch.Tensor:
+        """Client i is evaluated with its personal model x_i."""
+        return client_state["x"]

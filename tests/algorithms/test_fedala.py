@@ -1,0 +1,146 @@
+"""FedALA against the properties its paper implies, and against a hand computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedexp.algorithms.fedala import FedALA
+from fedexp.engine.runner import build_engine
+from helpers import assert_resume_exact
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MLP = ("model=mlp", "model.hidden=8")
+
+
+def _rounds(engine, n):
+    history = [engine.run_round() for _ in range(n)]
+    return history
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm.eta=0.0",),
+        ("algorithm.eta=0.0", "participation=0.6", "optimizer.momentum=0.9", *MLP),
+        ("algorithm.eta=0.0", *MLP, "model.norm=batch"),
+        ("algorithm.layers=0", "algorithm.eta=5.0", *MLP),
+    ],
+    ids=["w1-logreg", "w1-mlp-momentum-partial", "w1-batchnorm", "p0-mlp"],
+)
+def test_unit_weights_or_no_layers_is_fedavg_bit_for_bit(small_cfg, overrides):
+    """W ≡ 1 (η_W = 0) or p = 0: Θ̂ = Θ, so training starts from the global model as FedAvg."""
+    common = [o for o in overrides if not o.startswith("algorithm.")]
+    ala = build_engine(small_cfg("algorithm=fedala", *overrides))
+    avg = build_engine(small_cfg("algorithm=fedavg", *common))
+    for _ in range(3):
+        ala.run_round()
+        avg.run_round()
+        assert torch.equal(ala.server["x"], avg.server["x"])
+    for a, b in zip(ala.client_states, avg.client_states, strict=True):
+        assert bool((a["W"] == 1).all())
+        for key in b:  # the same optimiser state as FedAvg's clients
+            assert torch.equal(a[key], b[key])
+
+
+def test_weight_step_matches_a_hand_computation(small_cfg):
+    """One minibatch: W ← clip(W − η (∇_θ L(Θ̂))_top ⊙ (Θ − Θ_i)_top, 0, 1)."""
+    engine = build_engine(small_cfg("algorithm=fedala", "algorithm.eta=3.0", *MLP))
+    alg, ctx, x0 = engine.algorithm, engine.ctx, engine.x0
+    lo, hi = alg.top_range(ctx)
+    head = ctx.model.layout.indices(["head.*"])
+    assert torch.equal(torch.arange(lo, hi), head)  # p = 2: the last layer's weight and bias
+    gen = torch.Generator().manual_seed(0)
+    glob = x0 + 0.5 * torch.randn(x0.shape, generator=gen)
+    local = x0 - 0.5 * torch.randn(x0.shape, generator=gen)
+    w = torch.rand(hi - lo, generator=gen)
+    data = engine.clients[0]
+    x, y = data.x_train[:16], data.y_train[:16]
+
+    mixed = alg.mix(ctx, glob, local, w)
+    assert torch.equal(mixed[:lo], glob[:lo])  # lower layers: the global model
+    torch.testing.assert_close(mixed[lo:hi], local[lo:hi] + (glob - local)[lo:hi] * w)
+
+    new_w, loss = alg.ala_step(ctx, glob, local, w, x, y)
+    ref_loss, grad = ctx.loss_and_grad(mixed, x, y)
+    expected = torch.clamp(w - 3.0 * grad[lo:hi] * (glob - local)[lo:hi], 0.0, 1.0)
+    torch.testing.assert_close(new_w, expected)
+    torch.testing.assert_close(loss, ref_loss)
+    assert bool(((new_w == 0) | (new_w == 1)).any())  # the clip is exercised
+    assert bool(((new_w > 0) & (new_w < 1)).any())
+
+
+def test_weights_stay_in_unit_interval_and_start_phase_converges(small_cfg):
+    """Round 0 skips ALA (Θ = Θ_i = x0); round 1 learns W to convergence; then one epoch."""
+    engine = build_engine(small_cfg("algorithm=fedala", "algorithm.eta=20.0", *MLP))
+    history = _rounds(engine, 3)
+    epochs = [m["train/ala_epochs"] for m in history]
+    assert epochs[0] == 0.0
+    assert 11.0 <= epochs[1] <= 100.0  # more than num_pre_loss = 10 epochs, capped at 100
+    assert epochs[2] == 1.0
+    moved = False
+    for n, state in enumerate(engine.client_states):
+        w = state["W"]
+        assert bool(((w >= 0) & (w <= 1)).all())
+        moved |= bool((w < 1).any())
+        assert float(state["started"][0]) == 1.0
+        mixed = engine.algorithm.eval_params(engine.ctx, engine.server, state, n)
+        lo, hi = engine.algorithm.top_range(engine.ctx)
+        assert torch.equal(mixed[:lo], engine.server["x"][:lo])
+        torch.testing.assert_close(
+            mixed[lo:hi], torch.lerp(state["theta"][lo:hi], engine.server["x"][lo:hi], w)
+        )
+    assert moved
+
+
+def test_first_participation_after_round_zero_starts_the_phase(small_cfg):
+    """A client first sampled after round 0 (Θ_i = x0 ≠ Θ) runs its start phase then."""
+    engine = build_engine(small_cfg("algorithm=fedala", "participation=0.4"))
+    for _ in range(4):
+        engine.run_round()
+        for n in engine.last_sampled:
+            started = float(engine.client_states[n]["started"][0])
+            assert started == (0.0 if engine.round == 1 else 1.0)
+
+
+def test_resume_is_exact(small_cfg, tmp_path):
+    cfg = small_cfg("algorithm=fedala", "rounds=4", "checkpoint_every=2", "participation=0.6")
+    assert_resume_exact(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("overrides", [("participation=0.6",), MLP], ids=["logreg-partial", "mlp"])
+def test_lockstep_equals_sequential(small_cfg, overrides):
+    def go(backend):
+        engine = build_engine(small_cfg("algorithm=fedala", f"backend={backend}", *overrides))
+        return engine, _rounds(engine, 3)[-1]
+
+    seq, m_seq = go("sequential")
+    lock, m_lock = go("lockstep")
+    torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-4, atol=1e-5)
+    for a, b in zip(seq.client_states, lock.client_states, strict=True):
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert m_lock["bytes/up"] == m_seq["bytes/up"]
+    assert m_lock["bytes/down"] == m_seq["bytes/down"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [(), MLP, (*MLP, "model.norm=batch", "algorithm.stats=local", "algorithm.evaluate=local")],
+    ids=["default", "mlp", "batchnorm-local"],
+)
+def test_runs(small_cfg, overrides):
+    engine = build_engine(small_cfg("algorithm=fedala", *overrides))
+    _rounds(engine, 2)
+    agg, per_client = engine.evaluate()
+    assert math.isfinite(agg["acc/mean"]) and len(per_client) == 5
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="stats"):
+        FedALA(stats="mine")
+    with pytest.raises(ValueError, match="rand_percent"):
+        FedALA(rand_percent=0)

@@ -1,0 +1,133 @@
+"""FedAvg-FT and FedProx-FT (pFedSOP's baselines) against FedAvg / FedProx and by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedexp.algorithms.finetune import FedAvgFT, FedProxFT
+from fedexp.engine import rng
+from fedexp.engine.runner import build_engine
+from helpers import deterministic
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: few local steps keep the file fast; no property here depends on their number
+FAST = ("local_steps=2",)
+
+
+def _rounds(engine, n):
+    metrics = {}
+    for _ in range(n):
+        metrics = engine.run_round()
+    return engine, metrics
+
+
+@pytest.mark.parametrize(
+    ("ft", "plain"),
+    [("fedavg_ft", "fedavg"), ("fedprox_ft", "fedprox")],
+    ids=["fedavg", "fedprox"],
+)
+def test_zero_finetune_steps_is_the_plain_algorithm(small_cfg, ft, plain):
+    """Server, client states, training metrics and evaluation all bit for bit."""
+    extra = (
+        ("participation=0.6", "algorithm.mu=0.5") if plain == "fedprox" else ("participation=0.6",)
+    )
+    a, m_a = _rounds(
+        build_engine(small_cfg(*FAST, f"algorithm={ft}", "algorithm.finetune_steps=0", *extra)), 3
+    )
+    b, m_b = _rounds(build_engine(small_cfg(*FAST, f"algorithm={plain}", *extra)), 3)
+    assert torch.equal(a.server["x"], b.server["x"])
+    for sa, sb in zip(a.client_states, b.client_states, strict=True):
+        assert sa.keys() == sb.keys()
+    assert deterministic(m_a) == deterministic(m_b)
+    assert a.evaluate() == b.evaluate()
+
+
+def test_local_training_starts_from_the_finetuned_model(small_cfg):
+    """One round by hand: k fine-tuning steps, then E local steps from x^FT on the same stream;
+    ``ft`` is kept and evaluated, the server averages the results (FedAvg)."""
+    e, metrics = _rounds(
+        build_engine(small_cfg(*FAST, "algorithm=fedavg_ft", "algorithm.finetune_steps=3")), 1
+    )
+    ctx, x0 = e.ctx, e.x0
+    weights = torch.tensor([float(c.num_train) for c in e.clients])
+    weights = weights / weights.sum()
+    expected = torch.zeros_like(x0)
+    for n, (s, data) in enumerate(zip(e.client_states, e.clients, strict=True)):
+        gen = rng.generator(e.seed, rng.CLIENT, 0, n)
+        ft = ctx.train(x0, data, gen, steps=3).params
+        local = ctx.train(ft, data, gen).params
+        assert torch.equal(s["ft"], ft)
+        assert torch.equal(e.algorithm.eval_params(ctx, e.server, s, n), ft)
+        expected += weights[n] * (x0 - local)
+    torch.testing.assert_close(e.server["x"], x0 - expected)
+    assert "train/finetune_loss" in metrics
+
+
+def test_finetuning_lowers_the_clients_training_loss(small_cfg):
+    """Full-batch fine-tuning of the received global model (x0 in round 1) on a client's data
+    lowers its training loss there."""
+    e, _ = _rounds(
+        build_engine(
+            small_cfg(*FAST, "algorithm=fedavg_ft", "algorithm.finetune_steps=5", "batch_size=0")
+        ),
+        1,
+    )
+    for s, data in zip(e.client_states, e.clients, strict=True):
+        before, _ = e.ctx.loss_and_grad(e.x0, data.x_train, data.y_train)
+        after, _ = e.ctx.loss_and_grad(s["ft"], data.x_train, data.y_train)
+        assert float(after) < float(before) - 1e-3
+
+
+def test_never_sampled_clients_are_evaluated_with_the_global_model(small_cfg):
+    e, _ = _rounds(build_engine(small_cfg(*FAST, "algorithm=fedprox_ft", "participation=0.4")), 1)
+    for n, s in enumerate(e.client_states):
+        params = e.algorithm.eval_params(e.ctx, e.server, s, n)
+        if n in e.last_sampled:
+            assert torch.equal(params, s["ft"])
+        else:
+            assert "ft" not in s and torch.equal(params, e.server["x"])
+
+
+def test_lockstep_equals_sequential(small_cfg):
+    overrides = ("algorithm=fedprox_ft", "model=mlp", "model.hidden=8", "participation=0.6")
+    runs = {
+        b: _rounds(build_engine(small_cfg(*FAST, f"backend={b}", *overrides)), 3)
+        for b in ("sequential", "lockstep")
+    }
+    (seq, m_seq), (lock, m_lock) = runs["sequential"], runs["lockstep"]
+    torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-4, atol=1e-5)
+    for a, b in zip(seq.client_states, lock.client_states, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert m_lock["bytes/up"] == m_seq["bytes/up"]
+    assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "overrides"),
+    [
+        ("fedavg_ft", ()),
+        ("fedprox_ft", ("model=mlp", "model.hidden=8")),
+        ("fedavg_ft", ("model=mlp", "model.hidden=8", "model.norm=batch")),
+    ],
+    ids=["fedavg-logreg", "fedprox-mlp", "fedavg-mlp-batchnorm"],
+)
+def test_runs_and_evaluates_the_finetuned_models(small_cfg, algorithm, overrides):
+    e, metrics = _rounds(build_engine(small_cfg(*FAST, f"algorithm={algorithm}", *overrides)), 2)
+    out, per_client = e.evaluate()
+    assert 0.0 <= out["acc/mean"] <= 1.0 and len(per_client) == 5
+    assert math.isfinite(metrics["train/finetune_loss"])
+    s = e.client_states[0]
+    assert not torch.equal(s["ft"], e.server["x"])
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="expected"):
+        FedAvgFT(finetune_steps=-1)
+    with pytest.raises(ValueError, match="expected"):
+        FedProxFT(mu=-1.0)
