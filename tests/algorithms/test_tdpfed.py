@@ -234,3 +234,16 @@ def test_rejects_bad_settings():
         TDPFed(aggregation="mean")
     with pytest.raises(ValueError, match="lam"):
         TDPFed(lam=0.0)
+
+
+@pytest.mark.parametrize("keep", [0.667, 0.5])
+def test_fedavg_sar_sends_a_random_share_both_ways(small_cfg, keep):
+    """FedAvg (s.a.r.), TDPFed §VII-D: the random-k codec with q = keep up and down, and the
+    bytes of both directions below the dense float32 count."""
+    e = build_engine(small_cfg("compressor=sar", f"compressor.keep={keep}", "model=mlp"))
+    for channel in (e.uplink, e.downlink):
+        assert channel.codec.q == pytest.approx(keep)
+    e.setup()
+    m = e.run_round()
+    for d in ("up", "down"):
+        assert 0 < m[f"bytes/{d}"] < m[f"bytes/{d}_dense"]
