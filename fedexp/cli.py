@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import signal
 import sys
 from pathlib import Path
 
@@ -20,13 +22,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from fedexp.config.schema import register_configs
-from fedexp.errors import FedexpError
+from fedexp.config.instantiate import check_targets, register_resolvers
+from fedexp.config.schema import register_configs, validate
+from fedexp.errors import CheckpointError, ConfigError, FedexpError, Terminated
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("fedexp")
 
 register_configs()
+register_resolvers()
 
 
 def _print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
@@ -70,6 +74,10 @@ def _set_threads(threads: int, hc: DictConfig) -> None:
 def _describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
     """One line on why the run stopped and, where a checkpoint exists, how to resume it."""
     text = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {exc}"
+    if isinstance(exc, Terminated):
+        text = "terminated (SIGTERM)"
+    if isinstance(exc, CheckpointError):
+        return text  # the checkpoint itself is unusable: no resume hint
     folder = Path(cfg.resume) if cfg.resume else Path(cfg.output_dir) / "checkpoints"
     if (folder / "last.safetensors").exists() or folder.name == "last.safetensors":
         overrides = " ".join(o for o in hc.overrides.task if not o.startswith("resume="))
@@ -77,11 +85,44 @@ def _describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
     return text
 
 
+#: Parts of a ``hydra.*`` key, and words in its value, that make Hydra import and call code
+#: before fedexp sees the config (callbacks, launcher/sweeper targets, logging classes).
+_HYDRA_CODE_WORDS = ("_target_", "_args_", "callbacks", "class", "()")
+_HYDRA_CODE_VALUE = re.compile(r"_target_|_args_|callbacks|(\bclass|\(\))\s*:")
+
+
+def _hydra_code_override(args: list[str]) -> str | None:
+    """The key of the first command-line override that makes Hydra run code, or None."""
+    for arg in args:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key == "hydra" or key.startswith("hydra."):
+            if any(w in key.split(".") for w in _HYDRA_CODE_WORDS) or _HYDRA_CODE_VALUE.search(
+                value
+            ):
+                return key
+    return None
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def _hydra_run(cfg: DictConfig) -> float:
+    hc = HydraConfig.get()
+    try:
+        check_targets(cfg, "")  # fedexp's own classes only, refused before any import
+        validate(cfg)  # the ranges, before torch and the runner are imported
+    except ConfigError as exc:
+        print(f"fedexp: error: {exc}", file=sys.stderr)
+        if hc.mode == RunMode.MULTIRUN:
+            return math.nan  # one bad job of a sweep does not stop the others
+        sys.exit(1)
     from fedexp.engine.runner import run
 
-    hc = HydraConfig.get()
     _set_threads(cfg.threads, hc)
     tags: dict[str, str] = {
         f"choice.{k}": str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra")
@@ -103,13 +144,21 @@ def _hydra_run(cfg: DictConfig) -> float:
                 }
             )
             run_name = ",".join(hc.overrides.task) or None
+    try:  # SIGTERM stops the run like Ctrl-C: tracker run KILLED, checkpoint kept
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
     try:
         result = run(cfg, run_name=run_name, tags=tags)
     except (FedexpError, KeyboardInterrupt) as exc:
         print(f"fedexp: {_describe_stop(exc, cfg, hc)}", file=sys.stderr)
         if hc.mode == RunMode.MULTIRUN and not isinstance(exc, KeyboardInterrupt):
             return math.nan  # one bad job of a sweep does not stop the others
-        sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+        code = 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
+        sys.exit(code if isinstance(exc, KeyboardInterrupt) else 1)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     _print_table(result)
     headline = next(iter(result.per_client[0]), "acc")  # the task's first metric: acc or iou
     return float(result.metrics.get(f"{headline}/mean", math.nan))
@@ -129,6 +178,14 @@ def main() -> None:
     if args[0] != "run":
         print(f"fedexp: unknown command {args[0]!r} (expected: run or report)", file=sys.stderr)
         sys.exit(2)
+    bad = _hydra_code_override(args[1:])
+    if bad:
+        print(
+            f"fedexp: error: {bad}: Hydra settings that name code (callbacks, _target_, "
+            "logging classes) cannot be overridden; only fedexp's own classes can be configured",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     sys.argv = [sys.argv[0], *args[1:]]
     _hydra_run()
 

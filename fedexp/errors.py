@@ -15,3 +15,14 @@ class DataError(FedexpError):
 
 class DivergenceError(FedexpError):
     """The training loss became NaN or infinite."""
+
+
+class CheckpointError(FedexpError):
+    """A checkpoint file is missing, unreadable, or its tensors fail their checksum."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the run's main thread by the CLI: the run stops as on Ctrl-C.
+
+    The tracker's run ends KILLED and the last checkpoint is kept.
+    """

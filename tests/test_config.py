@@ -119,10 +119,21 @@ def test_launcher_configs_compose(launcher):
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
 def test_experiment_configs_compose_and_build(experiment, prepared):
     cfg = compose_config(f"+experiment={experiment}", "device=cpu")
-    imaging = {"luna16": prepared.luna, "brats": prepared.brats}  # placeholders in the files
+    imaging = {  # placeholders in the files: the look-alike releases instead
+        "luna16": prepared.luna,
+        "brats": prepared.brats,
+        "mnist": prepared.mnist,
+        "cifar10": prepared.cifar10,
+        "cifar100": prepared.cifar100,
+        "tiny_imagenet": prepared.tiny_imagenet,
+    }
     kind = cfg.dataset._target_.rsplit(".", 1)[-1]
     if kind in imaging:
         cfg.dataset.path = str(imaging[kind])
+        cfg.batch_size = 2  # the synthetic releases give each client a few samples
+        cfg.num_clients = min(cfg.num_clients, 4)
+        if "k" in cfg.algorithm:
+            cfg.algorithm.k = min(cfg.algorithm.k, 3)
     engine = build_engine(cfg)
     assert engine.clients and cfg.tracker.experiment.startswith("fedexp/")
 

@@ -32,6 +32,7 @@ def test_runs_with_a_batchnorm_densenet_on_luna16(prepared, small_cfg, algorithm
         "model.block_config=[2,2]",
         "partition=iid",
         f"algorithm={algorithm}",
+        *(["algorithm.k=2"] if algorithm == "pfednet" else []),  # k < num_clients
         "rounds=1",
         "num_clients=3",
         "local_steps=2",

@@ -28,7 +28,7 @@ SHRINK = [
     "rounds=1",
     "num_clients=3",
     "local_steps=1",
-    "batch_size=8",
+    "batch_size=4",  # the synthetic LUNA16 clients hold 4 training samples
     "eval_every=1",
     "progress=none",
     "checkpoint_every=0",
@@ -141,6 +141,10 @@ def _shrunk(name: str, command: list[str], prepared, tmp_path: Path):
     overrides = [f"+experiment={name}", *sweeps, *command, *SHRINK]
     cfg = compose_config(*overrides)
     extra = list(TINY_MODEL.get(cfg.model._target_, []))
+    if cfg.algorithm._target_ == "fedexp.algorithms.pfednet.PFedNet":  # k < num_clients
+        extra.append(f"algorithm.k={min(cfg.algorithm.k, cfg.num_clients - 1)}")
+    if "classes_per_client" in cfg.partition:  # the prepared data sets have few classes
+        extra.append(f"partition.classes_per_client={min(cfg.partition.classes_per_client, 2)}")
     if cfg.dataset._target_ in IMAGING:
         extra.append(f"dataset.path={getattr(prepared, IMAGING[cfg.dataset._target_])}")
     return compose_config(*overrides, *extra, output_dir=tmp_path / "out")

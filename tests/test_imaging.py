@@ -166,6 +166,7 @@ def test_missing_channel_clients_see_zeros_in_train_and_test(prepared, small_cfg
         f"dataset.path={prepared.brats}",
         *TINY["unet"],
         "num_clients=4",
+        "batch_size=8",
         "partition=missing_channel",
         "partition.channel=1",
         "partition.clients=[0,2]",
@@ -233,7 +234,9 @@ def test_end_to_end_on_synthetic_imaging(prepared, small_cfg, dataset, algorithm
 
 
 def test_chunked_evaluation_equals_one_pass(prepared, small_cfg):
-    cfg = small_cfg("dataset=brats", f"dataset.path={prepared.brats}", *TINY["unet"])
+    cfg = small_cfg(
+        "dataset=brats", f"dataset.path={prepared.brats}", *TINY["unet"], "batch_size=8"
+    )
     engine = build_engine(cfg)
     ctx, data = engine.ctx, engine.clients[0]
     whole = ctx.evaluate(engine.x0, data)

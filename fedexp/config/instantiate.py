@@ -3,11 +3,18 @@
 Hydra checks the run settings against :class:`fedexp.config.schema.RunConfig` at compose
 time; group nodes are free-form ``_target_`` nodes, so they are checked here, against the
 signature of their target, before anything is built or run. The error names the full key.
+
+Only fedexp's own code can be configured: every ``_target_`` anywhere in a node (nested dicts
+and lists included) must name a class or function *defined* in a ``fedexp.`` module
+(:data:`ALLOWED_TARGET_PACKAGES`); anything else is refused before it is imported, and
+``_args_`` (positional arguments, which bypass the signature check) is refused everywhere.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
 import types
 import typing
 from typing import Any
@@ -19,6 +26,92 @@ from fedexp.errors import ConfigError, FedexpError
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 _SCALARS = (bool, int, float, str)
+
+#: The only packages whose classes and functions a config ``_target_`` may name. Every YAML
+#: under conf/ points to fedexp's own classes, so no third-party package is needed here.
+ALLOWED_TARGET_PACKAGES = ("fedexp",)
+
+
+def _refuse(key: str, target: Any) -> ConfigError:
+    allowed = ", ".join(f"{p}.*" for p in ALLOWED_TARGET_PACKAGES)
+    return ConfigError(f"{key}={target!r}: only fedexp's own classes can be configured ({allowed})")
+
+
+def check_target_name(target: Any, key: str) -> None:
+    """Refuse a ``_target_`` outside :data:`ALLOWED_TARGET_PACKAGES`, by its text alone.
+
+    Nothing is imported: the dotted path must start with an allowed package and every part
+    must be a public identifier (no ``__dunder__`` or private attribute walks).
+    """
+    if not isinstance(target, str):
+        raise _refuse(key, target)
+    parts = target.split(".")
+    if parts[0] not in ALLOWED_TARGET_PACKAGES or len(parts) < 2:
+        raise _refuse(key, target)
+    if not all(p.isidentifier() and not p.startswith("_") for p in parts):
+        raise _refuse(key, target)
+
+
+def check_targets(node: Any, path: str, *, locate: bool = False) -> Any:
+    """Walk ``node`` (a config node, dict or list, any depth) and refuse every foreign target.
+
+    Every ``_target_`` must pass :func:`check_target_name` (with ``locate``, also
+    :func:`locate_target`, which imports it); ``_args_`` is refused anywhere. Values are
+    resolved first, so an interpolation cannot hide a target.
+
+    Returns:
+        the resolved plain container; with ``locate``, every ``_target_`` in it replaced by the
+        object it names, so that instantiation builds exactly what was checked.
+    """
+    if isinstance(node, DictConfig | ListConfig):
+        try:
+            node = OmegaConf.to_container(node, resolve=True)
+        except Exception as exc:  # noqa: BLE001 - a broken interpolation is a config error
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"{path or 'config'}: {first}") from None
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            full = f"{path}.{key}" if path else str(key)
+            if key == "_target_":
+                check_target_name(value, full)
+                out[key] = locate_target(value, full) if locate else value
+            elif key == "_args_":
+                raise ConfigError(
+                    f"{full}: positional arguments cannot be configured; "
+                    "name each argument as a key"
+                )
+            else:
+                out[key] = check_targets(value, full, locate=locate)
+        return out
+    if isinstance(node, list | tuple):
+        return [check_targets(v, f"{path}[{i}]", locate=locate) for i, v in enumerate(node)]
+    return node
+
+
+def locate_target(target: str, key: str) -> Any:
+    """Import and return the object ``target`` names, only if fedexp itself defines it.
+
+    ``target`` must be ``<fedexp module>.<name>`` where the module defines ``name`` (its
+    ``__module__`` is a fedexp module): a name a fedexp module merely imports (``os``,
+    ``torch.load``, ``safetensors.torch.save_file``) is refused.
+    """
+    check_target_name(target, key)
+    module_name, _, attr = target.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: cannot import '{target}' ({exc})") from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"{key}: cannot import '{target}' (no {attr} in {module_name})") from None
+    owner = getattr(obj, "__module__", None) or ""
+    if not (inspect.isclass(obj) or inspect.isfunction(obj)) or owner.split(".")[0] not in (
+        ALLOWED_TARGET_PACKAGES
+    ):
+        raise _refuse(key, target)
+    return obj
 
 
 def _accepts(annotation: Any, value: Any) -> bool:
@@ -49,13 +142,11 @@ def check_node(node: DictConfig | dict, path: str, extra: set[str] | None = None
         path: its full key in the run config, for the message (e.g. ``"algorithm"``).
         extra: argument names the caller passes at instantiation (not expected in the node).
     """
+    check_targets(node, path, locate=True)
     target = node.get("_target_")
     if target is None:
         raise ConfigError(f"config node '{path}' has no _target_ (expected a class path)")
-    try:
-        obj = hydra.utils.get_object(target)
-    except Exception as exc:  # noqa: BLE001 - any import failure is a config error
-        raise ConfigError(f"{path}._target_: cannot import '{target}' ({exc})") from None
+    obj = locate_target(target, f"{path}._target_")
     fn = obj.__init__ if inspect.isclass(obj) else obj
     sig = inspect.signature(obj)  # a class's signature is its constructor's, without self
     try:
@@ -96,7 +187,7 @@ def check_node(node: DictConfig | dict, path: str, extra: set[str] | None = None
 def instantiate_checked(node: DictConfig, path: str, **kwargs: Any) -> Any:
     """Check ``node`` against its target's signature, then instantiate it with ``kwargs``."""
     check_node(node, path, extra=set(kwargs))
-    container = OmegaConf.to_container(node, resolve=True)
+    container = check_targets(node, path, locate=True)
     try:
         return hydra.utils.instantiate(container, **kwargs, _convert_="all")
     except FedexpError:
@@ -108,3 +199,33 @@ def instantiate_checked(node: DictConfig, path: str, **kwargs: Any) -> Any:
         if isinstance(cause, ValueError | TypeError):
             raise ConfigError(f"{path}: {cause}") from None
         raise
+
+
+def fresh_dir(base: str | os.PathLike) -> str:
+    """Create and return a run folder of its own: ``base``, else ``base-1``, ``base-2``, ...
+
+    The folder is created here with ``exist_ok=False``, so two runs (or two processes started
+    in the same second) never get the same one, and an existing folder is never reused.
+    """
+    base = os.fspath(base)
+    parent = os.path.dirname(base)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    for n in range(100_000):
+        path = base if n == 0 else f"{base}-{n}"
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        return path
+    raise ConfigError(f"no free run folder next to {base}")
+
+
+def register_resolvers() -> None:
+    """``${fedexp.fresh_dir:<base>}`` for ``hydra.run.dir``/``hydra.sweep.dir`` (conf/config.yaml).
+
+    Cached like Hydra's ``${now:...}`` (Hydra copies the cache into every sweep job's config),
+    so one run or one sweep claims exactly one folder.
+    """
+    if not OmegaConf.has_resolver("fedexp.fresh_dir"):
+        OmegaConf.register_new_resolver("fedexp.fresh_dir", fresh_dir, use_cache=True)

@@ -5,14 +5,23 @@ value of the wrong type fails at compose time with the key named
 (``Key 'roundz' not in 'RunConfig'``). The group nodes (dataset, model, ...) are ``_target_``
 nodes; their keys are checked against the target's signature by
 :func:`fedexp.config.instantiate.instantiate_checked` before anything runs.
+
+Types are Hydra's; ranges are :func:`validate`'s (OmegaConf does not call a dataclass's
+``__post_init__`` on merge). The CLI calls it right after compose, before torch or the runner
+is imported; :func:`fedexp.engine.runner.build_engine` calls it again with the clients' data,
+which adds the checks that need the data (a batch larger than every client's training set).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+
+from fedexp.errors import ConfigError
 
 
 @dataclass
@@ -70,6 +79,109 @@ class RunConfig:
     compressor: Any = field(default_factory=dict)
     optimizer: Any = field(default_factory=dict)
     tracker: Any = field(default_factory=dict)
+
+
+#: The allowed values of the string settings. ``backend`` mirrors the keys of
+#: ``fedexp.engine.backends.BACKENDS`` (not imported here: it imports torch; a test keeps them
+#: equal).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "progress": ("auto", "bar", "log", "none"),
+    "backend": ("sequential", "lockstep"),
+}
+
+#: Algorithm keys that count other clients, so must stay below ``num_clients``, by target.
+_BELOW_NUM_CLIENTS: dict[str, tuple[str, ...]] = {
+    "fedexp.algorithms.pfednet.PFedNet": ("k",),  # neighbours in the k-NN similarity network
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _range_errors(get: Any) -> list[str]:
+    """The messages of the out-of-range run settings (``get(key)`` reads one)."""
+    errors: list[str] = []
+
+    def need(key: str, ok: Any, expected: str, *, integer: bool = False) -> None:
+        value = get(key)
+        kind = int if integer else (int, float)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            errors.append(f"{key}={value!r}: expected {'an integer' if integer else 'a number'}")
+        elif not (math.isfinite(value) and ok(value)):
+            errors.append(f"{key}={value!r}: expected {expected}")
+
+    need("rounds", lambda v: v >= 1, "≥ 1", integer=True)
+    need("num_clients", lambda v: v >= 1, "≥ 1", integer=True)
+    need("participation", lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+    if get("local_epochs") is None:
+        need("local_steps", lambda v: v >= 1, "≥ 1 (or set local_epochs)", integer=True)
+    else:
+        need("local_epochs", lambda v: v > 0, "> 0 (or null to use local_steps)")
+    need(
+        "batch_size",
+        lambda v: v >= 1 or v in (0, -1),
+        "≥ 1, or 0 / -1 for the full batch",
+        integer=True,
+    )
+    need("lr", lambda v: v > 0, "> 0")
+    need("eval_every", lambda v: v >= 1, "≥ 1", integer=True)
+    need("checkpoint_every", lambda v: v >= 0, "≥ 0 (0 disables checkpoints)", integer=True)
+    need("test_fraction", lambda v: 0 < v < 1, "a fraction in (0, 1)")
+    need("threads", lambda v: v >= 0, "≥ 0 (0: PyTorch's default)", integer=True)
+    for key, choices in CHOICES.items():
+        if get(key) not in choices:
+            errors.append(f"{key}={get(key)!r}: expected one of {', '.join(choices)}")
+    return errors
+
+
+def _algorithm_errors(algorithm: Any, num_clients: Any) -> list[str]:
+    """Algorithm settings bounded by the number of clients (pFedNet's k < num_clients)."""
+    if not isinstance(algorithm, Mapping) or not _is_number(num_clients):
+        return []
+    errors = []
+    for key in _BELOW_NUM_CLIENTS.get(str(algorithm.get("_target_")), ()):
+        value = algorithm.get(key)
+        if _is_number(value) and value >= num_clients:
+            errors.append(
+                f"algorithm.{key}={value}: expected < num_clients={num_clients} "
+                f"(algorithm.{key}={num_clients - 1} already links every pair of clients)"
+            )
+    return errors
+
+
+def validate(cfg: Mapping[str, Any], clients: Sequence[Any] | None = None) -> None:
+    """Check the ranges of the run settings; raise one line naming every bad key.
+
+    Cheap and free of heavy imports: the CLI calls it right after compose. With ``clients``
+    (the federated :class:`fedexp.data.federated.ClientData`), it also checks the values that
+    need the data: a ``batch_size`` larger than every client's training set.
+
+    Args:
+        cfg: the composed run config (a missing key counts as its :class:`RunConfig` default).
+        clients: the clients' data, or None.
+
+    Raises:
+        ConfigError: ``"lr=-0.1: expected > 0"``; several bad keys are joined with ``"; "``.
+    """
+    defaults = {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
+
+    def get(key: str) -> Any:
+        return cfg.get(key, defaults.get(key))
+
+    errors = _range_errors(get)
+    errors += _algorithm_errors(get("algorithm"), get("num_clients"))
+    batch = get("batch_size")
+    if clients and not errors and batch > 0:
+        largest = max(c.num_train for c in clients)
+        if batch > largest:
+            errors.append(
+                f"batch_size={batch}: larger than every client's training data (the largest "
+                f"client has n_train={largest}); expected ≤ {largest}, or 0 / -1 for the "
+                "full batch"
+            )
+    if errors:
+        raise ConfigError("; ".join(errors))
 
 
 def register_configs() -> None:

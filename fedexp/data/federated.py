@@ -116,6 +116,14 @@ def federate(
     parts = split.parts
     if len(parts) != num_clients:
         raise DataError(f"the partition returned {len(parts)} parts for {num_clients} clients")
+    for n, idx in enumerate(parts):
+        if idx.size and (
+            not np.issubdtype(idx.dtype, np.integer) or idx.min() < 0 or idx.max() >= len(data.y)
+        ):
+            raise DataError(
+                f"the partition gives client {n} sample indices outside [0, {len(data.y)}) "
+                f"(dtype {idx.dtype}); expected integer indices into the {len(data.y)} samples"
+            )
     zero = _zeroing(split, data.x.shape)
     x_all = torch.from_numpy(np.ascontiguousarray(data.x))
     y_all = torch.from_numpy(np.ascontiguousarray(data.y))

@@ -112,7 +112,7 @@ def label_imbalance(
             f"partition label_imbalance needs a binary label (0/1), the data has classes "
             f"{classes.tolist()}; use partition=dirichlet or partition=shards"
         )
-    if delta < 1:
+    if not delta >= 1:  # NaN too
         raise DataError(f"partition.delta={delta}: expected δ ≥ 1")
     fractions = label_imbalance_fractions(num_clients, delta)
     rng = np.random.default_rng([seed, 12])
@@ -177,8 +177,10 @@ def dirichlet(
         DataError: α ≤ 0, or no draw in ``max_tries`` gives every client ``min_size`` samples.
     """
     del groups
-    if alpha <= 0:
-        raise DataError(f"partition.alpha={alpha}: expected α > 0")
+    if not 0 < alpha < float("inf"):  # NaN too
+        raise DataError(f"partition.alpha={alpha}: expected a finite α > 0")
+    if max_tries < 1:
+        raise DataError(f"partition.max_tries={max_tries}: expected ≥ 1")
     rng = np.random.default_rng([seed, 13])
     cap = len(labels) / num_clients
     for _ in range(max_tries):
@@ -209,10 +211,20 @@ def shards(
     groups: np.ndarray | None = None,
     classes_per_client: int = 2,
 ) -> list[np.ndarray]:
-    """Pathological non-IID (McMahan et al. 2017): sort by label, N·c shards, c per client."""
+    """Pathological non-IID (McMahan et al. 2017): sort by label, N·c shards, c per client.
+
+    Raises:
+        DataError: ``classes_per_client`` < 1 or more than the data's number of classes.
+    """
     del groups
     if classes_per_client < 1:
         raise DataError(f"partition.classes_per_client={classes_per_client}: expected ≥ 1")
+    num_classes = len(np.unique(labels))
+    if classes_per_client > num_classes:
+        raise DataError(
+            f"partition.classes_per_client={classes_per_client}: the data has only "
+            f"{num_classes} classes; expected ≤ {num_classes}"
+        )
     rng = np.random.default_rng([seed, 14])
     order = np.lexsort((rng.random(len(labels)), labels))
     pieces = np.array_split(order, num_clients * classes_per_client)

@@ -37,6 +37,41 @@ def breast_cancer() -> ArrayDataset:
     return ArrayDataset("breast_cancer", x, y, 2, feature_names=list(bunch.feature_names))
 
 
+#: Feature values above this magnitude are refused: scaling to [-1, 1] in float32 would
+#: flatten every other value of their column (and beyond ~3e38 they overflow float32).
+MAX_MAGNITUDE = 1e30
+
+
+def _not_utf8(file: Path) -> str:
+    """The message for a file that is not UTF-8: where the first bad byte is."""
+    raw = file.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        where = f" (byte 0x{raw[exc.start]:02x} at offset {exc.start}, line {line})"
+    else:  # pandas failed on a chunk boundary or another codec
+        where = ""
+    return f"{file}: not UTF-8 text{where}; expected UTF-8 text (re-save the file as UTF-8)"
+
+
+def _check_magnitudes(file: Path, frame: pd.DataFrame) -> None:
+    """Refuse infinite and huge feature values, naming the column and the row."""
+    for column in frame.columns:
+        values = frame[column].to_numpy(dtype=np.float64, na_value=np.nan)
+        for bad, what in (
+            (np.isinf(values), "an infinite value"),
+            (np.abs(values) > MAX_MAGNITUDE, f"a value of magnitude above {MAX_MAGNITUDE:g}"),
+        ):
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise DataError(
+                    f"{file}: feature column '{column}' has {what} ({values[row]:g}) in data "
+                    f"row {row + 1} (line {row + 2} of the file); expected finite numbers of "
+                    f"magnitude ≤ {MAX_MAGNITUDE:g}"
+                )
+
+
 def csv_table(path: str, label: str, group: str | None = None) -> ArrayDataset:
     """Load a CHD/Covid-style CSV: one label column, every other column numeric.
 
@@ -49,16 +84,28 @@ def csv_table(path: str, label: str, group: str | None = None) -> ArrayDataset:
         group: optional column with the site of each row (for the ``natural`` partition).
 
     Raises:
-        DataError: the file is missing, has no such label column, or a feature column is not
-            numeric.
+        DataError: naming the file and the column or row: the path is missing or a folder, the
+            file is empty, not UTF-8 text or not CSV, has a header but no rows, no such
+            label/group column, a feature column that is not numeric, an infinite value or
+            one of magnitude above 1e30.
     """
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise DataError(f"dataset.path={file}: is a folder; expected a CSV file")
     if not file.is_file():
         raise DataError(f"dataset.path: CSV file not found: {file}")
     try:
         frame = pd.read_csv(file)
+    except UnicodeDecodeError:
+        raise DataError(_not_utf8(file)) from None
+    except pd.errors.EmptyDataError:
+        raise DataError(f"{file}: the file is empty; expected a header line and rows") from None
     except Exception as exc:  # noqa: BLE001 - pandas raises many kinds
         raise DataError(f"{file}: cannot be read as CSV ({exc})") from None
+    if len(frame) == 0:
+        raise DataError(f"{file}: a header but no data rows; expected one row per sample")
+    if group is not None and group == label:
+        raise DataError(f"{file}: dataset.group and dataset.label are both '{label}'")
     for column, role in ((label, "label"), (group, "group")):
         if column is not None and column not in frame.columns:
             cols = ", ".join(map(str, frame.columns))
@@ -78,6 +125,7 @@ def csv_table(path: str, label: str, group: str | None = None) -> ArrayDataset:
             )
     if frame.shape[1] == 0:
         raise DataError(f"{file}: no feature columns besides the label '{label}'")
+    _check_magnitudes(file, frame)
     classes, y = np.unique(y_raw.to_numpy(), return_inverse=True)
     if len(classes) < 2:
         raise DataError(f"{file}: label column '{label}' has a single class {classes[0]!r}")

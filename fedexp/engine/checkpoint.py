@@ -3,22 +3,80 @@
 The file holds every tensor of the run's state under a path-like key (``server/x``,
 ``client/3/theta``, ``uplink_residual/3``, ...); JSON metadata holds the round, the MLflow run
 id, the byte ledger and the resolved config. It is written to a temporary file in the same
-folder and renamed over the previous one, so a crash never leaves a torn checkpoint.
+folder and renamed over the previous one, so a crash never leaves a torn checkpoint; temporary
+files left by a process that died while writing are removed when the folder is next saved to
+or loaded from.
+
+Integrity: the metadata key ``sha256`` holds a SHA-256 of every tensor (name, dtype, shape and
+bytes, in sorted name order), checked on load; a mismatch is a :class:`CheckpointError` naming
+the file. Checkpoints written before the checksum existed load with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedexp.errors import FedexpError
+from fedexp.errors import CheckpointError
 
 FILENAME = "last.safetensors"
+_TMP_PREFIX = f".{FILENAME}.tmp-"
+#: A temporary file of a live process older than this is stale too (its pid was reused).
+_STALE_AFTER_S = 3600.0
+
+log = logging.getLogger("fedexp")
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in sorted name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(folder: str | Path) -> list[Path]:
+    """Remove temporary checkpoint files left by dead writers in ``folder``; returns them.
+
+    A temporary file is stale when its writer's pid is not alive, is this process (which is
+    not writing now), or its file is older than an hour.
+    """
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for tmp in folder.glob(_TMP_PREFIX + "*"):
+        suffix = tmp.name.removeprefix(_TMP_PREFIX)
+        pid = int(suffix) if suffix.isdigit() else None
+        try:
+            old = time.time() - tmp.stat().st_mtime > _STALE_AFTER_S
+        except FileNotFoundError:
+            continue
+        if pid is None or pid == os.getpid() or not _pid_alive(pid) or old:
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def flatten_state(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -49,12 +107,19 @@ def save(directory: str | Path, tensors: dict[str, Any], meta: dict[str, Any]) -
     """Write the checkpoint atomically; returns its path."""
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(folder)
     final = folder / FILENAME
-    tmp = folder / f".{FILENAME}.tmp-{os.getpid()}"
-    save_file(flatten_state(tensors), str(tmp), metadata={"fedexp": json.dumps(meta)})
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    tmp = folder / f"{_TMP_PREFIX}{os.getpid()}"
+    flat = flatten_state(tensors)
+    metadata = {"fedexp": json.dumps(meta), "sha256": checksum(flat)}
+    try:
+        save_file(flat, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return final
 
 
@@ -63,14 +128,25 @@ def load(path: str | Path, device: torch.device | str = "cpu") -> tuple[dict[str
     file = Path(path)
     if file.is_dir():
         file = file / FILENAME
+    remove_stale_temps(file.parent)
     if not file.is_file():
-        raise FedexpError(f"resume={path}: no checkpoint found (expected {file})")
+        raise CheckpointError(f"resume={path}: no checkpoint found (expected {file})")
     try:
         from safetensors import safe_open
 
         with safe_open(str(file), framework="pt") as fh:
-            meta = json.loads((fh.metadata() or {})["fedexp"])
-        tensors = load_file(str(file), device=str(device))
+            metadata = fh.metadata() or {}
+        meta = json.loads(metadata["fedexp"])
+        tensors = load_file(str(file))
     except Exception as exc:  # noqa: BLE001 - any failure means an unusable file
-        raise FedexpError(f"resume={path}: {file} is not a fedexp checkpoint ({exc})") from None
+        raise CheckpointError(f"resume={path}: {file} is not a fedexp checkpoint ({exc})") from None
+    expected = metadata.get("sha256")
+    if expected is None:
+        log.warning("%s has no checksum (written by an older fedexp): not verified", file)
+    elif checksum(tensors) != expected:
+        raise CheckpointError(
+            f"resume={path}: {file} is corrupted (its tensors do not match the checksum "
+            "stored when it was written); resume from an intact copy or start a new run"
+        )
+    tensors = {k: v.to(device) for k, v in tensors.items()}
     return unflatten_state(tensors), meta

@@ -14,7 +14,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedexp.comm.channel import Channel
-from fedexp.config.instantiate import instantiate_checked
+from fedexp.config.instantiate import fresh_dir, instantiate_checked
+from fedexp.config.schema import validate
 from fedexp.data.federated import federate
 from fedexp.engine import checkpoint, rng
 from fedexp.engine.context import Context
@@ -100,6 +101,7 @@ def build_engine(cfg: DictConfig) -> Engine:
     data = instantiate_checked(cfg.dataset, "dataset")
     partition = instantiate_checked(cfg.partition, "partition")
     clients = federate(data, partition, cfg.num_clients, cfg.test_fraction, cfg.seed, device)
+    validate(cfg, clients)  # the run settings' ranges, and batch_size against the data
     module, personal_patterns = build_model(
         cfg.model, data.x.shape[1:], data.num_classes, rng.derive_seed(cfg.seed, rng.INIT)
     )
@@ -243,8 +245,11 @@ def run(
         run_name: MLflow run name.
         tags: extra MLflow tags (e.g. the sweep's overrides).
     """
-    out_dir = Path(cfg.output_dir or f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}")
     engine = build_engine(cfg)
+    if cfg.output_dir:
+        out_dir = Path(cfg.output_dir)
+    else:  # no folder given (the API): one of its own, never reused (the CLI's does the same)
+        out_dir = Path(fresh_dir(f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"))
     resume_id, history, client_history = None, [], []
     ckpt_dir = out_dir / "checkpoints"
     if cfg.resume:
@@ -258,7 +263,7 @@ def run(
         tracker = instantiate_checked(cfg.tracker, "tracker")
     name = run_name or f"{type(engine.algorithm).__name__}-seed{cfg.seed}"
     run_id = tracker.start(name, flatten_config(cfg), dict(tags or {}), resume_id)
-    logged = tracker.last_step("round") if resume_id else None
+    logged: int | None = None
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
     def record(metrics: dict[str, float]) -> None:
@@ -278,6 +283,15 @@ def run(
         return agg, rows
 
     try:
+        if resume_id:
+            # The tracker may differ from the first run's (README: it may change on resume):
+            # a run it does not hold comes back new, and rounds logged while another tracker
+            # was used are missing; replay the checkpoint's history into it up to its round.
+            logged = tracker.last_step("round")
+            for row in history:
+                if logged is None or row["round"] > logged:
+                    tracker.log_metrics(row, int(row["round"]))
+            logged = tracker.last_step("round")
         per_client: list[dict[str, float]] = []
         if engine.round == 0 and not history:
             setup = engine.setup()

@@ -16,7 +16,11 @@ class Tracker(Protocol):
         tags: dict[str, str],
         resume_run_id: str | None = None,
     ) -> str:
-        """Open (or reopen) the run; returns its id."""
+        """Open (or reopen) the run; returns its id.
+
+        A store that does not hold ``resume_run_id`` (the run began with another tracker)
+        opens a new run and returns its id: the runner then replays the checkpoint's history.
+        """
         ...
 
     def last_step(self, key: str) -> int | None:

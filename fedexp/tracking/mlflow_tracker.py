@@ -4,11 +4,17 @@ Default store: MLflow's own default, a SQLite file ``mlflow.db`` in the working 
 ``tracker.uri`` may name any other store or a tracking server (``http://host:5000``). Writes
 to a SQLite store are serialised across processes with a file lock beside the database, so
 the jobs of a parallel sweep lose no run and no metric.
+
+A run never stays RUNNING after its process stops: the runner ends it FAILED or KILLED on an
+exception or Ctrl-C (the CLI turns SIGTERM into the same), and an exit handler ends a run still
+open when the interpreter exits (KILLED). Only SIGKILL and power loss escape this.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -19,6 +25,8 @@ import mlflow
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+log = logging.getLogger("fedexp")
 
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
@@ -90,22 +98,54 @@ class MLflowTracker:
         tags: dict[str, str],
         resume_run_id: str | None = None,
     ) -> str:
-        """Create the run (or reopen ``resume_run_id``) and log params and tags."""
-        if resume_run_id is not None:
+        """Create the run (or reopen ``resume_run_id``) and log params and tags.
+
+        A ``resume_run_id`` this store does not hold (the first run used ``tracker=none`` or
+        another store) starts a new run tagged ``fedexp.resumed_from``; the caller sees a
+        different id and replays the checkpoint's history into it.
+        """
+        if resume_run_id is not None and self._has_run(resume_run_id):
             self.run_id = resume_run_id
             self._call(self.client.update_run, resume_run_id, status="RUNNING")
+            self._open()
             self.set_tags(tags)
             return resume_run_id
+        if resume_run_id is not None:
+            log.warning(
+                "run %s is not in %s: resuming into a new MLflow run", resume_run_id, self.uri
+            )
+            tags = {**tags, "fedexp.resumed_from": resume_run_id}
         run = self._call(
             self.client.create_run, self._experiment_id(), run_name=run_name, tags=tags
         )
         self.run_id = run.info.run_id
+        self._open()
         items = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
             self._call(
                 self.client.log_batch, self.run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH]
             )
         return self.run_id
+
+    def _has_run(self, run_id: str) -> bool:
+        """Whether this store holds ``run_id`` (not deleted)."""
+        try:
+            run = self._call(self.client.get_run, run_id)
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return False
+            raise
+        return run.info.lifecycle_stage != "deleted"
+
+    def _open(self) -> None:
+        atexit.register(self._end_at_exit)
+
+    def _end_at_exit(self) -> None:
+        """End a run still open when the interpreter exits (KILLED); never raises."""
+        try:
+            self.end("KILLED")
+        except Exception:  # noqa: BLE001, S110 - best effort while exiting
+            pass
 
     def last_step(self, key: str) -> int | None:
         """The largest step logged for ``key``."""
@@ -136,6 +176,7 @@ class MLflowTracker:
 
     def end(self, status: str = "FINISHED") -> None:
         """Terminate the run with ``status``."""
+        atexit.unregister(self._end_at_exit)
         if self.run_id is not None:
             self._call(
                 self.client.set_terminated,
