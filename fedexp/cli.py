@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fedexp.config.instantiate import check_targets, register_resolvers
 from fedexp.config.schema import register_configs, validate
-from fedexp.errors import CheckpointError, ConfigError, FedexpError, Terminated
+from fedexp.errors import CheckpointError, ConfigError, DivergenceError, FedexpError, Terminated
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("fedexp")
@@ -79,10 +80,27 @@ def _describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
     if isinstance(exc, CheckpointError):
         return text  # the checkpoint itself is unusable: no resume hint
     folder = Path(cfg.resume) if cfg.resume else Path(cfg.output_dir) / "checkpoints"
+    if isinstance(exc, DivergenceError):
+        return text + _rescue_hint(cfg, hc, folder)
     if (folder / "last.safetensors").exists() or folder.name == "last.safetensors":
         overrides = " ".join(o for o in hc.overrides.task if not o.startswith("resume="))
         text += f"; checkpoint kept: fedexp run {overrides} resume={folder}".replace("  ", " ")
     return text
+
+
+def _rescue_hint(cfg: DictConfig, hc: DictConfig, folder: Path) -> str:
+    """How to go on after a divergence: the same command with lr / 10.
+
+    It resumes from the checkpoint where one was kept (lr may change on resume; the runner
+    records the change in the checkpoint and in MLflow tags), else it starts the run again.
+    """
+    lr = f"lr={cfg.lr / 10:g}"
+    keep = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in ("lr", "resume")]
+    if (folder / "last.safetensors").exists() or folder.name == "last.safetensors":
+        command = shlex.join(["fedexp", "run", *keep, f"resume={folder}", lr])
+        return f"; checkpoint kept, resume it with a smaller lr: {command}"
+    command = shlex.join(["fedexp", "run", *keep, lr])
+    return f"; no checkpoint yet: run it again with a smaller lr: {command}"
 
 
 #: Parts of a ``hydra.*`` key, and words in its value, that make Hydra import and call code

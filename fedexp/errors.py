@@ -17,6 +17,10 @@ class DivergenceError(FedexpError):
     """The training loss became NaN or infinite."""
 
 
+class TrackerError(FedexpError):
+    """The tracking store cannot be reached (e.g. no MLflow server answers at the URI)."""
+
+
 class CheckpointError(FedexpError):
     """A checkpoint file is missing, unreadable, or its tensors fail their checksum."""
 

@@ -85,10 +85,10 @@ def test_resume_with_changed_settings_is_refused(small_cfg, tmp_path):
     run(cfg)
     with open_dict(cfg):
         cfg.resume = str(tmp_path / "out" / "checkpoints")
-        cfg.lr = 0.01
+        cfg.batch_size = 16
     from fedexp.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="different lr"):
+    with pytest.raises(ConfigError, match="different batch_size"):
         run(cfg)
 
 

@@ -41,6 +41,9 @@ class RunConfig:
         eval_every: evaluate all clients on their test split every this many rounds (and at
             the last round).
         checkpoint_every: write a checkpoint every this many rounds (0 disables).
+        divergence_factor: stop the run (DivergenceError) when a round's mean training loss
+            exceeds this many times the initial model's loss (a blow-up that is still finite;
+            NaN and infinity are always stopped); 0 disables the check.
         resume: a checkpoint directory of an interrupted run to continue, or null.
         test_fraction: per-client test share (the paper's 80/20 split).
         progress: "auto" (rich bar on a TTY, log lines otherwise), "bar", "log" or "none".
@@ -65,6 +68,7 @@ class RunConfig:
     device: str = "auto"
     eval_every: int = 1
     checkpoint_every: int = 10
+    divergence_factor: float = 1e4
     resume: str | None = None
     test_fraction: float = 0.2
     progress: str = "auto"
@@ -127,6 +131,7 @@ def _range_errors(get: Any) -> list[str]:
     need("lr", lambda v: v > 0, "> 0")
     need("eval_every", lambda v: v >= 1, "≥ 1", integer=True)
     need("checkpoint_every", lambda v: v >= 0, "≥ 0 (0 disables checkpoints)", integer=True)
+    need("divergence_factor", lambda v: v >= 0, "≥ 0 (0 disables the check)")
     need("test_fraction", lambda v: 0 < v < 1, "a fraction in (0, 1)")
     need("threads", lambda v: v >= 0, "≥ 0 (0: PyTorch's default)", integer=True)
     for key, choices in CHOICES.items():

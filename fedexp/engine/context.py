@@ -278,11 +278,16 @@ class Context:
         return LocalResult(p, mean, state)
 
     def check_finite(self, params: torch.Tensor, mean_loss: float, lr: float) -> None:
-        """Raise :class:`DivergenceError` if the loss or the parameters are NaN or infinite."""
+        """Raise :class:`DivergenceError` if the loss or the parameters are NaN or infinite.
+
+        The round is named as the run's history numbers it (``self.round + 1``: round 1 is
+        the first round trained); losses that grow but stay finite are the runner's check
+        (``divergence_factor``).
+        """
         if not math.isfinite(mean_loss) or not bool(torch.isfinite(params).all()):
             raise DivergenceError(
-                f"training loss is {mean_loss} at round {self.round}: the run diverged "
-                f"(lower lr={lr} or check the data for extreme values)"
+                f"training loss is {mean_loss} in round {self.round + 1}: the run diverged "
+                f"(lower lr={lr}, or check the data for extreme values)"
             )
 
     @torch.no_grad()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from fedexp.engine.context import Context
 from fedexp.engine.engine import Engine, RoundCallback
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.progress import RoundProgress
-from fedexp.errors import ConfigError
+from fedexp.errors import ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import task_for
@@ -30,7 +31,10 @@ from fedexp.tracking.base import Tracker
 
 log = logging.getLogger("fedexp")
 
-#: Settings that must not change when a run is resumed.
+#: Settings that must not change when a run is resumed (they define the experiment and the
+#: shape of its state). Everything else may: rounds, eval/checkpoint frequency, device,
+#: progress, tracker, divergence_factor, and what rescuing a diverged run needs: lr,
+#: local_steps / local_epochs. A change is recorded (:func:`_resume_changes`).
 _RESUME_KEYS = (
     "dataset",
     "model",
@@ -41,12 +45,12 @@ _RESUME_KEYS = (
     "seed",
     "num_clients",
     "participation",
-    "local_steps",
-    "local_epochs",
     "batch_size",
-    "lr",
     "test_fraction",
 )
+
+#: Keys whose change on resume is not recorded (they name where this attempt writes).
+_UNRECORDED = ("resume", "output_dir")
 
 
 @dataclass
@@ -163,7 +167,65 @@ def _check_resume(cfg: DictConfig, saved_yaml: str) -> None:
         raise ConfigError(
             f"resume={cfg.resume}: the checkpoint was made with different {', '.join(diff)}; "
             "resume with the same settings (only rounds, eval/checkpoint frequency, device, "
-            "progress and tracker may change)"
+            "progress, tracker, divergence_factor, lr and local_steps/local_epochs may change)"
+        )
+
+
+def _resume_changes(cfg: DictConfig, saved_yaml: str, round_: int) -> list[dict[str, Any]]:
+    """The settings that differ from the checkpoint's config (a rescue's smaller lr, ...).
+
+    Returns ``[{"round": r, "key": "lr", "from": "0.1", "to": "0.01"}, ...]``: ``r`` is the
+    checkpoint's round, the new value holds from round r + 1 on.
+    """
+    before = flatten_config(OmegaConf.create(saved_yaml))
+    now = flatten_config(cfg)
+    keys = [k for k in dict.fromkeys([*before, *now]) if k.split(".")[0] not in _UNRECORDED]
+    return [
+        {"round": round_, "key": k, "from": before.get(k, "(unset)"), "to": now.get(k, "(unset)")}
+        for k in keys
+        if before.get(k) != now.get(k)
+    ]
+
+
+def _change_tags(changes: list[dict[str, Any]]) -> dict[str, str]:
+    """MLflow tags of resume changes: ``fedexp.resume.<round>.<key>`` = ``"old -> new"``.
+
+    Tags, not params: MLflow params cannot change once logged (``lr`` keeps the first value).
+    """
+    return {f"fedexp.resume.{c['round']}.{c['key']}": f"{c['from']} -> {c['to']}" for c in changes}
+
+
+def _reference_loss(history: list[dict[str, float]]) -> float | None:
+    """The loss a blow-up is measured against.
+
+    The initial model's mean test loss (round 0's evaluation), else the first round's mean
+    training loss; None when neither is a positive number.
+    """
+    rows = history[:2]
+    values = [r.get("loss/mean") for r in rows if r.get("round") == 0]
+    values += [r.get("train/train_loss") for r in rows]
+    for value in values:
+        if value is not None and math.isfinite(value) and value > 0:
+            return float(value)
+    return None
+
+
+def _check_blowup(cfg: DictConfig, history: list[dict[str, float]], metrics: dict, t: int) -> None:
+    """Stop a finite blow-up: round ``t``'s mean training loss above ``divergence_factor``.
+
+    Raises:
+        DivergenceError: the loss exceeds ``divergence_factor`` times the reference loss
+            (:func:`_reference_loss`); 0 disables the check.
+    """
+    factor = float(cfg.get("divergence_factor", 1e4) or 0)
+    loss = metrics.get("train/train_loss")
+    if factor <= 0 or loss is None or not math.isfinite(loss):
+        return
+    ref = _reference_loss(history)
+    if ref is not None and loss > factor * ref:
+        raise DivergenceError(
+            f"training loss grew from {ref:.4g} to {loss:.4g} (×{loss / ref:.3g}) by round {t}: "
+            f"the run diverged (lower lr={cfg.lr:g}, or divergence_factor=0 to allow it)"
         )
 
 
@@ -245,12 +307,15 @@ def run(
         run_name: MLflow run name.
         tags: extra MLflow tags (e.g. the sweep's overrides).
     """
+    if tracker is None:  # first: an unreachable tracking server fails before anything is built
+        tracker = instantiate_checked(cfg.tracker, "tracker")
     engine = build_engine(cfg)
     if cfg.output_dir:
         out_dir = Path(cfg.output_dir)
     else:  # no folder given (the API): one of its own, never reused (the CLI's does the same)
         out_dir = Path(fresh_dir(f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"))
     resume_id, history, client_history = None, [], []
+    changes: list[dict[str, Any]] = []  # settings changed on resume, every resume so far
     ckpt_dir = out_dir / "checkpoints"
     if cfg.resume:
         tree, meta = checkpoint.load(cfg.resume, engine.ctx.device)
@@ -259,10 +324,14 @@ def run(
         resume_id, history = meta["run_id"], meta["history"]
         client_history = meta.get("client_history", [])
         ckpt_dir = Path(cfg.resume) if Path(cfg.resume).is_dir() else Path(cfg.resume).parent
-    if tracker is None:
-        tracker = instantiate_checked(cfg.tracker, "tracker")
+        new = _resume_changes(cfg, meta["config"], meta["round"])
+        if new:
+            said = ", ".join(f"{c['key']} {c['from']} -> {c['to']}" for c in new)
+            log.info("resuming after round %d with changed settings: %s", meta["round"], said)
+        changes = [*meta.get("changes", []), *new]
     name = run_name or f"{type(engine.algorithm).__name__}-seed{cfg.seed}"
-    run_id = tracker.start(name, flatten_config(cfg), dict(tags or {}), resume_id)
+    tags = {**(tags or {}), **_change_tags(changes)}
+    run_id = tracker.start(name, flatten_config(cfg), tags, resume_id)
     logged: int | None = None
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
@@ -301,6 +370,7 @@ def run(
             while engine.round < cfg.rounds:
                 metrics = engine.run_round()
                 t = engine.round
+                _check_blowup(cfg, history, metrics, t)  # before it is logged or checkpointed
                 if t == cfg.rounds:
                     agg, per_client = evaluate(t)
                     metrics.update(agg)
@@ -319,7 +389,8 @@ def run(
                         "ledger": engine.ledger.to_meta(),
                         "history": history,
                         "client_history": client_history,
-                        "config": config_yaml,
+                        "config": config_yaml,  # a later resume compares with these settings
+                        "changes": changes,
                     }
                     checkpoint.save(ckpt_dir, engine.state_tree(), meta)
                 for callback in callbacks:

@@ -11,7 +11,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from monai.losses import DiceCELoss
 
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
@@ -59,6 +58,9 @@ class SegmentationTask:
     """
 
     def __init__(self, num_classes: int) -> None:
+        # imported here: MONAI takes seconds to import and tabular runs never need it
+        from monai.losses import DiceCELoss
+
         self.num_classes = num_classes
         self._loss = DiceCELoss(to_onehot_y=True, softmax=True)
 

@@ -5,6 +5,10 @@ Default store: MLflow's own default, a SQLite file ``mlflow.db`` in the working 
 to a SQLite store are serialised across processes with a file lock beside the database, so
 the jobs of a parallel sweep lose no run and no metric.
 
+An ``http(s)://`` URI is probed first (:func:`check_reachable`: ``<uri>/health``, 3 s): with no
+server answering, the run fails at once with one line naming the URI, instead of after MLflow's
+minutes of retries.
+
 A run never stays RUNNING after its process stops: the runner ends it FAILED or KILLED on an
 exception or Ctrl-C (the CLI turns SIGTERM into the same), and an exit handler ends a run still
 open when the interpreter exits (KILLED). Only SIGKILL and power loss escape this.
@@ -16,20 +20,72 @@ import atexit
 import fcntl
 import logging
 import math
+import socket
+import ssl
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from fedexp.errors import TrackerError
+
 log = logging.getLogger("fedexp")
 
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
+#: Seconds a tracking server has to answer the probe of :func:`check_reachable`.
+PROBE_TIMEOUT_S = 3.0
+
+
+def _why(exc: BaseException, timeout: float) -> str | None:
+    """Why nothing answered, in words; None if something did (TLS spoke, HTTP replied)."""
+    reason = getattr(exc, "reason", exc)
+    if isinstance(exc, urllib.error.HTTPError) or isinstance(reason, ssl.SSLError):
+        return None  # a server answered (with an error status, or at least a TLS handshake)
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(reason, TimeoutError | socket.timeout):
+        return f"no answer within {timeout:g} s"
+    if isinstance(reason, socket.gaierror):
+        return f"unknown host: {reason.strerror or reason}"
+    return str(reason) or type(reason).__name__
+
+
+def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, key: str = "tracker.uri") -> None:
+    """Fail fast when no server answers at an ``http(s)://`` tracking URI.
+
+    Sends ``GET <uri>/health`` (MLflow's health check) with ``timeout``; any HTTP answer,
+    error statuses included (authentication, a proxy), counts as reachable and is left to
+    MLflow. Other URIs (SQLite, files, Databricks) are not probed.
+
+    Raises:
+        TrackerError: nothing answered, with the URI, the reason and what to do.
+    """
+    if not uri.lower().startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+            return
+    except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
+        why = _why(exc, timeout)
+    if why is None:
+        return
+    parts = urlsplit(uri)
+    start = f"mlflow server --host {parts.hostname or '127.0.0.1'}"
+    if parts.port:
+        start += f" --port {parts.port}"
+    raise TrackerError(
+        f"{key}={uri}: no MLflow server answers ({why}); start one with `{start}`, "
+        "or use tracker=none (or a local store, e.g. tracker.uri=sqlite:///mlflow.db)"
+    )
 
 
 class MLflowTracker:
@@ -47,6 +103,7 @@ class MLflowTracker:
         self, uri: str | None = None, experiment: str | None = None, retries: int = 20
     ) -> None:
         self.uri = uri or mlflow.get_tracking_uri()
+        check_reachable(self.uri, key="tracker.uri" if uri else "MLFLOW_TRACKING_URI")
         self.experiment = experiment or "fedexp"
         self.retries = retries
         self.run_id: str | None = None
