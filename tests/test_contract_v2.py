@@ -240,6 +240,9 @@ def test_best_over_rounds_per_client_and_the_history_artifact(small_cfg, tmp_pat
     assert all(best[t] >= means[t] - 1e-12 for t in means)
     assert best[4] >= max(means.values()) - 1e-12  # mean of maxima ≥ max of means
     assert set(tracker.metrics["time/round_s"]) == {1, 2, 3, 4}
+    times = tracker.metrics["time/round_s"]
+    for t, mean in tracker.metrics["time/round_mean_s"].items():  # mean of rounds 1..t
+        assert mean == pytest.approx(sum(times[r] for r in range(1, t + 1)) / t)
     with open(res.output_dir / "clients_rounds.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 5 * 5  # rounds 0..4, five clients

@@ -336,6 +336,10 @@ def run(
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
     def record(metrics: dict[str, float]) -> None:
+        if "time/round_s" in metrics:  # the mean time a round so far (pFedSOP's Table II)
+            times = [h["time/round_s"] for h in history if "time/round_s" in h]
+            times.append(metrics["time/round_s"])
+            metrics["time/round_mean_s"] = sum(times) / len(times)
         step = int(metrics["round"])
         if logged is None or step > logged:
             tracker.log_metrics(metrics, step)
