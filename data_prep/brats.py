@@ -15,7 +15,12 @@ tumour-free slices. Output in ``OUT``:
 * ``masks.npy``    uint8 ``(N, 64, 64)`` whole tumour, or ``(N, 3, 64, 64)`` with
   ``--labels regions`` (whole tumour, tumour core, enhancing tumour);
 * ``manifest.csv`` patient, slice, grade, row0, col0, has_tumour;
-* ``summary.json`` counts, skipped files with reasons and the options used.
+* ``summary.json`` counts, skipped files with reasons and the options used;
+* ``skipped.csv``  what was skipped and why (only when something was).
+
+A patient with a missing, unreadable or inconsistent file (modalities on different grids,
+unknown label values) is skipped with one line naming the file and what was expected; the
+run stops with one ``error:`` line and exit status 1 only when no patient is usable.
 
 Usage::
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -46,14 +52,19 @@ from data_prep.common import (
     console_for,
     extract_patch,
     file_stamp,
+    id_problem,
+    nothing_usable,
     one_line,
     prepare_out,
     progress_bar,
     require_dir,
+    skip_line,
     write_csv,
     write_json,
+    write_skipped,
     write_stacked,
 )
+from fedexp.errors import DataError
 
 PATCH = 64
 """Patch side length in voxels (paper §VI-A)."""
@@ -68,6 +79,8 @@ REGIONS = ("whole_tumour", "tumour_core", "enhancing_tumour")
 _BRATS_LABELS = {0: 0, 1: 1, 2: 2, 3: 1, 4: 4}
 _MSD_LABELS = {0: 0, 1: 2, 2: 1, 3: 4}
 MANIFEST_COLUMNS = ["patient", "slice", "grade", "row0", "col0", "has_tumour"]
+OUTPUT_NAMES = ("images.npy", "masks.npy", "manifest.csv", "summary.json")
+"""Fixed names of the files written in the output folder (besides ``studies/``)."""
 
 
 @dataclass(frozen=True)
@@ -199,8 +212,12 @@ def msd_channel_order(base: Path) -> tuple[int, ...]:
         modality = json.loads(meta_path.read_text())["modality"]
         by_name = {str(v).lower(): int(k) for k, v in modality.items()}
         return tuple(by_name[name] for name in MSD_NAMES)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise SystemExit(f"error: cannot read the modality list of {meta_path}: {exc!r}") from exc
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        expected = '{"modality": {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}}'
+        raise SystemExit(
+            f"error: cannot read the modality list of {meta_path}: {one_line(exc)} "
+            f"(expected {expected}, in any order)"
+        ) from exc
 
 
 # --------------------------------------------------------------------------- one patient
@@ -275,11 +292,19 @@ def zscore_brain(volume: np.ndarray) -> np.ndarray:
 
 
 def _check_same_grid(path: Path, shape: Sequence[int], affine: np.ndarray, ref: tuple) -> None:
-    ref_shape, ref_affine = ref
+    ref_shape, ref_affine, ref_path = ref
     if tuple(shape[:3]) != tuple(ref_shape[:3]):
-        raise StudyError(path, f"shape {tuple(shape[:3])} differs from {tuple(ref_shape[:3])}")
+        raise StudyError(
+            path,
+            f"shape mismatch: {tuple(shape[:3])} but {ref_path.name} has {tuple(ref_shape[:3])} "
+            "(expected every file of a patient on one voxel grid)",
+        )
     if not np.allclose(affine, ref_affine, atol=1e-3):
-        raise StudyError(path, "affine differs from the other files of the patient")
+        raise StudyError(
+            path,
+            f"affine mismatch: differs from {ref_path.name}'s "
+            "(expected every file of a patient on one voxel grid)",
+        )
 
 
 def load_case(case: Case, msd_order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -298,7 +323,7 @@ def load_case(case: Case, msd_order: Sequence[int]) -> tuple[np.ndarray, np.ndar
     seg_raw, seg_affine = load_canonical(case.seg)
     if seg_raw.ndim != 3:
         raise StudyError(case.seg, f"expected a 3-D segmentation, got shape {seg_raw.shape}")
-    ref = (seg_raw.shape, seg_affine)
+    ref = (seg_raw.shape, seg_affine, case.seg)
     if case.layout == "msd":
         data, affine = load_canonical(case.images[0])
         if data.ndim != 4 or data.shape[3] < 4:
@@ -415,6 +440,11 @@ def _process_cases(
     with progress_bar(console) as progress:
         task = progress.add_task("BraTS patients", total=len(cases))
         for case in cases:
+            problem = id_problem(case.patient)
+            if problem is not None:
+                log.skip(case.location, f"bad patient id: {problem}", console)
+                progress.advance(task)
+                continue
             result = cache.load(case.patient, case.stamp, keys=("slice",))
             if result is None:
                 try:
@@ -488,7 +518,7 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
     if not cases:
         raise SystemExit(f"error: no {layout} patients found in {base}")
     msd_order = msd_channel_order(base) if layout == "msd" else (0, 1, 2, 3)
-    out = prepare_out(Path(out), root)
+    out = prepare_out(Path(out), root, OUTPUT_NAMES)
     cleanup_partials(out)
     console = console_for(options.quiet)
     log = RunLog()
@@ -502,9 +532,16 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
         },
     )
     done = _process_cases(cases, msd_order, cache, options, log, console)
+    if not done:
+        raise nothing_usable(out, log, f"all {len(cases)} {layout} patients in {base} were skipped")
     manifest = _manifest(done, cache)
+    if manifest.empty:
+        what = f"the {len(done)} usable patients in {base} have no tumour slice, so no patch"
+        raise nothing_usable(out, log, what)
     _write_outputs(out, done, cache, manifest, options.labels)
     summary = _summary(root, base, layout, options, cases, manifest, log)
+    summary["out"] = str(out)
+    write_skipped(out, log)
     write_json(out / "summary.json", summary)
     console.print(f"[green]wrote[/green] {len(manifest)} patches to {out}", highlight=False)
     return summary
@@ -593,7 +630,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         quiet=args.quiet,
     )
-    summary = convert(args.root, args.out, options)
+    try:
+        summary = convert(args.root, args.out, options)
+    except DataError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    except OSError as exc:  # e.g. a full disk or a folder without write permission
+        raise SystemExit(f"error: {one_line(exc)}") from None
+    line = skip_line(summary, Path(summary["out"]))
+    if line is not None:
+        print(line, file=sys.stderr)
     return 0 if summary["n_samples"] > 0 else 1
 
 

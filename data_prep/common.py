@@ -2,7 +2,14 @@
 
 Everything here writes *inside* the output folder only, and always through a temporary name
 followed by an atomic :func:`os.replace`, so an interrupted run never leaves a half-written
-``images.npy`` or study cache behind.
+``images.npy`` or study cache behind. :func:`prepare_out` refuses an output folder that is a
+symlink or holds a symlink where a converter writes, and file names inside it are built from
+fixed names and :func:`safe_id` only, so nothing is ever written outside ``--out``.
+
+Bad inputs follow one rule: a problem confined to one study (or one row of a candidate list)
+is recorded in a :class:`RunLog` (one line naming the file and what was expected), the study is
+skipped and the run goes on; ``OUT/skipped.csv`` lists what was skipped and why. Only when
+nothing usable remains does a converter stop, with one ``error: ...`` line and exit status 1.
 """
 
 from __future__ import annotations
@@ -29,10 +36,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from fedexp.errors import DataError
+
 STUDIES_DIR = "studies"
 """Sub-folder of the output folder holding one ``.npz`` per converted study (resume cache)."""
 
+SKIPPED_CSV = "skipped.csv"
+"""Output file listing what was skipped (``path,reason``); only written when something was."""
+
 _TMP_PREFIX = ".partial-"
+_ECHO_LIMIT = 20
+"""Skip messages echoed on the console per run; the rest are only in ``skipped.csv``."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +62,8 @@ class Skip:
     reason: str
 
 
-class StudyError(Exception):
-    """A study cannot be converted because of one of its files.
+class StudyError(DataError):
+    """A study cannot be converted because of one of its files (fedexp's :class:`DataError`).
 
     Args:
         path: The offending file.
@@ -85,22 +99,30 @@ class RunLog:
             console: Where to print the message; nothing is printed when ``None``.
         """
         self.skipped.append(Skip(str(path), reason))
-        if console is not None:
+        if console is None:
+            return
+        if len(self.skipped) <= _ECHO_LIMIT:
             console.print(
                 f"[yellow]skipped[/yellow] {path}: {reason}", highlight=False, soft_wrap=True
             )
+        elif len(self.skipped) == _ECHO_LIMIT + 1:
+            console.print(f"[yellow]skipped[/yellow] more; all are listed in {SKIPPED_CSV}")
 
-    def as_dict(self) -> dict[str, Any]:
-        """Return the log as a JSON-serialisable dict (for ``summary.json``)."""
+    def reasons(self) -> dict[str, int]:
+        """Number of skips per kind of reason (the text before the reason's first colon)."""
         reasons: dict[str, int] = {}
         for item in self.skipped:
             key = item.reason.split(":")[0]
             reasons[key] = reasons.get(key, 0) + 1
+        return reasons
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the log as a JSON-serialisable dict (for ``summary.json``)."""
         return {
             "studies_converted": self.converted,
             "studies_reused": self.reused,
             "n_skipped": len(self.skipped),
-            "skipped_by_reason": reasons,
+            "skipped_by_reason": self.reasons(),
             "skipped": [asdict(s) for s in self.skipped],
         }
 
@@ -158,23 +180,57 @@ def require_dir(path: Path, what: str) -> Path:
     return path.resolve()
 
 
-def prepare_out(out: Path, root: Path) -> Path:
-    """Create the output folder, refusing to write inside the raw data folder.
+def _link_target(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # pragma: no cover - raced away
+        return "?"
+
+
+def prepare_out(out: Path, root: Path, names: Sequence[str] = ()) -> Path:
+    """Create the output folder, refusing anything that would write outside it.
+
+    Refused, each with one line: an output folder that is a symlink (even to a folder), that
+    exists as a file, that is ``root`` or lies inside it, or that holds a symlink in a place the
+    converter writes to (``studies/``, one of ``names``, ``skipped.csv`` or a cached study
+    ``studies/*.npz``). Symlinks *above* ``out`` are the user's file system and are followed.
 
     Args:
         out: Output folder (created if missing).
-        root: Raw data folder.
+        root: Raw data folder (resolved).
+        names: Fixed file names the converter writes in ``out``.
 
     Returns:
         The resolved output folder.
 
     Raises:
-        SystemExit: If ``out`` is ``root`` or lies inside it.
+        SystemExit: On any of the above, or if the folder cannot be created.
     """
+    out = Path(out).absolute()
+    if out.is_symlink():
+        raise SystemExit(
+            f"error: output folder {out} is a symlink (to {_link_target(out)}); "
+            "data_prep writes only into a real folder: give the folder itself"
+        )
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: output folder {out} exists and is not a directory")
     out = out.resolve()
     if out == root or root in out.parents:
         raise SystemExit(f"error: output folder {out} must not lie inside the raw folder {root}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot create output folder {out}: {one_line(exc)}") from exc
+    studies = out / STUDIES_DIR
+    written = [studies, *(out / name for name in (*names, SKIPPED_CSV))]
+    if studies.is_dir() and not studies.is_symlink():
+        written += sorted(studies.glob("*.npz"))
+    for path in written:
+        if path.is_symlink():
+            raise SystemExit(
+                f"error: {path} is a symlink (to {_link_target(path)}); data_prep writes only "
+                f"inside {out} and will not write through it: remove the link"
+            )
     return out
 
 
@@ -214,6 +270,8 @@ def atomic_path(target: Path) -> Iterator[Path]:
         The temporary path to write to. It is removed if the body raises.
     """
     tmp = _tmp_name(target)
+    if tmp.is_symlink() or tmp.exists():  # never write through a planted temporary name
+        tmp.unlink()
     try:
         yield tmp
         os.replace(tmp, target)
@@ -237,14 +295,84 @@ def write_csv(target: Path, frame: pd.DataFrame) -> None:
 def cleanup_partials(out: Path) -> None:
     """Remove temporary files left in ``out`` by an interrupted earlier run."""
     for folder in (out, out / STUDIES_DIR):
-        if folder.is_dir():
+        if folder.is_dir() and not folder.is_symlink():
             for leftover in folder.glob(f"{_TMP_PREFIX}*"):
                 leftover.unlink()
 
 
+def write_skipped(out: Path, log: RunLog) -> Path:
+    """Write ``OUT/skipped.csv`` (``path,reason``) or remove a stale one when nothing was skipped.
+
+    Returns:
+        The path of ``skipped.csv``.
+    """
+    target = out / SKIPPED_CSV
+    if log.skipped:
+        rows = [asdict(item) for item in log.skipped]
+        write_csv(target, pd.DataFrame(rows, columns=["path", "reason"]))
+    elif target.is_file() or target.is_symlink():
+        target.unlink()
+    return target
+
+
+def skip_line(summary: Mapping[str, Any], out: Path) -> str | None:
+    """One stderr line counting what a finished run skipped, or ``None`` if nothing was."""
+    if not summary.get("n_skipped"):
+        return None
+    kinds = ", ".join(f"{n} {kind}" for kind, n in summary["skipped_by_reason"].items())
+    return f"skipped {summary['n_skipped']} ({kinds}); details in {out / SKIPPED_CSV}"
+
+
+def nothing_usable(out: Path, log: RunLog, what: str) -> SystemExit:
+    """Write ``skipped.csv`` and build the one-line error of a run with nothing usable left.
+
+    The final arrays are not written, so the outputs of an earlier run stay as they were.
+
+    Args:
+        out: Output folder.
+        log: The run's skip records.
+        what: What is missing, e.g. ``"all 3 volumes were skipped"``.
+
+    Returns:
+        The exception to raise (exit status 1).
+    """
+    target = write_skipped(out, log)
+    if not log.skipped:
+        return SystemExit(f"error: nothing to convert: {what}")
+    first = log.skipped[0]
+    return SystemExit(
+        f"error: nothing to convert: {what}; first: {first.path}: {first.reason} "
+        f"({len(log.skipped)} skipped, listed in {target})"
+    )
+
+
+def id_problem(study_id: str) -> str | None:
+    """Why a study id (file stem, folder name, CSV value) cannot name a study, or ``None``.
+
+    Ids become file names inside ``OUT/studies``; ids with a path separator, ``..``, control
+    characters or nothing at all are refused rather than sanitised, so that a malicious
+    ``../../evil`` can never even look like a path.
+    """
+    if not study_id.strip():
+        return "empty id"
+    if "/" in study_id or "\\" in study_id or ".." in study_id:
+        return f"{study_id!r} contains a path separator or '..'"
+    if any(ord(ch) < 32 for ch in study_id):
+        return f"{study_id!r} contains control characters"
+    return None
+
+
 def safe_id(study_id: str) -> str:
-    """Turn a study id into a safe file name (keeps letters, digits, ``._-``)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", study_id)
+    """Turn a study id into a safe, distinct file name (keeps letters, digits, ``._-``).
+
+    An id that needed any replacement gets a short hash of the original, so two ids never share
+    a cache file; the result never contains a path separator and never starts with a dot.
+    """
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", study_id).replace("..", "__")
+    if cleaned != study_id or not cleaned or cleaned.startswith("."):
+        digest = hashlib.sha1(study_id.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        cleaned = f"_{cleaned.lstrip('.')}-{digest}"
+    return cleaned
 
 
 class StudyCache:

@@ -7,7 +7,13 @@ release into arrays that the training code can load without SimpleITK:
 * ``images.npy``   float32 ``(N, 1, 32, 32)``, HU clipped to a window and scaled to [0, 1];
 * ``labels.npy``   int64 ``(N,)``, the candidate's ``class`` column;
 * ``manifest.csv`` one row per patch (series UID, world mm, voxel index, label);
-* ``summary.json`` counts, skipped files with reasons, window and δ.
+* ``summary.json`` counts, skipped files with reasons, window and δ;
+* ``skipped.csv``  what was skipped and why (only when something was).
+
+Bad inputs (an unreadable or truncated volume, a header that disagrees with its data, a
+malformed candidate row, a series UID without a volume or one that looks like a path) are
+skipped with one line naming the file, row and column; the run stops with one ``error:`` line
+and exit status 1 only when nothing usable remains.
 
 Usage::
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,14 +46,19 @@ from data_prep.common import (
     console_for,
     extract_patch,
     file_stamp,
+    id_problem,
+    nothing_usable,
     one_line,
     prepare_out,
     progress_bar,
     require_dir,
+    skip_line,
     write_csv,
     write_json,
+    write_skipped,
     write_stacked,
 )
+from fedexp.errors import DataError
 
 PATCH = 32
 """Patch side length in voxels (paper §VI-A)."""
@@ -56,6 +68,8 @@ ORIENTATION = "LPS"
 """Volumes are re-oriented to DICOM LPS (axis flips/permutations only, never resampled)."""
 CANDIDATE_COLUMNS = ("seriesuid", "coordX", "coordY", "coordZ", "class")
 CANDIDATE_FILES = ("candidates_V2.csv", "candidates.csv")
+OUTPUT_NAMES = ("images.npy", "labels.npy", "manifest.csv", "summary.json")
+"""Fixed names of the files written in the output folder (besides ``studies/``)."""
 MANIFEST_COLUMNS = [
     "seriesuid",
     "coordX",
@@ -123,6 +137,10 @@ def find_volumes(root: Path, log: RunLog) -> dict[str, Path]:
     for path in paths:
         if path.name.startswith("._"):
             continue
+        problem = id_problem(path.stem)
+        if problem is not None:
+            log.skip(path, f"bad seriesuid: file name {problem}")
+            continue
         if path.stem in volumes:
             log.skip(path, f"duplicate seriesuid: already found at {volumes[path.stem]}")
             continue
@@ -156,21 +174,82 @@ def find_candidates_csv(root: Path, given: Path | None) -> Path:
     raise SystemExit(f"error: no {' or '.join(CANDIDATE_FILES)} found under {root}")
 
 
-def read_candidates(path: Path) -> pd.DataFrame:
+def _row_problem(line: int, uid: str | None, values: dict[str, str], bad: list[str]) -> str:
+    """One-line reason for a malformed candidate row (its kind before the first colon)."""
+    if uid is not None:
+        return f"bad seriesuid: line {line}, column seriesuid: {uid} (expected a series UID)"
+    column = bad[0]
+    if column == "class":
+        return f"bad class: line {line}, column class: {values[column]!r} (expected 0 or 1)"
+    return (
+        f"bad coordinate: line {line}, column {column}: {values[column]!r} "
+        "(expected a finite number of mm)"
+    )
+
+
+def read_candidates(
+    path: Path, log: RunLog | None = None, console: Console | None = None
+) -> pd.DataFrame:
     """Read ``candidates(_V2).csv`` and keep its row number as ``candidate_index``.
 
+    Malformed rows (a series UID that is empty or looks like a path, a coordinate that is not
+    a finite number, a class other than 0/1) are left out and recorded in ``log`` with their
+    line and column; the number of rows in the file is kept in ``frame.attrs["rows_in_file"]``.
+
+    Args:
+        path: The CSV.
+        log: Receives the malformed rows (they are dropped silently when ``None``).
+        console: Where skip messages are echoed.
+
+    Returns:
+        The usable rows: ``seriesuid`` (str), ``coordX/Y/Z`` (float64), ``class`` and
+        ``candidate_index`` (int64, 0-based data row of the file).
+
     Raises:
-        SystemExit: If a required column is missing.
+        SystemExit: If the file cannot be parsed or a required column is missing.
     """
-    frame = pd.read_csv(path)
+    expected = ",".join(CANDIDATE_COLUMNS)
+    try:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # pandas errors are ValueErrors
+        raise SystemExit(
+            f"error: cannot read candidate file {path}: {one_line(exc)} "
+            f"(expected a CSV with columns {expected})"
+        ) from exc
+    frame.columns = [str(c).strip() for c in frame.columns]
     missing = [c for c in CANDIDATE_COLUMNS if c not in frame.columns]
     if missing:
-        raise SystemExit(f"error: {path} lacks columns {missing}")
-    frame = frame.loc[:, list(CANDIDATE_COLUMNS)].copy()
-    frame["seriesuid"] = frame["seriesuid"].astype(str)
-    frame["class"] = frame["class"].astype(np.int64)
-    frame["candidate_index"] = np.arange(len(frame), dtype=np.int64)
-    return frame
+        hint = "; annotations.csv is not a candidate list" if "annotation" in path.name else ""
+        raise SystemExit(
+            f"error: candidate file {path} lacks column(s) {', '.join(missing)} "
+            f"(expected {expected}{hint})"
+        )
+    text = frame.loc[:, list(CANDIDATE_COLUMNS)].astype(str)
+    uids = text["seriesuid"].str.strip()
+    numbers = {
+        c: pd.to_numeric(text[c].str.strip(), errors="coerce") for c in CANDIDATE_COLUMNS[1:]
+    }
+    bad_uid = {u: id_problem(u) for u in uids.unique()}
+    bad = pd.DataFrame({c: ~np.isfinite(numbers[c].to_numpy(np.float64)) for c in numbers})
+    bad["class"] |= ~numbers["class"].isin([0, 1]).to_numpy()
+    bad["seriesuid"] = uids.map(bad_uid).notna().to_numpy()
+    ok = ~bad.any(axis=1).to_numpy()
+    for i in np.flatnonzero(~ok):
+        columns = [c for c in CANDIDATE_COLUMNS if bad.at[i, c]]
+        uid_problem = bad_uid[uids.iat[i]]
+        reason = _row_problem(int(i) + 2, uid_problem, text.iloc[i].to_dict(), columns)
+        if log is not None:
+            log.skip(path, reason, console)
+    clean = pd.DataFrame(
+        {
+            "seriesuid": uids[ok].to_numpy(),
+            **{c: numbers[c][ok].to_numpy(np.float64) for c in CANDIDATE_COLUMNS[1:4]},
+            "class": numbers["class"][ok].to_numpy().astype(np.int64),
+            "candidate_index": np.flatnonzero(ok).astype(np.int64),
+        }
+    )
+    clean.attrs["rows_in_file"] = len(frame)
+    return clean
 
 
 def subsample_negatives(frame: pd.DataFrame, delta: float | None, seed: int) -> pd.DataFrame:
@@ -245,12 +324,31 @@ def mhd_problem(path: Path) -> StudyError | None:
     try:
         dims = [int(v) for v in header["DimSize"].split()]
         channels = int(header.get("ElementNumberOfChannels", "1"))
+        offset = int(header.get("HeaderSize", "0"))
+        n_dims = int(header.get("NDims", str(len(dims))))
     except ValueError:
-        return StudyError(path, f"unreadable header: DimSize {header['DimSize']!r}")
+        return StudyError(
+            path,
+            f"unreadable header: DimSize {header['DimSize']!r} / NDims / HeaderSize "
+            "(expected integers)",
+        )
+    if not dims or min(dims) < 1 or channels < 1:
+        return StudyError(path, f"unreadable header: DimSize {header['DimSize']!r} (expected > 0)")
+    if n_dims != len(dims):
+        reason = f"header disagrees with itself: NDims {n_dims} but DimSize {header['DimSize']!r}"
+        return StudyError(path, reason)
     expected = int(np.prod(dims)) * channels * n_bytes
     actual = data_path.stat().st_size
-    if actual < expected:
-        reason = f"truncated data file: {data_path} has {actual} of {expected} bytes"
+    needed = expected + max(offset, 0)
+    what = f"DimSize {header['DimSize']} x {header['ElementType']} = {expected} bytes"
+    if actual < needed:
+        reason = f"truncated data file: {data_path} has {actual} of {needed} bytes ({what})"
+        return StudyError(data_path, reason)
+    if offset >= 0 and actual > needed:
+        reason = (
+            f"header disagrees with data: {path.name} says {what}"
+            f"{f' after {offset} header bytes' if offset else ''}, but {data_path} has {actual}"
+        )
         return StudyError(data_path, reason)
     return None
 
@@ -429,23 +527,42 @@ def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[s
     log = RunLog()
     volumes = find_volumes(root, log)
     if not volumes:
-        raise SystemExit(f"error: no .mhd volumes in {root} (expected subset*/<uid>.mhd)")
+        first = f"; {log.skipped[0].path}: {log.skipped[0].reason}" if log.skipped else ""
+        raise SystemExit(f"error: no .mhd volumes in {root} (expected subset*/<uid>.mhd){first}")
     csv_path = find_candidates_csv(root, options.candidates)
-    candidates = read_candidates(csv_path)
-    out = prepare_out(Path(out), root)
+    out = prepare_out(Path(out), root, OUTPUT_NAMES)
     cleanup_partials(out)
+    candidates = read_candidates(csv_path, log, console)
+    if candidates.empty:
+        raise nothing_usable(out, log, f"no usable candidate row in {csv_path}")
 
     on_disk = candidates["seriesuid"].isin(volumes.keys())
+    for uid, unknown in candidates.loc[~on_disk].groupby("seriesuid", sort=True):
+        line = int(unknown["candidate_index"].min()) + 2
+        reason = (
+            f"unknown seriesuid: {uid} ({len(unknown)} rows, first at line {line}, column "
+            f"seriesuid) has no {uid}.mhd under {root}"
+        )
+        log.skip(csv_path, reason, console)
+    if not on_disk.any():
+        what = f"no seriesuid of {csv_path} matches one of the {len(volumes)} volumes in {root}"
+        raise nothing_usable(out, log, what)
     wanted = subsample_negatives(candidates.loc[on_disk], options.delta, options.seed)
     groups = {uid: rows for uid, rows in wanted.groupby("seriesuid", sort=True)}
     cache = StudyCache(out, {"dataset": "luna16", "window": list(options.window)})
     rows = _process_studies(groups, volumes, cache, options, log, console)
+    if rows.empty:
+        raise nothing_usable(out, log, f"all {len(groups)} volumes with candidates were skipped")
 
     inside = rows[rows["_inside"].astype(bool)]
+    if inside.empty:
+        raise nothing_usable(out, log, "every candidate lies outside its volume")
     final = subsample_negatives(inside, options.delta, options.seed)
     final = final.sort_values(["seriesuid", "candidate_index"], kind="stable")
     _write_outputs(out, final, _patches(final, cache, groups, volumes))
     summary = _summary(root, csv_path, options, candidates, on_disk, volumes, rows, final, log)
+    summary["out"] = str(out)
+    write_skipped(out, log)
     write_json(out / "summary.json", summary)
     console.print(f"[green]wrote[/green] {len(final)} patches to {out}", highlight=False)
     return summary
@@ -490,7 +607,10 @@ def _summary(
         "ratio_negative_positive": (n_neg / n_pos) if n_pos else None,
         "volumes_on_disk": len(volumes),
         "volumes_without_candidates": len(set(volumes) - with_candidates),
-        "candidates_in_csv": len(candidates),
+        "candidates_in_csv": int(candidates.attrs.get("rows_in_file", len(candidates))),
+        "candidates_malformed": int(
+            candidates.attrs.get("rows_in_file", len(candidates)) - len(candidates)
+        ),
         "candidates_without_volume": int((~on_disk).sum()),
         "candidates_outside_volume": int((~rows["_inside"].astype(bool)).sum()),
         **log.as_dict(),
@@ -542,7 +662,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         window=(args.hu_window[0], args.hu_window[1]),
         quiet=args.quiet,
     )
-    summary = convert(args.root, args.out, options)
+    try:
+        summary = convert(args.root, args.out, options)
+    except DataError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    except OSError as exc:  # e.g. a full disk or a folder without write permission
+        raise SystemExit(f"error: {one_line(exc)}") from None
+    line = skip_line(summary, Path(summary["out"]))
+    if line is not None:
+        print(line, file=sys.stderr)
     return 0 if summary["n_samples"] > 0 else 1
 
 
