@@ -16,22 +16,20 @@ import re
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
-
-from fedexp.config.instantiate import check_targets, register_resolvers
-from fedexp.config.schema import register_configs, validate
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError, FedexpError, Terminated
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+# Hydra, OmegaConf, torch and the runner are imported where they are used: ``fedexp --help``
+# and ``fedexp report --help`` import none of them (tests/test_startup.py).
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("fedexp")
-
-register_configs()
-register_resolvers()
 
 
 def _print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
@@ -62,6 +60,7 @@ def _set_threads(threads: int, hc: DictConfig) -> None:
     import os
 
     import torch
+    from hydra.types import RunMode
 
     if threads <= 0 and hc.mode == RunMode.MULTIRUN:
         jobs = hc.launcher.get("n_jobs") if hc.launcher is not None else None
@@ -128,8 +127,15 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def _hydra_run(cfg: DictConfig) -> float:
+    """One job of ``fedexp run``: the task function of :func:`_hydra_main`."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    from fedexp.config.instantiate import check_targets
+    from fedexp.config.schema import validate
+
     hc = HydraConfig.get()
     try:
         check_targets(cfg, "")  # fedexp's own classes only, refused before any import
@@ -182,6 +188,18 @@ def _hydra_run(cfg: DictConfig) -> float:
     return float(result.metrics.get(f"{headline}/mean", math.nan))
 
 
+def _hydra_main() -> Callable[[], Any]:
+    """The Hydra app around :func:`_hydra_run` (version_base 1.3), built on first use."""
+    import hydra
+
+    from fedexp.config.instantiate import register_resolvers
+    from fedexp.config.schema import register_configs
+
+    register_configs()
+    register_resolvers()
+    return hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(_hydra_run)
+
+
 def main() -> None:
     """Entry point: ``fedexp run [hydra overrides]``."""
     args = sys.argv[1:]
@@ -205,7 +223,19 @@ def main() -> None:
         )
         sys.exit(1)
     sys.argv = [sys.argv[0], *args[1:]]
-    _hydra_run()
+    _hydra_main()()
 
 
-__all__ = ["main", "OmegaConf"]
+def __getattr__(name: str) -> Any:
+    """``fedexp.cli.OmegaConf``, imported on first use (module attribute, PEP 562)."""
+    if name == "OmegaConf":
+        from omegaconf import OmegaConf
+
+        return OmegaConf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["main"]  # fedexp.cli.OmegaConf still resolves (__getattr__)
+
+if __name__ == "__main__":  # python -m fedexp.cli ...
+    main()

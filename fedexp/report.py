@@ -23,14 +23,21 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from fedexp.errors import FedexpError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy (and mlflow, matplotlib) are imported inside the functions: ``fedexp report --help``
+# imports none of them.
 
 
 def sample_std(values: np.ndarray) -> float:
     """Standard deviation over runs with ddof = 1 (MATH §10); 0 for a single run."""
+    import numpy as np
+
     return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
@@ -112,6 +119,8 @@ def reach_table(
     groups: dict[tuple[str, ...], list[dict]], key_name: str, target: float, metric: str
 ) -> str:
     """Markdown: mean bytes up/down to reach ``target`` (runs that reached it), final metric."""
+    import numpy as np
+
     lines = [
         f"| {key_name} | runs reaching {metric} ≥ {target:g} | KiB up to reach | "
         f"KiB down to reach | final {metric} |",
@@ -132,6 +141,8 @@ def reach_table(
 
 def reach_plot(groups: dict[tuple[str, ...], list[dict]], path: str, metric: str) -> None:
     """Metric against cumulative uplink bytes, one line per group (mean over its runs)."""
+    import numpy as np
+
     from fedexp.plots import plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -217,6 +228,8 @@ def table(
         order: raw row labels (case-insensitive) first, in this order; the rest follow, sorted.
         labels: display names of rows (``{"fedavg": "FedAvg"}``), by whole label or by value.
     """
+    import numpy as np
+
     rows = _order({k[:n_rows] for k in groups}, order)
     cols = sorted({k[n_rows:] for k in groups}, key=lambda c: [_sort_key(v) for v in c])
     fmt = ".2f" if scale == 100.0 else ".4g"

@@ -1,0 +1,84 @@
+"""Fast to start (issue 12): the help paths import nothing heavy. No timing asserts.
+
+The figures are in docs/benchmarks.md ("Start-up", ``scripts/bench_startup.py``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Packages the help paths must not import (``fedexp --help`` not even Hydra).
+HEAVY = ("torch", "mlflow", "pandas", "numpy", "sklearn", "matplotlib", "monai", "numba")
+
+
+def _modules_after(args: list[str]) -> tuple[int, list[str], str]:
+    """Exit code, heavy packages in ``sys.modules`` and stdout of ``fedexp <args>`` in a child."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from fedexp.cli import main
+        sys.argv = ["fedexp", *{args!r}]
+        try:
+            main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        loaded = sorted({{m.split(".")[0] for m in sys.modules}})
+        print("RESULT", code, *loaded)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    exit_code, *loaded = result.split()[1:]
+    return int(exit_code), loaded, proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "usage"),
+    [(["--help"], "fedexp run"), (["report", "--help"], "usage: fedexp report")],
+    ids=["fedexp --help", "fedexp report --help"],
+)
+def test_help_imports_nothing_heavy(args, usage):
+    exit_code, loaded, out = _modules_after(args)
+    assert exit_code == 0
+    assert usage in out
+    heavy = sorted(set(loaded) & set(HEAVY))
+    assert heavy == [], f"fedexp {' '.join(args)} imported {heavy}"
+
+
+def test_top_level_help_imports_no_hydra():
+    """``fedexp --help`` prints the module docstring: not even Hydra/OmegaConf is needed."""
+    _, loaded, _ = _modules_after(["--help"])
+    assert "hydra" not in loaded and "omegaconf" not in loaded
+
+
+def test_module_runs_as_a_script():
+    """``python -m fedexp.cli --help`` (the importtime check of the issue) prints the usage."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedexp.cli", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fedexp run" in proc.stdout
+
+
+def test_omegaconf_attribute_still_resolves():
+    """``fedexp.cli.OmegaConf`` (formerly imported at module level) resolves on first use."""
+    from omegaconf import OmegaConf
+
+    import fedexp.cli
+
+    assert fedexp.cli.OmegaConf is OmegaConf
