@@ -40,6 +40,9 @@ def test_mlflow_holds_params_metrics_and_artifacts(small_cfg, tmp_path):
     assert [m.step for m in up] == [1, 2, 3, 4] and up[0].value == 5 * 4 * 31
     arts = {a.path for a in client.list_artifacts(res.run_id)}
     assert {"config.yaml", "clients.csv", "rounds.csv", "curves.png"} <= arts
+    # MLflow 3 opens untagged experiments in its GenAI view; this tag selects the ML view
+    exp = client.get_experiment(r.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local"])

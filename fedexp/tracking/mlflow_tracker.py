@@ -88,6 +88,11 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, key: str = "trac
     )
 
 
+#: Experiment tag that selects MLflow's UI view; ``custom_model_development`` is the ML view.
+EXPERIMENT_KIND = "mlflow.experimentKind"
+ML_KIND = "custom_model_development"
+
+
 class MLflowTracker:
     """Logs one fedexp run as one MLflow run.
 
@@ -140,13 +145,25 @@ class MLflowTracker:
         return None
 
     def _experiment_id(self) -> str:
+        """The experiment's id, created if needed, tagged for MLflow's machine-learning view.
+
+        MLflow 3 opens an experiment without ``mlflow.experimentKind`` in its GenAI view
+        (traces, prompts); ``custom_model_development`` opens the runs, metrics and charts.
+        """
         exp = self._call(self.client.get_experiment_by_name, self.experiment)
         if exp is not None:
-            return exp.experiment_id
-        try:
-            return self._call(self.client.create_experiment, self.experiment)
-        except MlflowException:  # created meanwhile by a concurrent job
-            return self._call(self.client.get_experiment_by_name, self.experiment).experiment_id
+            exp_id = exp.experiment_id
+            if exp.tags.get(EXPERIMENT_KIND) == ML_KIND:
+                return exp_id
+        else:
+            try:
+                exp_id = self._call(self.client.create_experiment, self.experiment)
+            except MlflowException:  # created meanwhile by a concurrent job
+                exp_id = self._call(
+                    self.client.get_experiment_by_name, self.experiment
+                ).experiment_id
+        self._call(self.client.set_experiment_tag, exp_id, EXPERIMENT_KIND, ML_KIND)
+        return exp_id
 
     def start(
         self,
