@@ -11,7 +11,10 @@ minutes of retries.
 
 A run never stays RUNNING after its process stops: the runner ends it FAILED or KILLED on an
 exception or Ctrl-C (the CLI turns SIGTERM into the same), and an exit handler ends a run still
-open when the interpreter exits (KILLED). Only SIGKILL and power loss escape this.
+open when the interpreter exits (KILLED). SIGKILL, the OOM killer and power loss escape
+this; for them every run is tagged with its host and pid (``fedexp.host``, ``fedexp.pid``), and
+a run that starts ends the RUNNING runs of its experiment left by a dead process of this host
+(KILLED, tagged ``fedexp.reaped``): see :meth:`MLflowTracker._reap`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import atexit
 import fcntl
 import logging
 import math
+import os
 import socket
 import ssl
 import time
@@ -43,6 +47,10 @@ _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
 #: Seconds a tracking server has to answer the probe of :func:`check_reachable`.
 PROBE_TIMEOUT_S = 3.0
+#: Run tags naming the machine and the process that run it (to find runs left by SIGKILL).
+HOST_TAG, PID_TAG, REAPED_TAG = "fedexp.host", "fedexp.pid", "fedexp.reaped"
+#: At most this many RUNNING runs are examined when a run starts.
+_MAX_REAP = 500
 
 
 def _why(exc: BaseException, timeout: float) -> str | None:
@@ -86,6 +94,17 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, key: str = "trac
         f"{key}={uri}: no MLflow server answers ({why}); start one with `{start}`, "
         "or use tracker=none (or a local store, e.g. tracker.uri=sqlite:///mlflow.db)"
     )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts; unsure: alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
 
 
 #: Experiment tag that selects MLflow's UI view; ``custom_model_development`` is the ML view.
@@ -177,12 +196,18 @@ class MLflowTracker:
         A ``resume_run_id`` this store does not hold (the first run used ``tracker=none`` or
         another store) starts a new run tagged ``fedexp.resumed_from``; the caller sees a
         different id and replays the checkpoint's history into it.
+
+        The run is tagged with this host and pid (a resumed one re-tagged, before it is
+        RUNNING again, so no other job takes it for dead), then runs left RUNNING by dead
+        processes of this host are ended (:meth:`_reap`).
         """
+        tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
         if resume_run_id is not None and self._has_run(resume_run_id):
             self.run_id = resume_run_id
+            self.set_tags(tags)
             self._call(self.client.update_run, resume_run_id, status="RUNNING")
             self._open()
-            self.set_tags(tags)
+            self._reap(None)
             return resume_run_id
         if resume_run_id is not None:
             log.warning(
@@ -194,6 +219,7 @@ class MLflowTracker:
         )
         self.run_id = run.info.run_id
         self._open()
+        self._reap(run.info.experiment_id)
         items = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
             self._call(
@@ -210,6 +236,44 @@ class MLflowTracker:
                 return False
             raise
         return run.info.lifecycle_stage != "deleted"
+
+    def _reap(self, experiment_id: str | None) -> None:
+        """End KILLED the RUNNING runs of the experiment left by dead processes of this host.
+
+        SIGKILL (``kill -9``, the OOM killer, a lost node) ends a process with its run still
+        RUNNING. A run tagged with this host whose pid no longer exists (``os.kill(pid, 0)``
+        raises ProcessLookupError) is ended KILLED and tagged ``fedexp.reaped``. Runs of other
+        hosts, runs without the tags and runs of live pids (a reused pid included) are left
+        alone. One search, at most ``_MAX_REAP`` runs; never raises (a debug line instead).
+        """
+        host = socket.gethostname()
+        try:
+            if experiment_id is None:
+                experiment_id = self._call(self.client.get_run, self.run_id).info.experiment_id
+            quoted = host.replace("'", "")  # hostnames hold no quotes; the check below is exact
+            runs = self._call(
+                self.client.search_runs,
+                [experiment_id],
+                filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{quoted}'",
+                max_results=_MAX_REAP,
+            )
+        except Exception as exc:  # noqa: BLE001 - reaping must never fail a run
+            log.debug("could not look for runs left RUNNING by dead processes: %s", exc)
+            return
+        for other in runs:
+            tags = other.data.tags
+            pid = tags.get(PID_TAG, "")
+            if other.info.run_id == self.run_id or tags.get(HOST_TAG) != host:
+                continue
+            if not pid.isdigit() or int(pid) <= 0 or _alive(int(pid)):
+                continue
+            why = f"process {pid} on {host} no longer exists, found by run {self.run_id}"
+            try:
+                self._call(self.client.set_terminated, other.info.run_id, "KILLED")
+                self._call(self.client.set_tag, other.info.run_id, REAPED_TAG, why)
+                log.info("run %s: %s; ended KILLED", other.info.run_id, why)
+            except Exception as exc:  # noqa: BLE001 - reaping must never fail a run
+                log.debug("could not end run %s (%s): %s", other.info.run_id, why, exc)
 
     def _open(self) -> None:
         atexit.register(self._end_at_exit)
