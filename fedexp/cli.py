@@ -222,6 +222,12 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(1)
+    from fedexp.config.schema import override_errors
+
+    early = override_errors(args[1:])  # lr=-1: one line before Hydra composes anything
+    if early:
+        print(f"fedexp: error: {'; '.join(early)}", file=sys.stderr)
+        sys.exit(1)
     sys.argv = [sys.argv[0], *args[1:]]
     _hydra_main()()
 

@@ -19,8 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-
 from fedexp.errors import ConfigError
 
 
@@ -189,6 +187,53 @@ def validate(cfg: Mapping[str, Any], clients: Sequence[Any] | None = None) -> No
         raise ConfigError("; ".join(errors))
 
 
+def _literal(text: str) -> Any:
+    """A command-line value as YAML reads a plain scalar (null, bool, int, float or text)."""
+    low = text.strip().lower()
+    if low in ("null", "~"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip().strip("'\"")
+
+
+def override_errors(overrides: Sequence[str]) -> list[str]:
+    """Range errors of plain top-level ``key=value`` overrides, before Hydra composes.
+
+    The CLI runs this on the command line first, so that ``fedexp run lr=-1`` fails in a
+    fraction of a second. Only run settings given one literal value are looked at (sweeps
+    ``a,b``, interpolations, group options and config files are left to Hydra and
+    :func:`validate`); every other setting counts as its default, and only messages about an
+    overridden key are returned. ``local_steps`` is left to :func:`validate`: whether it is
+    used depends on ``local_epochs``, which an experiment file may set.
+    """
+    names = {f.name for f in fields(RunConfig) if f.default is not MISSING}
+    kinds = {f.name: str(f.type) for f in fields(RunConfig)}
+    given: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or key not in names or key == "local_steps":
+            continue
+        if any(c in text for c in ",()[]{}$"):
+            continue
+        value = _literal(text)
+        if isinstance(value, int) and not isinstance(value, bool) and "float" in kinds[key]:
+            value = float(value)  # as Hydra casts it: lr=-1 reads lr=-1.0
+        given[key] = value
+    if not given:
+        return []
+    defaults = {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
+    errors = _range_errors(lambda key: given.get(key, defaults.get(key)))
+    return [e for e in errors if e.split("=", 1)[0] in given]
+
+
 def register_configs() -> None:
     """Register :class:`RunConfig` as ``run_schema`` (the first default of config.yaml)."""
+    from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
