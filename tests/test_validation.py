@@ -273,3 +273,20 @@ def test_csv_cli_reports_the_column(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "feature column 'b' has an infinite value" in proc.stderr
+
+
+def test_override_errors_checks_only_plain_run_settings():
+    """The CLI's check before Hydra: literal top-level values only; sweeps, experiment files,
+    group keys and local_steps (it depends on local_epochs) are left to validate()."""
+    from fedexp.config.schema import override_errors
+
+    assert (
+        override_errors(["lr=0.1", "rounds=3", "seed=1,2", "+experiment=x", "algorithm=fedavg"])
+        == []
+    )
+    assert override_errors(["local_steps=0", "lr=${oc.env:LR}", "participation=0.5"]) == []
+    assert override_errors(["lr=-1", "batch_size=-5", "progress=fancy"]) == [
+        "batch_size=-5: expected ≥ 1, or 0 / -1 for the full batch",
+        "lr=-1.0: expected > 0",
+        "progress='fancy': expected one of auto, bar, log, none",
+    ]
