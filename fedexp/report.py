@@ -278,6 +278,19 @@ def table(
     return "\n".join(lines)
 
 
+#: Metrics that are fractions in [0, 1], reported in percent by default.
+FRACTIONS = ("acc", "bal_acc", "auc", "iou", "label_iou", "dice")
+
+
+def default_scale(metric: str) -> float:
+    """The default ``--scale`` of ``metric``: 100 (percent) for fractions, else 1.
+
+    Fractions are ``acc/mean``, ``auc/best_mean``, ...; bytes, times and losses keep their
+    units, so that bytes are never shown × 100.
+    """
+    return 100.0 if metric.split("/", 1)[0] in FRACTIONS else 1.0
+
+
 def main(argv: list[str]) -> None:
     """Parse arguments and print the table."""
     parser = argparse.ArgumentParser(prog="fedexp report", description=__doc__.split("\n")[0])
@@ -288,7 +301,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--metric", default="acc/mean", help="default: unweighted mean over clients (papers')"
     )
-    parser.add_argument("--scale", type=float, default=100.0, help="multiply values (100: %%)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="multiply values (default: 100 for accuracies, AUC, IoU, Dice: percent; else 1)",
+    )
     parser.add_argument(
         "--reach",
         type=float,
@@ -329,6 +347,8 @@ def main(argv: list[str]) -> None:
     except FedexpError as exc:
         print(f"fedexp: error: {exc}", file=sys.stderr)
         sys.exit(1)
+    if args.scale is None:
+        args.scale = default_scale(args.metric)
     print(f"{args.metric} (final round, × {args.scale:g}), mean ± sample std over runs\n")
     text = table(
         groups,

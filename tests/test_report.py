@@ -138,3 +138,12 @@ def test_report_command_paper_flags(monkeypatch, capsys):
         ["-e", "x", "--cols", "partition.delta", "--lower-is-better", "--rank-of", "pFedNet"]
     )
     assert _rows(capsys.readouterr().out)["rank"] == ["top 2", "top 2"]
+
+
+def test_default_scale_is_percent_for_fractions_only():
+    from fedexp.report import default_scale
+
+    assert default_scale("acc/mean") == 100 and default_scale("auc/best_mean") == 100
+    assert default_scale("iou/mean") == 100 and default_scale("bal_acc/weighted") == 100
+    for metric in ("bytes/up_cum", "time/round_mean_s", "loss/mean", "train/train_loss"):
+        assert default_scale(metric) == 1
