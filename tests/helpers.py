@@ -75,3 +75,14 @@ def assert_resume_exact(cfg, tmp_path: Path, stop_at: int = 3) -> None:
     run(cfg, tracker=part)
     for key, steps in deterministic(full.metrics).items():
         assert part.metrics[key] == steps, key
+
+
+def assert_client_states_close(seq, lock) -> None:
+    """Every client's state of two engines (sequential vs lockstep) has the same keys and the
+    same tensors up to floating-point summation order (rtol 1e-4, atol 1e-5)."""
+    import torch
+
+    for a, b in zip(seq.client_states, lock.client_states, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)

@@ -16,7 +16,7 @@ from fedexp.algorithms.fedavg import FedAvg
 from fedexp.engine.optim import SGD, Adam
 from fedexp.engine.runner import build_engine, run
 from fedexp.tracking.base import NullTracker
-from helpers import assert_resume_exact
+from helpers import assert_client_states_close, assert_resume_exact
 
 
 def _rounds(engine, n):
@@ -160,10 +160,7 @@ def test_lockstep_equals_sequential_with_state(small_cfg, overrides):
     _rounds(lock, 3)
     for key in seq.server:
         torch.testing.assert_close(lock.server[key], seq.server[key], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert_client_states_close(seq, lock)
 
 
 # ---------------------------------------------------------------- resume

@@ -13,6 +13,7 @@ from fedexp.data.federated import ClientData
 from fedexp.engine.objective import Objective
 from fedexp.engine.runner import build_engine
 from fedexp.models.task import SegmentationTask
+from helpers import assert_client_states_close
 
 MLP = ("model=mlp", "model.hidden=8")
 
@@ -201,9 +202,6 @@ def test_lockstep_equals_sequential(small_cfg, overrides):
     (seq, m_seq), (lock, m_lock) = runs["sequential"], runs["lockstep"]
     assert lock.ctx.vmap_ok
     torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert_client_states_close(seq, lock)
     assert m_lock["bytes/up"] == m_seq["bytes/up"]
     assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)

@@ -10,6 +10,7 @@ import torch
 from fedexp.algorithms.ifca import IFCA
 from fedexp.engine.optim import SGD
 from fedexp.engine.runner import build_engine
+from helpers import assert_client_states_close
 
 MLP = ("model=mlp", "model.hidden=8")
 
@@ -191,10 +192,7 @@ def test_lockstep_equals_sequential(small_cfg, overrides):
     (seq, m_seq), (lock, m_lock) = runs["sequential"], runs["lockstep"]
     for key in seq.server:
         torch.testing.assert_close(lock.server[key], seq.server[key], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert_client_states_close(seq, lock)
     for key in ("bytes/up", "bytes/down", "bytes/up/cluster"):
         assert m_lock[key] == m_seq[key]
     assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)

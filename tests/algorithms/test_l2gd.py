@@ -8,7 +8,7 @@ import torch
 from fedexp.algorithms.l2gd import L2GD
 from fedexp.engine.runner import build_engine
 from fedexp.errors import ConfigError
-from helpers import assert_resume_exact
+from helpers import assert_client_states_close, assert_resume_exact
 
 #: p = 0.5: two local steps a round on average keep the file fast
 FAST = ("algorithm=l2gd", "algorithm.p=0.5")
@@ -143,10 +143,7 @@ def test_lockstep_equals_sequential(small_cfg):
         runs[backend] = _rounds(build_engine(small_cfg(*FAST, f"backend={backend}", *overrides)), 3)
     (seq, m_seq), (lock, m_lock) = runs["sequential"], runs["lockstep"]
     torch.testing.assert_close(lock.server["xbar"], seq.server["xbar"], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert_client_states_close(seq, lock)
     assert m_lock["bytes/up"] == m_seq["bytes/up"]
     assert m_lock["train/local_steps"] == m_seq["train/local_steps"]
     assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)

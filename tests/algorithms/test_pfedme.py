@@ -11,7 +11,7 @@ from fedexp.algorithms.pfedme import PFedMe
 from fedexp.engine import rng
 from fedexp.engine.runner import build_engine, run
 from fedexp.tracking.base import NullTracker
-from helpers import assert_resume_exact
+from helpers import assert_client_states_close, assert_resume_exact
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -192,10 +192,7 @@ def test_lockstep_equals_sequential(small_cfg, overrides):
     seq, m_seq = _run(small_cfg, "sequential", *overrides)
     lock, m_lock = _run(small_cfg, "lockstep", *overrides)
     torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert_client_states_close(seq, lock)
     assert m_lock["bytes/up"] == m_seq["bytes/up"]
     assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)
 

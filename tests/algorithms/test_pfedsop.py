@@ -10,7 +10,7 @@ import torch
 from fedexp.algorithms.pfedsop import PFedSOP, angle, gompertz, sop_direction
 from fedexp.engine import rng
 from fedexp.engine.runner import build_engine
-from helpers import assert_resume_exact
+from helpers import assert_client_states_close, assert_resume_exact
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,10 +148,7 @@ def test_lockstep_equals_sequential(small_cfg):
     }
     (seq, m_seq), (lock, m_lock) = runs["sequential"], runs["lockstep"]
     torch.testing.assert_close(lock.server["delta"], seq.server["delta"], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert_client_states_close(seq, lock)
     assert m_lock["bytes/up"] == m_seq["bytes/up"]
     assert m_lock["bytes/down"] == m_seq["bytes/down"]
     assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)

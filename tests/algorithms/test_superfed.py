@@ -7,6 +7,7 @@ import torch
 
 from fedexp.algorithms.superfed import LAMBDA_GRID, SuPerFed, cos2, select_lambda
 from fedexp.engine.runner import build_engine
+from helpers import assert_client_states_close
 
 #: few local steps keep the file fast; no property here depends on their number
 FAST = ("local_steps=2",)
@@ -155,10 +156,7 @@ def test_lockstep_equals_sequential(small_cfg):
         )
     (seq, m_seq), (lock, m_lock) = runs["sequential"], runs["lockstep"]
     torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    assert_client_states_close(seq, lock)
     assert m_lock["bytes/up"] == m_seq["bytes/up"]
     assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)
 
