@@ -46,7 +46,8 @@ class PFedNet(Algorithm):
         lam: λ, strength of the network penalty (0 decouples the clients' personal parts).
         p: norm of the penalty, 1, 2 or inf (``algorithm.p=inf``).
         eta_x: server step of the shared part (None: the client lr, which makes pFedNet with
-            nothing personal equal to FedAvg with server_lr = 1 and uniform weights).
+            nothing personal equal to FedAvg with server_lr = 1 and uniform weights); 0 keeps
+            the shared part at x0 (an ablation), not the client lr.
         eta_z: η_z of the Z-step (None: N·lr, so that with λ = 0 each personal part moves
             exactly as its client's local steps moved it).
         rho: ADMM penalty ρ (None: 1/η_z).
@@ -96,6 +97,11 @@ class PFedNet(Algorithm):
             raise ValueError(f"sketch={sketch!r}: expected one of {', '.join(_SKETCHES)}")
         if k < 1:
             raise ValueError(f"k={k}: expected k ≥ 1")
+        if eta_x is not None and eta_x < 0:
+            raise ValueError(f"eta_x={eta_x}: expected a step ≥ 0, or null for the client lr")
+        for key, value in (("eta_z", eta_z), ("rho", rho)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{key}={value}: expected a value > 0, or null for the default")
         if x_rounds < 0 or z_rounds < 0 or (x_rounds == 0) != (z_rounds == 0):
             raise ValueError("x_rounds and z_rounds: both 0 (joint) or both ≥ 1 (alternating)")
         self.lam, self.p = lam, (math.inf if str(p) == "inf" else int(float(p)))
@@ -219,7 +225,9 @@ class PFedNet(Algorithm):
         out = dict(server)
         if phase in ("joint", "x") and d1 > 0:
             g = {n: (u[ctx.shared_idx] if full else u) for n, u in updates.items()}
-            out["x"] = server["x"] - (self.eta_x or ctx.lr) * weighted_mean(g, weights)
+            out["x"] = server["x"] - (ctx.lr if self.eta_x is None else self.eta_x) * weighted_mean(
+                g, weights
+            )
         if phase in ("joint", "z") and d2 > 0:
             G = torch.zeros_like(server["Z"])  # noqa: N806
             for n, u in updates.items():
@@ -228,9 +236,11 @@ class PFedNet(Algorithm):
         return out
 
     def _z_step(self, ctx: Context, server: State, G: torch.Tensor) -> State:  # noqa: N803
-        eta_z = self.eta_z or ctx.num_clients * ctx.lr
+        eta_z = ctx.num_clients * ctx.lr if self.eta_z is None else self.eta_z
         solver = self._solver(server["edges"], ctx.num_clients)
-        warm = ZStepState(server["W"], server["Omega"], self.rho or 1.0 / eta_z)
+        warm = ZStepState(
+            server["W"], server["Omega"], 1.0 / eta_z if self.rho is None else self.rho
+        )
         Z, state, info = solver.solve(  # noqa: N806
             server["Z"], G, self.lam, eta_z, self.p, rho=self.rho, warm=warm, **self.admm
         )

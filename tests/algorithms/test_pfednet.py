@@ -106,3 +106,23 @@ def test_each_norm_from_the_command_line(small_cfg, p):
     e.setup()
     m = _rounds(e, 2)
     assert e.algorithm.p == float(p) and m["pfednet/admm_iterations"] >= 1
+
+
+def test_eta_x_zero_freezes_the_shared_part_and_bad_steps_are_refused(small_cfg):
+    """``algorithm.eta_x=0`` is a step of 0 (x stays x0), not the client lr (a falsy float)."""
+    frozen = build_engine(
+        small_cfg("algorithm=pfednet", "model=mlp", "model.hidden=8", "algorithm.eta_x=0.0")
+    )
+    frozen.setup()
+    x0 = frozen.server["x"].clone()
+    _rounds(frozen, 2)
+    assert torch.equal(frozen.server["x"], x0)
+    moving = build_engine(small_cfg("algorithm=pfednet", "model=mlp", "model.hidden=8"))
+    moving.setup()
+    _rounds(moving, 2)
+    assert not torch.equal(moving.server["x"], x0)
+    from fedexp.algorithms.pfednet import PFedNet
+
+    for kwargs in ({"eta_x": -0.1}, {"eta_z": 0.0}, {"rho": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            PFedNet(**kwargs)
