@@ -54,11 +54,17 @@ class Algorithm(ABC):
         downlink_parts: the kind of each downlink part (:data:`PART_KINDS`; "" names a bare
             tensor); unlisted parts are "model": a lossy channel codes their change.
         uplink_parts: the same for the uplink; unlisted parts are "update", coded as they are.
+        update_scale: what the "update" and "model" parts that cross the wire are a step of:
+            "step" (a model change, lr × a pseudo-gradient: FedAvg's x − x_local) or
+            "gradient" (pFedNet's and pFedSOP's pseudo-gradient (x − x_local) / lr).
+            Scale-dependent transforms (CER) act on the gradient scale, so that one γ means
+            the same for every algorithm (the engine passes ``scale = lr`` for "step").
     """
 
     weighting: str = "samples"
     downlink_parts: Mapping[str, str] = MappingProxyType({})
     uplink_parts: Mapping[str, str] = MappingProxyType({})
+    update_scale: str = "step"
 
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
         """Server state before round 0 (default: the global model ``x``)."""

@@ -67,6 +67,7 @@ class PFedNet(Algorithm):
     """
 
     weighting = "uniform"
+    update_scale = "gradient"  # clients send the pseudo-gradient (x − x_local) / lr
 
     def __init__(
         self,

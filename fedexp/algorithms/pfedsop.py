@@ -85,6 +85,7 @@ class PFedSOP(Algorithm):
     """
 
     downlink_parts = MappingProxyType({"": "update"})
+    update_scale = "gradient"  # Δ_i = (x⁰ − x^T) / η₂ and Δ_{t−1} are pseudo-gradients
 
     def __init__(
         self,

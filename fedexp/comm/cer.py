@@ -323,14 +323,22 @@ class CERTransform:
         self.scope = scope
         self.segments = None if layout is None or scope == "flat" else _segment_sizes(layout)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Return the CER update of the flat message ``x`` and its metrics."""
+    def __call__(
+        self, x: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return the CER update of the flat message ``x`` and its metrics.
+
+        ``x`` is ``scale`` × a pseudo-gradient (``scale`` = lr for FedAvg's model change,
+        1 for pFedNet's pseudo-gradient): the CER of ``x / scale``, times ``scale``, which is
+        the CER of ``x`` with γ × scale (the TV penalty is positively homogeneous). So one
+        γ regularises every algorithm's update equally.
+        """
         flat = x.reshape(-1)
         if self.segments is not None and sum(self.segments) != flat.numel():
             raise ValueError(
                 f"layout covers {sum(self.segments)} entries, the message has {flat.numel()}"
             )
-        out = cer_update(flat, self.gamma, self.eta, self.segments)
+        out = cer_update(flat, self.gamma * float(scale), self.eta, self.segments)
         d = max(flat.numel(), 1)
         runs = 0 if flat.numel() == 0 else 1 + int((out[1:] != out[:-1]).sum())
         zeros = int((difference(out, self.segments) == 0).sum()) if flat.numel() else 0

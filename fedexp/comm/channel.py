@@ -19,8 +19,15 @@ from fedexp.comm.codec import Codec, DenseCodec
 class UpdateTransform(Protocol):
     """A deterministic map applied to a message before compression (e.g. CER)."""
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Return the transformed vector and metrics to log (e.g. number of runs)."""
+    def __call__(
+        self, x: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return the transformed vector and metrics to log (e.g. number of runs).
+
+        ``x / scale`` is the message on the gradient scale (``scale`` = the client lr when
+        the message is a model change, 1 for a pseudo-gradient); a transform whose effect
+        depends on the magnitude (CER's γ) acts on that scale and returns the result × scale.
+        """
         ...
 
 
@@ -44,12 +51,16 @@ class Channel:
         x: torch.Tensor,
         residual: torch.Tensor | None,
         generator: torch.Generator | None = None,
+        scale: float = 1.0,
     ) -> tuple[bytes, torch.Tensor | None, dict[str, float]]:
-        """Encode ``x``; return (payload, new residual or None, transform metrics)."""
+        """Encode ``x``; return (payload, new residual or None, transform metrics).
+
+        ``scale``: what ``x`` is a step of (the transforms' :class:`UpdateTransform`).
+        """
         metrics: dict[str, float] = {}
         x = x.detach().to(torch.float32)
         for transform in self.transforms:
-            x, m = transform(x)
+            x, m = transform(x, scale)
             metrics.update(m)
         if self.error_feedback:
             acc = x if residual is None else x + residual

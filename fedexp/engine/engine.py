@@ -131,13 +131,15 @@ class Engine:
         shape, flat = msg.shape, msg.detach().reshape(-1)
         numel, dev = flat.numel(), msg.device
         metrics: dict[str, float] = {}
+        # CER's γ acts on the gradient scale whatever the algorithm sends (Algorithm.update_scale)
+        scale = self.ctx.lr if self.algorithm.update_scale == "step" else 1.0
         if kind == "exact" or (kind == "model" and _exact(channel)):
             codec = DenseCodec() if kind == "exact" else channel.codec
             payload = codec.encode(flat.to(torch.float32))
             received = codec.decode(payload, numel).to(dev)
         elif kind == "update":
             store = self.residual[direction]
-            payload, res, metrics = channel.send(flat, store.get(key), gen)
+            payload, res, metrics = channel.send(flat, store.get(key), gen, scale)
             if res is not None:
                 store[key] = res
             received = channel.receive(payload, numel, dev)
@@ -148,7 +150,7 @@ class Engine:
             ref = held
             if not channel.error_feedback:
                 ref = self.reference[direction].get(key, held)
-            payload, _, metrics = channel.send(flat - ref, None, gen)
+            payload, _, metrics = channel.send(flat - ref, None, gen, scale)
             received = held + channel.receive(payload, numel, dev)
             self.replica[direction][key] = received
             if not channel.error_feedback:

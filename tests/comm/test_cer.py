@@ -180,3 +180,34 @@ def test_large_input_runs_quickly() -> None:
     assert 1 <= metrics["cer/runs"] < g.numel()
     box, sign = _kkt_violation(-0.1 * g.double().numpy(), -0.1 * out.double().numpy(), 0.05)
     assert box < 1e-5 and sign < 1e-5  # float32 output: KKT up to float32 rounding
+
+
+def test_transform_acts_on_the_gradient_scale() -> None:
+    """CER of ``s·g`` at scale ``s`` is ``s`` × CER of ``g``: one γ for every algorithm."""
+    g = torch.randn(300, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    t = CERTransform(gamma=0.05)
+    on_gradient, _ = t(g.float())
+    on_step, _ = t(0.1 * g.float(), 0.1)
+    torch.testing.assert_close(on_step, 0.1 * on_gradient, rtol=1e-5, atol=1e-7)
+    weaker, _ = t(0.1 * g.float())  # the old reading: γ on the step, 10× stronger relatively
+    assert (weaker[1:] != weaker[:-1]).sum() < (on_step[1:] != on_step[:-1]).sum()
+
+
+def test_fedavg_and_pfednet_get_the_same_cer(small_cfg) -> None:
+    """FedAvg sends lr × the pseudo-gradient pFedNet sends; with CER on both, pFedNet with
+    nothing personal is still FedAvg (uniform weights): γ means the same for both."""
+    from fedexp.engine.runner import build_engine
+
+    cer = (
+        "compressor=cer",
+        "compressor.uplink.transforms.0.gamma=0.02",
+        "model=mlp",
+        "model.hidden=8",
+    )
+    p = build_engine(small_cfg("algorithm=pfednet", "model.personal=[]", *cer))
+    f = build_engine(small_cfg("algorithm=fedavg", "algorithm.weighting=uniform", *cer))
+    p.setup()
+    for _ in range(3):
+        mp, mf = p.run_round(), f.run_round()
+    assert mf["train/cer/runs"] == mp["train/cer/runs"] < 0.9 * p.x0.numel()
+    torch.testing.assert_close(p.server["x"], f.server["x"], rtol=1e-5, atol=1e-6)
