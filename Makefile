@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench demo-imaging clean
+.PHONY: install run test lint bench demo-imaging ui-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# MLflow's UI in headless Chromium: fedexp's links open the machine-learning view (screenshot)
+ui-check: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	$(PY) scripts/check_mlflow_ui.py --plain --out docs/figures/mlflow_ui.png
 
 bench: $(STAMP)
 	$(PY) scripts/bench_engine.py
