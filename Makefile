@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench demo-imaging ui-check clean
+.PHONY: install run test lint bench bench-peers demo-imaging ui-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ ui-check: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_engine.py
+
+# fedexp against a plain loop, pfl-research and Flower (docs/bench_peers.md): creates .venv-peers
+# on first use; Flower runs in a loopback-only network namespace (needs root for unshare -n)
+bench-peers: $(STAMP)
+	$(PY) scripts/bench_peers.py --setup
 
 # synthetic LUNA16/BraTS studies -> data_prep -> one short federated run per task (all under demo/)
 DEMO_RUN := $(VENV)/bin/fedexp run rounds=3 local_steps=2 batch_size=16 checkpoint_every=0 progress=log tracker.experiment=demo-imaging

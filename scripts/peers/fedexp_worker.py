@@ -1,0 +1,112 @@
+"""fedexp's runner of ``scripts/bench_peers.py``: the real engine on the shared workloads.
+
+The run settings come from the composed config, as ``fedexp run`` would compose them
+(``algorithm=fedavg compressor=none optimizer=sgd``, the workload's ``lr``, ``local_steps``,
+``batch_size``, ``backend``); the engine is then built as ``fedexp.engine.runner.build_engine``
+builds it, with the benchmark's clients (every sample trains and is evaluated) and model in
+place of the config's dataset and model. Dense float32 messages are encoded, counted and
+decoded as in every run. One warm-up round, then ``--rounds`` timed rounds.
+
+    python scripts/peers/fedexp_worker.py --workload tabular --clients 10 --backend lockstep
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import common
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def build(args, clients: list[tuple[torch.Tensor, ...]]):
+    """The engine for ``clients`` (mirrors ``fedexp.engine.runner._build`` past the data)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fedexp.config.instantiate import instantiate_checked
+    from fedexp.data.federated import ClientData
+    from fedexp.engine.context import Context
+    from fedexp.engine.engine import Engine
+    from fedexp.engine.runner import build_channel
+    from fedexp.models.flat import FlatModel
+    from fedexp.models.task import ClassificationTask
+    from helpers import compose_config
+
+    spec = common.WORKLOADS[args.workload]
+    cfg = compose_config(
+        "algorithm=fedavg",
+        "compressor=none",
+        "optimizer=sgd",
+        "tracker=none",
+        "device=cpu",
+        f"num_clients={args.clients}",
+        f"local_steps={spec.steps}",
+        f"batch_size={spec.batch}",
+        f"lr={spec.lr}",
+        f"backend={args.backend}",
+        f"seed={args.seed}",
+    )
+    device = torch.device("cpu")
+    data = [ClientData(x, y, x, y) for x, y in clients]  # accuracy on the clients' own data
+    model = FlatModel(common.make_model(args.workload, args.seed), device)
+    ctx = Context(
+        model=model,
+        task=ClassificationTask(2),
+        num_clients=cfg.num_clients,
+        lr=cfg.lr,
+        local_steps=cfg.local_steps,
+        local_epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        personal_idx=torch.zeros(0, dtype=torch.long),
+        shared_idx=torch.arange(model.layout.numel),
+        optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
+    )
+    return Engine(
+        ctx=ctx,
+        algorithm=instantiate_checked(cfg.algorithm, "algorithm"),
+        clients=data,
+        uplink=build_channel(cfg.compressor.uplink, "compressor.uplink"),
+        downlink=build_channel(cfg.compressor.downlink, "compressor.downlink"),
+        seed=cfg.seed,
+        participation=cfg.participation,
+        x0=model.initial(),
+        backend=cfg.backend,
+    )
+
+
+def main() -> None:
+    """Run the engine and print the result line."""
+    parser = common.base_args(__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=["sequential", "lockstep"], required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = common.Clock()
+    clients = common.all_clients(args.workload, args.clients, args.seed)
+    engine = build(args, clients)
+    engine.setup()
+    for _ in range(args.rounds + 1):
+        clock.round_start()
+        engine.run_round()
+        clock.round_end()
+
+    module = common.make_model(args.workload, args.seed)
+    torch.nn.utils.vector_to_parameters(engine.server["x"], module.parameters())
+    import fedexp
+
+    common.report(
+        {
+            "framework": f"fedexp-{args.backend}",
+            "workload": args.workload,
+            "clients": args.clients,
+            "accuracy": common.accuracy(module, clients),
+            "fedexp": getattr(fedexp, "__version__", "?"),
+            "bytes_up": float(engine.ledger.total["up"]),
+            **clock.summary(args.clients),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
