@@ -1,5 +1,10 @@
 """The ``fedexp`` command: ``fedexp run [overrides]`` (Hydra main, version_base 1.3).
 
+``fedexp --help`` / ``fedexp run --help`` print :func:`fedexp.cli_help.help_text` (every run
+setting with its default and meaning, the config groups, examples); ``fedexp run --hydra-help``
+is Hydra's own help. A single run prints its per-client table; a sweep (``-m``) prints one line
+per job and a summary at the end (:mod:`fedexp.sweep`), and exits 1 if any job failed.
+
 Examples:
     fedexp report --experiment NAME --rows choice.algorithm --cols partition.delta
     fedexp run
@@ -24,6 +29,8 @@ from fedexp.errors import CheckpointError, ConfigError, DivergenceError, FedexpE
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+    from fedexp.sweep import JobStatus, SweepInfo
 
 # Hydra, OmegaConf, torch and the runner are imported where they are used: ``fedexp --help``
 # and ``fedexp report --help`` import none of them (tests/test_startup.py).
@@ -127,65 +134,213 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def _hydra_run(cfg: DictConfig) -> float:
-    """One job of ``fedexp run``: the task function of :func:`_hydra_main`."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import open_dict
+def _run_name(cfg: DictConfig, hc: DictConfig) -> str:
+    """A single run's MLflow name: ``fedavg · breast_cancer · logreg · seed 0``."""
+    choices = hc.runtime.choices
+    parts = [str(choices.get(g)) for g in ("algorithm", "dataset", "model") if choices.get(g)]
+    return " · ".join([*parts, f"seed {cfg.seed}"])
 
+
+def _objective(cfg: DictConfig, result) -> float:  # noqa: ANN001 - RunResult, imported lazily
+    """The task function's return value (what Optuna's sweeper maximises).
+
+    :func:`fedexp.tuning.objective_value`: the headline metric's mean over clients at the last
+    round, on the validation splits where ``val_fraction > 0``.
+    """
+    from fedexp.tuning import objective_value
+
+    return float(objective_value(cfg, result.metrics))
+
+
+def _headline(result) -> dict[str, float]:  # noqa: ANN001 - RunResult, imported lazily
+    """``{"acc/mean": 0.81}``: the headline metric's mean over clients (test splits)."""
+    from fedexp.tuning import headline
+
+    key = f"{headline(result.metrics)}/mean"
+    return {key: float(result.metrics[key])} if key in result.metrics else {}
+
+
+def _checked(cfg: DictConfig) -> None:
+    """Refuse classes not fedexp's own before any import, then check ranges (ConfigError)."""
     from fedexp.config.instantiate import check_targets
     from fedexp.config.schema import validate
 
-    hc = HydraConfig.get()
-    try:
-        check_targets(cfg, "")  # fedexp's own classes only, refused before any import
-        validate(cfg)  # the ranges, before torch and the runner are imported
-    except ConfigError as exc:
-        print(f"fedexp: error: {exc}", file=sys.stderr)
-        if hc.mode == RunMode.MULTIRUN:
-            return math.nan  # one bad job of a sweep does not stop the others
-        sys.exit(1)
-    from fedexp.engine.runner import run
+    check_targets(cfg, "")
+    validate(cfg)  # before torch and the runner are imported
+
+
+def _prepare(cfg: DictConfig, hc: DictConfig) -> dict[str, str]:
+    """Threads, the output folder; returns the run's tags (``choice.<group>``)."""
+    from omegaconf import open_dict
 
     _set_threads(cfg.threads, hc)
-    tags: dict[str, str] = {
-        f"choice.{k}": str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra")
-    }
-    run_name = None
     with open_dict(cfg):
         if cfg.output_dir is None:
             cfg.output_dir = hc.runtime.output_dir
-        if hc.mode == RunMode.MULTIRUN:
-            sweep = Path(hc.sweep.dir).as_posix().replace("/", "_")
-            if "experiment" in cfg.tracker and cfg.tracker.experiment is None:
-                cfg.tracker.experiment = f"fedexp/{sweep}"  # one experiment per sweep
-            tags.update({"sweep": sweep, "sweep.overrides": " ".join(hc.overrides.task)})
-            tags.update(
-                {
-                    f"sweep.{o.split('=', 1)[0]}": o.split("=", 1)[1]
-                    for o in hc.overrides.task
-                    if "=" in o
-                }
-            )
-            run_name = ",".join(hc.overrides.task) or None
-    try:  # SIGTERM stops the run like Ctrl-C: tracker run KILLED, checkpoint kept
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    except ValueError:  # not the main thread: leave signals alone
-        previous = None
+    return {
+        f"choice.{k}": str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra")
+    }
+
+
+def _sigterm_as_exception() -> Any:
+    """Make SIGTERM stop the run like Ctrl-C (tracker run KILLED, checkpoint kept).
+
+    Returns:
+        The previous handler, to restore, or None (not the main thread: signals left alone).
+    """
     try:
-        result = run(cfg, run_name=run_name, tags=tags)
+        return signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:
+        return None
+
+
+def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
+    """``fedexp run``: one run, its per-client table, exit 1 on an error."""
+    try:
+        _checked(cfg)
+    except ConfigError as exc:
+        print(f"fedexp: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    from fedexp.engine.runner import run
+
+    tags = _prepare(cfg, hc)
+    previous = _sigterm_as_exception()
+    try:
+        result = run(cfg, run_name=_run_name(cfg, hc), tags=tags)
     except (FedexpError, KeyboardInterrupt) as exc:
         print(f"fedexp: {_describe_stop(exc, cfg, hc)}", file=sys.stderr)
-        if hc.mode == RunMode.MULTIRUN and not isinstance(exc, KeyboardInterrupt):
-            return math.nan  # one bad job of a sweep does not stop the others
         code = 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
         sys.exit(code if isinstance(exc, KeyboardInterrupt) else 1)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     _print_table(result)
-    headline = next(iter(result.per_client[0]), "acc")  # the task's first metric: acc or iou
-    return float(result.metrics.get(f"{headline}/mean", math.nan))
+    return _objective(cfg, result)
+
+
+def _sweep_tags(cfg: DictConfig, hc: DictConfig, info: SweepInfo | None) -> dict[str, str]:
+    """A sweep job's tags: the parent run, the sweep, the job's overrides, key by key."""
+    from omegaconf import open_dict
+
+    sweep = Path(hc.sweep.dir).as_posix().replace("/", "_")
+    with open_dict(cfg):
+        if "experiment" in cfg.tracker and cfg.tracker.experiment is None:
+            # the sweep's experiment (named by the callback), else one per sweep folder
+            cfg.tracker.experiment = (info and info.experiment) or f"fedexp/{sweep}"
+    tags = {"sweep": sweep, "sweep.overrides": " ".join(hc.overrides.task)}
+    tags.update(
+        {f"sweep.{o.split('=', 1)[0]}": o.split("=", 1)[1] for o in hc.overrides.task if "=" in o}
+    )
+    tags["fedexp.job"] = str(hc.job.num)
+    if info is not None and info.parent_run_id:
+        tags["mlflow.parentRunId"] = info.parent_run_id  # a nested child run in MLflow's UI
+    return tags
+
+
+def _job_name(cfg: DictConfig, hc: DictConfig, info: SweepInfo | None) -> str:
+    """A sweep job's run name: its overrides of the varying keys, else the single-run name."""
+    from fedexp.sweep import child_name
+
+    name = child_name(hc.overrides.task, info.varying) if info is not None else ""
+    return name or _run_name(cfg, hc)
+
+
+def _sweep_job(cfg: DictConfig, hc: DictConfig) -> float:
+    """One job of ``fedexp run -m``: never stops the sweep; records its outcome in its folder.
+
+    Its lines carry ``[job N]``; a finished job prints one line (its name, headline metric
+    and run id) instead of the per-client table; a failed one prints its error and returns
+    NaN. The outcome goes to ``<job dir>/fedexp_status.json`` (:mod:`fedexp.sweep`), which the
+    sweep's callback reads at the end of the sweep.
+    """
+    from fedexp.engine.progress import job_label
+    from fedexp.sweep import JobStatus, SweepInfo, write_status
+
+    info = SweepInfo.read(hc.sweep.dir)
+    status = JobStatus(
+        job=int(hc.job.num),
+        status="failed",
+        name=_job_name(cfg, hc, info),
+        overrides=[str(o) for o in hc.overrides.task],
+        sweep_id=info.sweep_id if info else "",
+    )
+    job_dir = Path(hc.runtime.output_dir)
+    parallel = not str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
+    with job_label(f"job {hc.job.num}", parallel=parallel):
+        try:
+            return _sweep_job_run(cfg, hc, info, status)
+        finally:
+            write_status(job_dir, status)
+
+
+def _sweep_job_run(
+    cfg: DictConfig, hc: DictConfig, info: SweepInfo | None, status: JobStatus
+) -> float:
+    """The body of :func:`_sweep_job`: fills ``status`` in; returns the objective or NaN."""
+    import traceback
+
+    from fedexp.config.instantiate import instantiate_checked
+    from fedexp.engine.progress import job_prefix
+
+    def fail(error: str, line: str) -> float:
+        status.error = error
+        status.run_id = getattr(tracker, "run_id", None)
+        print(f"{job_prefix()}fedexp: {line}", file=sys.stderr, flush=True)
+        return math.nan  # one bad job of a sweep does not stop the others
+
+    tracker = None
+    try:
+        _checked(cfg)
+    except ConfigError as exc:
+        return fail(str(exc), f"error: {exc}")
+    tags = _sweep_tags(cfg, hc, info)
+    tags.update(_prepare(cfg, hc))
+    previous = _sigterm_as_exception()
+    try:
+        from fedexp.engine.runner import run
+
+        tracker = instantiate_checked(cfg.tracker, "tracker")
+        result = run(cfg, tracker=tracker, run_name=status.name, tags=tags)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM stops the whole sweep
+        fail("interrupted", _describe_stop(exc, cfg, hc))
+        sys.exit(128 + signal.SIGTERM if isinstance(exc, Terminated) else 130)
+    except FedexpError as exc:
+        return fail(str(exc), _describe_stop(exc, cfg, hc))
+    except Exception as exc:  # noqa: BLE001 - a bug in one job must not stop the sweep
+        where = Path(cfg.output_dir) / "traceback.txt"
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.write_text(traceback.format_exc())
+        error = f"{type(exc).__name__}: {exc} (traceback in {where})"
+        return fail(error, f"error: {error}")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    status.run_id = getattr(tracker, "run_id", None)  # None: nothing tracked (tracker=none)
+    status.metrics = _headline(result)
+    value = _objective(cfg, result)
+    line = "  ".join([status.name, *(f"{k}={v:.4f}" for k, v in status.metrics.items())])
+    line += f"  run {status.run_id}" if status.run_id else ""
+    if math.isnan(value):  # the sweeper sees a failed trial: so does the summary
+        from fedexp.tuning import objective_key
+
+        key = objective_key(cfg, result.metrics)
+        status.error = f"the run finished, but its objective {key} is missing or not finite"
+        line += f"  (objective {key}: NaN)"
+    else:
+        status.status = "ok"
+    print(f"{job_prefix()}{line}", flush=True)
+    return value
+
+
+def _hydra_run(cfg: DictConfig) -> float:
+    """One job of ``fedexp run``: the task function of :func:`_hydra_main`."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        return _sweep_job(cfg, hc)
+    return _single_run(cfg, hc)
 
 
 def _hydra_main() -> Callable[[], Any]:
@@ -200,11 +355,27 @@ def _hydra_main() -> Callable[[], Any]:
     return hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(_hydra_run)
 
 
+def _wants_help(args: list[str]) -> bool:
+    """``fedexp run --help``/``-h`` (ours); ``--hydra-help`` is left to Hydra."""
+    return any(a in ("-h", "--help") for a in args)
+
+
+def _launcher_option(args: list[str]) -> str | None:
+    """The option of a ``hydra/launcher=OPTION`` override, or None."""
+    for arg in args:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key == "hydra/launcher":
+            return value
+    return None
+
+
 def main() -> None:
     """Entry point: ``fedexp run [hydra overrides]``."""
     args = sys.argv[1:]
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__)
+    if not args or args[0] in ("-h", "--help") or (args[0] == "run" and _wants_help(args[1:])):
+        from fedexp.cli_help import help_text
+
+        print(help_text())
         sys.exit(0 if args else 2)
     if args[0] == "report":
         from fedexp.report import main as report
@@ -228,8 +399,36 @@ def main() -> None:
     if early:
         print(f"fedexp: error: {'; '.join(early)}", file=sys.stderr)
         sys.exit(1)
+    launcher = _launcher_option(args[1:])
+    if launcher is not None:
+        from fedexp.sweep import NO_SLURM, slurm_missing
+
+        if slurm_missing(launcher):  # before Hydra makes a folder or anything runs
+            print(f"fedexp: error: {NO_SLURM}", file=sys.stderr)
+            sys.exit(1)
     sys.argv = [sys.argv[0], *args[1:]]
-    _hydra_main()()
+    try:
+        _hydra_main()()
+    except (SystemExit, KeyboardInterrupt) as exc:  # Hydra reported an error, or Ctrl-C
+        _end_unfinished_sweep(exc)
+        raise
+    sweep = sys.modules.get("fedexp.sweep")
+    if sweep is not None and sweep.last is not None and sweep.last.failed:
+        sys.exit(1)  # the summary above names the failed jobs
+
+
+def _end_unfinished_sweep(exc: BaseException) -> None:
+    """Summarise a sweep that stopped before its end and end its parent run.
+
+    See :func:`fedexp.sweep.end_unfinished`: KILLED on Ctrl-C or SIGTERM, FAILED otherwise.
+    """
+    sweep = sys.modules.get("fedexp.sweep")
+    if sweep is None:
+        return
+    code = exc.code if isinstance(exc, SystemExit) else 130
+    killed = isinstance(exc, KeyboardInterrupt) or code in (130, 128 + signal.SIGTERM)
+    why = "interrupted" if killed else f"an error above, exit code {code}"
+    sweep.end_unfinished(why, "KILLED" if killed else "FAILED")
 
 
 def __getattr__(name: str) -> Any:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import torch
+
+from fedexp.metrics import LOWER_IS_BETTER
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+#: Up to this many clients, every client gets a panel in clients.png.
+MAX_CLIENT_PANELS = 64
+#: Beyond :data:`MAX_CLIENT_PANELS`: this many worst, median and best clients get one each.
+CLIENTS_PER_GROUP = 8
 
 
 def plot_rounds(history: list[dict[str, float]], path: Path, metric: str = "acc") -> Path | None:
@@ -86,5 +95,109 @@ def plot_client_models(
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def pick_clients(
+    final: dict[int, float], lower_is_better: bool
+) -> tuple[list[tuple[int, str]], str]:
+    """The clients to draw, each with its group's label, and what the title says of them.
+
+    Every client up to :data:`MAX_CLIENT_PANELS`; beyond, the :data:`CLIENTS_PER_GROUP`
+    worst, median and best by final value (clients without a finite one are left out).
+    """
+    clients = sorted(final)
+    if len(clients) <= MAX_CLIENT_PANELS:
+        return [(n, "") for n in clients], f"all {len(clients)} clients"
+    ranked = sorted(
+        (n for n in clients if math.isfinite(final[n])),
+        key=lambda n: (-final[n] if lower_is_better else final[n], n),
+    )  # worst first
+    k = CLIENTS_PER_GROUP
+    mid = max(0, (len(ranked) - k) // 2)
+    chosen: dict[int, str] = {}
+    for label, group in (("worst", ranked[:k]), ("median", ranked[mid : mid + k])):
+        for n in group:
+            chosen.setdefault(n, label)
+    for n in ranked[-k:]:
+        chosen.setdefault(n, "best")
+    said = f"the {k} worst, {k} median and {k} best of {len(clients)} clients by final value"
+    return list(chosen.items()), said
+
+
+def plot_clients(
+    client_history: list[dict[str, float]], path: Path, metric: str = "acc"
+) -> Path | None:
+    """Each client's test ``metric`` over the evaluated rounds, one small panel per client.
+
+    Up to :data:`MAX_CLIENT_PANELS` clients, one panel each; with more, the
+    :data:`CLIENTS_PER_GROUP` worst, median and best clients by their last evaluated value
+    (one row per group; the figure's title and each panel's title say which). Every panel
+    shows, in grey, the mean over the clients evaluated in each round, for reference; axes
+    are shared.
+
+    Args:
+        client_history: rows of clients_rounds.csv (``round``, ``client``, the metrics).
+        path: the PNG to write.
+        metric: the per-client metric (``acc``; ``iou`` for segmentation).
+
+    Returns:
+        ``path``, or None when no row holds ``metric`` (or, beyond :data:`MAX_CLIENT_PANELS`
+        clients, no finite value of it).
+    """
+    series: dict[int, list[tuple[float, float]]] = {}
+    per_round: dict[float, list[float]] = {}
+    for row in client_history:
+        if metric in row:
+            series.setdefault(int(row["client"]), []).append((row["round"], row[metric]))
+            if math.isfinite(row[metric]):
+                per_round.setdefault(row["round"], []).append(row[metric])
+    if not series:
+        return None
+    final = {}
+    for n, points in series.items():
+        finite = [v for _, v in points if math.isfinite(v)]
+        final[n] = finite[-1] if finite else math.nan
+    chosen, said = pick_clients(final, metric in LOWER_IS_BETTER)
+    if not chosen:  # more clients than panels, and not one with a finite value
+        return None
+    if len(series) > MAX_CLIENT_PANELS:
+        ncols = CLIENTS_PER_GROUP
+    else:
+        ncols = min(8, math.ceil(math.sqrt(len(chosen))))
+    nrows = math.ceil(len(chosen) / ncols)
+    width, height = max(6.0, 2.1 * ncols), 1.7 * nrows + 0.9
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), sharex=True, sharey=True)
+    axes = np.atleast_2d(axes)
+    # fixed margins in inches (tight_layout would double the time this figure takes)
+    fig.subplots_adjust(
+        left=0.55 / width,
+        right=1 - 0.15 / width,
+        bottom=0.6 / height,
+        top=1 - 0.8 / height,
+        wspace=0.15,
+        hspace=0.45,
+    )
+    rounds = sorted(per_round)
+    mean = [sum(per_round[t]) / len(per_round[t]) for t in rounds]
+    for ax, (n, label) in zip(axes.flat, chosen, strict=False):
+        ax.plot(rounds, mean, color="0.7", lw=1.0)
+        ax.plot(*zip(*sorted(series[n]), strict=True), ".-", lw=1.2, ms=3)
+        ax.set_title(f"client {n}" + (f" ({label})" if label else ""), fontsize=8)
+        ax.tick_params(labelsize=7)
+    for i, ax in enumerate(axes.flat):
+        if i >= len(chosen):
+            ax.set_visible(False)
+            if i >= ncols:
+                axes.flat[i - ncols].xaxis.set_tick_params(labelbottom=True)  # the one above
+    fig.suptitle(
+        f"test {metric} per client over rounds: {said}\n(grey: the mean over clients)",
+        fontsize=9,
+        y=1 - 0.08 / height,
+        va="top",
+    )
+    fig.supxlabel("round", fontsize=9)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

@@ -47,7 +47,7 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
 
 def deterministic(metrics: dict) -> dict:
     """``metrics`` without the wall-clock ones (``time/...``), which no two runs share."""
-    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "system/"))}
 
 
 def assert_resume_exact(cfg, tmp_path: Path, stop_at: int = 3) -> None:

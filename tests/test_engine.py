@@ -80,7 +80,7 @@ def test_tiny_end_to_end_run(small_cfg, algorithm):
     tracker = NullTracker()
     res = run(small_cfg(f"algorithm={algorithm}", "rounds=5", "lr=1.0"), tracker=tracker)
     assert tracker.status == "FINISHED"
-    assert sorted(tracker.metrics["round"]) == [0, 1, 2, 3, 4, 5]
+    assert sorted(tracker.steps) == [0, 1, 2, 3, 4, 5]
     assert len(res.per_client) == 5
     acc = tracker.metrics["acc/weighted"]
     assert acc[5] > 0.85 and acc[0] < 0.7, acc  # breast cancer is easy for logistic regression
@@ -99,7 +99,7 @@ def test_divergence_stops_the_run_and_keeps_checkpoints(small_cfg, tmp_path):
     with pytest.raises(DivergenceError, match="client .*NaN|client .*inf"):
         run(cfg, tracker=tracker, callbacks=[blow_up])
     assert tracker.status == "FAILED" and "DivergenceError" in tracker.tags["error"]
-    assert sorted(tracker.metrics["round"]) == [0, 1, 2]  # what was logged survives
+    assert sorted(tracker.steps) == [0, 1, 2]  # what was logged survives
     _, meta = checkpoint.load(tmp_path / "out" / "checkpoints")
     assert meta["round"] == 2
     tree, _ = checkpoint.load(tmp_path / "out" / "checkpoints")

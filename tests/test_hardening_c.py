@@ -61,7 +61,7 @@ def test_diverged_run_prints_the_rescue_command_and_the_rescue_finishes(tmp_path
     rescue = [a if not a.startswith("lr=") else "lr=0.05" for a in command[2:]]
     tracker = NullTracker()
     res = run(compose_config(*rescue, output_dir=tmp_path / "b"), tracker=tracker)
-    assert res.metrics["round"] == 4.0 and sorted(tracker.metrics["round"]) == [0, 1, 2, 3, 4]
+    assert res.metrics["round"] == 4.0 and sorted(tracker.steps) == [0, 1, 2, 3, 4]
     assert tracker.tags["fedexp.resume.2.lr"] == "0.1 -> 0.05"
     assert tracker.tags["fedexp.resume.2.rounds"] == "2 -> 4"
     _, meta = checkpoint.load(ckpt)
@@ -139,7 +139,7 @@ def test_a_finite_blowup_is_stopped_by_divergence_factor(small_cfg, tmp_path):
     with pytest.raises(DivergenceError, match=r"grew from 0\.8\d* to .* by round 2") as err:
         run(small_cfg(*overrides, "checkpoint_every=1"), tracker=tracker)
     assert "lower lr=100" in str(err.value) and "\n" not in str(err.value)
-    assert sorted(tracker.metrics["round"]) == [0, 1]  # the blown-up round is not logged
+    assert sorted(tracker.steps) == [0, 1]  # the blown-up round is not logged
     assert tracker.status == "FAILED"
     assert checkpoint.load(tmp_path / "out" / "checkpoints")[1]["round"] == 1  # the good one
 

@@ -35,3 +35,16 @@ def test_headless_chromium_shows_the_runs_table(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ml view" in done.stdout and png.stat().st_size > 10_000
+
+
+def test_run_and_sweep_lines_link_to_the_machine_learning_view(tmp_path):
+    from fedexp.tracking.mlflow_tracker import MLflowTracker
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    tracker = MLflowTracker(uri, "links", system_metrics=False)
+    tracker.start("one", {}, {})
+    tracker.end()
+    exp = tracker.client.get_experiment_by_name("links").experiment_id
+    text = tracker.describe()
+    assert f"mlflow ui --backend-store-uri {uri}" in text
+    assert experiment_url("http://127.0.0.1:5000", exp) in text

@@ -44,6 +44,9 @@ class RunConfig:
             NaN and infinity are always stopped); 0 disables the check.
         resume: a checkpoint directory of an interrupted run to continue, or null.
         test_fraction: per-client test share (the paper's 80/20 split).
+        val_fraction: share of each client's training data held out as a validation split
+            (val/... metrics at every evaluated round, for tuning without test leakage;
+            docs/tuning.md); 0 (the default) keeps every training sample for training.
         progress: "auto" (rich bar on a TTY, log lines otherwise), "bar", "log" or "none".
         output_dir: where checkpoints and result files go (null: Hydra's run folder).
         eval_participants: evaluate only the round's sampled clients at evaluated rounds
@@ -69,6 +72,7 @@ class RunConfig:
     divergence_factor: float = 1e4
     resume: str | None = None
     test_fraction: float = 0.2
+    val_fraction: float = 0.0
     progress: str = "auto"
     output_dir: str | None = None
     threads: int = 0
@@ -131,6 +135,7 @@ def _range_errors(get: Any) -> list[str]:
     need("checkpoint_every", lambda v: v >= 0, "≥ 0 (0 disables checkpoints)", integer=True)
     need("divergence_factor", lambda v: v >= 0, "≥ 0 (0 disables the check)")
     need("test_fraction", lambda v: 0 < v < 1, "a fraction in (0, 1)")
+    need("val_fraction", lambda v: 0 <= v < 1, "a fraction in [0, 1) (0: no validation split)")
     need("threads", lambda v: v >= 0, "≥ 0 (0: PyTorch's default)", integer=True)
     for key, choices in CHOICES.items():
         if get(key) not in choices:

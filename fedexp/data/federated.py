@@ -1,4 +1,4 @@
-"""Device-resident federated data: each client's train/test tensors, batches as index draws."""
+"""Device-resident federated data: each client's train/val/test tensors, index-draw batches."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.partitions import ClientSplit
-from fedexp.errors import DataError
+from fedexp.errors import ConfigError, DataError
 
 
 @dataclass
@@ -20,12 +20,16 @@ class ClientData:
     Attributes:
         x_train, y_train: training inputs and targets.
         x_test, y_test: the client's own test split.
+        x_val, y_val: the validation split carved out of the client's training data
+            (``val_fraction``, for tuning); None when there is none.
     """
 
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    x_val: torch.Tensor | None = None
+    y_val: torch.Tensor | None = None
 
     @property
     def num_train(self) -> int:
@@ -36,6 +40,24 @@ class ClientData:
     def num_test(self) -> int:
         """Number of test samples."""
         return int(self.y_test.shape[0])
+
+    @property
+    def num_val(self) -> int:
+        """Number of validation samples (0 without a validation split)."""
+        return 0 if self.y_val is None else int(self.y_val.shape[0])
+
+    def validation(self) -> ClientData:
+        """This client with its validation split in the place of its test split.
+
+        What evaluation reads is the test split; this view makes it read the validation
+        examples instead (the training data are the same tensors, nothing is copied).
+
+        Raises:
+            DataError: the client has no validation split.
+        """
+        if self.x_val is None or self.y_val is None or self.num_val == 0:
+            raise DataError("this client has no validation split (set val_fraction > 0)")
+        return ClientData(self.x_train, self.y_train, self.x_val, self.y_val)
 
     def batch(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """A minibatch drawn uniformly with replacement; ``size <= 0`` is the full batch."""
@@ -73,6 +95,48 @@ def train_test_split(
     return np.sort(train_idx), np.sort(test_idx)
 
 
+def validation_split(
+    train_idx: np.ndarray, labels: np.ndarray, val_fraction: float, seed: int, client: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Carve a validation split out of one client's training indices.
+
+    Stratified by label where every class of the training indices has two samples (each class
+    keeps at least one training sample), else a plain random share. With ``val_fraction > 0``
+    and at least two training samples, at least one goes to validation and at least one stays
+    in training. The draw has its own stream (``[seed, 22, client]``), so the train/test split
+    before it is the same whatever ``val_fraction`` is.
+
+    Args:
+        train_idx: the client's training indices (after :func:`train_test_split`).
+        labels: every sample's label (the stratification key).
+        val_fraction: share of the training indices moved to validation, in [0, 1).
+        seed: the run's seed.
+        client: the client's index.
+
+    Returns:
+        (training indices, validation indices), each sorted; with ``val_fraction == 0`` (or
+        fewer than two training samples) ``train_idx`` unchanged and an empty array.
+    """
+    empty = train_idx[:0]
+    if val_fraction <= 0 or len(train_idx) < 2:
+        return train_idx, empty
+    rng = np.random.default_rng([seed, 22, client])
+    y = labels[train_idx]
+    classes, counts = np.unique(y, return_counts=True)
+    if counts.min() >= 2:
+        parts = []
+        for c, count in zip(classes, counts, strict=True):
+            idx = rng.permutation(train_idx[y == c])
+            parts.append(idx[: min(int(round(val_fraction * count)), count - 1)])
+        val_idx = np.concatenate(parts)
+    else:
+        perm = rng.permutation(train_idx)
+        val_idx = perm[: min(int(round(val_fraction * len(perm))), len(perm) - 1)]
+    if len(val_idx) == 0:
+        val_idx = rng.permutation(train_idx)[:1]
+    return np.setdiff1d(train_idx, val_idx), np.sort(val_idx)
+
+
 def _zeroing(split: ClientSplit, x_shape: tuple[int, ...]) -> dict[int, list[int]]:
     """Check the split's channels to zero against the inputs' shape (n, C, ...)."""
     if not split.zero_channels:
@@ -100,16 +164,31 @@ def federate(
     test_fraction: float,
     seed: int,
     device: torch.device,
+    val_fraction: float = 0.0,
 ) -> list[ClientData]:
     """Partition ``data`` over clients, split each 80/20 and move the tensors to ``device``.
 
     The partition returns index arrays or a :class:`ClientSplit`; the channels it lists for a
-    client are set to zero in that client's training and test inputs (MATH §9, "lack #c").
+    client are set to zero in that client's training, validation and test inputs (MATH §9,
+    "lack #c").
+
+    With ``val_fraction > 0``, :func:`validation_split` then moves that share of each client's
+    training data to a validation split (for tuning without looking at the test split); the
+    test split, and with ``val_fraction = 0`` everything, is the same as without it.
+
+    Raises:
+        DataError: no train/test split is possible, or the partition is malformed.
+        ConfigError: ``val_fraction`` outside [0, 1).
     """
     if num_clients < 1:
         raise DataError(f"num_clients={num_clients}: expected at least 1")
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"test_fraction={test_fraction}: expected a value in (0, 1)")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(
+            f"val_fraction={val_fraction}: expected a fraction in [0, 1) of each client's "
+            "training data (0: no validation split)"
+        )
     split = ClientSplit.of(
         partition(labels=data.labels, num_clients=num_clients, seed=seed, groups=data.groups)
     )
@@ -133,17 +212,25 @@ def federate(
         train_idx, test_idx = train_test_split(idx, labels, test_fraction, seed, n)
         if len(train_idx) == 0 or len(test_idx) == 0:
             raise DataError(f"client {n} has {len(idx)} sample(s): no train/test split possible")
+        train_idx, val_idx = validation_split(train_idx, labels, val_fraction, seed, n)
         tr, te = torch.from_numpy(train_idx), torch.from_numpy(test_idx)
         x_train, x_test = x_all[tr], x_all[te]  # copies: zeroing never touches data.x
+        x_val = y_val = None
+        if len(val_idx):
+            va = torch.from_numpy(val_idx)
+            x_val, y_val = x_all[va], y_all[va].to(device)
         if n in zero:
-            x_train[:, zero[n]] = 0.0
-            x_test[:, zero[n]] = 0.0
+            for x in (x_train, x_test, x_val):
+                if x is not None:
+                    x[:, zero[n]] = 0.0
         clients.append(
             ClientData(
                 x_train.to(device),
                 y_all[tr].to(device),
                 x_test.to(device),
                 y_all[te].to(device),
+                None if x_val is None else x_val.to(device),
+                y_val,
             )
         )
     return clients

@@ -32,6 +32,9 @@ from fedexp.metrics import LOWER_IS_BETTER, aggregate
 # Stream purposes of the channels and the set-up (beside rng.CLIENT etc.).
 _UPLINK, _DOWNLINK, _SKETCH = 11, 12, 13
 
+#: Prefix of the metrics on the clients' validation splits (``val_fraction > 0``).
+_VAL = "val/"
+
 #: (client, part name); the part of a bare-tensor message is named "".
 PartKey = tuple[int, str]
 
@@ -267,10 +270,16 @@ class Engine:
         The aggregates are ``<m>/mean`` (the unweighted mean over clients, the papers'
         headline), ``/weighted`` (by test samples), ``/worst``, ``/std``, and ``<m>/best_mean``:
         the mean over every client evaluated so far of its best value over evaluated rounds
-        (pFedSOP §VI's protocol).
+        (pFedSOP §VI's protocol). Clients with a validation split (``val_fraction > 0``) are
+        also evaluated on it, with the same parameters: the same aggregates under ``val/``
+        (``val/acc/mean``, ``val/acc/weighted`` by validation samples, ...), for tuning. The
+        per-client metrics are the test split's.
         """
-        who = range(len(self.clients)) if clients is None else clients
+        who = list(range(len(self.clients)) if clients is None else clients)
         per_client = []
+        val_who: list[int] = []
+        val_rows: list[dict[str, float]] = []
+        val_weights: list[float] = []
 
         def forward(params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return self.algorithm.predict(self.ctx, params, x)
@@ -281,10 +290,18 @@ class Engine:
             m = self.ctx.evaluate(params, data, forward)
             m["num_test"] = float(data.num_test)
             per_client.append(m)
+            if data.num_val:
+                val_rows.append(self.ctx.evaluate(params, data.validation(), forward))
+                val_who.append(n)
+                val_weights.append(float(data.num_val))
         weights = [c["num_test"] for c in per_client]
         scored = [{k: v for k, v in c.items() if k != "num_test"} for c in per_client]
         out = aggregate(scored, weights)
-        out.update(self._update_best(list(who), scored))
+        out.update(self._update_best(who, scored))
+        if val_rows:
+            out.update({f"{_VAL}{k}": v for k, v in aggregate(val_rows, val_weights).items()})
+            val_scored = [{f"{_VAL}{k}": v for k, v in row.items()} for row in val_rows]
+            out.update(self._update_best(val_who, val_scored))
         return out, per_client
 
     def _update_best(self, who: list[int], scored: list[dict[str, float]]) -> dict[str, float]:
@@ -293,7 +310,8 @@ class Engine:
             best = self.best.setdefault(
                 key, torch.full((len(self.clients),), math.nan, dtype=torch.float64)
             )
-            better = torch.minimum if key in LOWER_IS_BETTER else torch.maximum
+            lower = key.removeprefix(_VAL) in LOWER_IS_BETTER
+            better = torch.minimum if lower else torch.maximum
             new = torch.tensor([m[key] for m in scored], dtype=torch.float64)
             idx = torch.tensor(who, dtype=torch.long)
             old = best[idx]
@@ -343,7 +361,13 @@ class Engine:
             for d in ("up", "down"):
                 saved = channel.get(d, {}).get(kind, {})
                 store[d] = {_parse_key(k): v.to(dev) for k, v in saved.items()}
-        self.best = {k: v.to("cpu", torch.float64) for k, v in tree.get("best", {}).items()}
+        self.best = {}
+        for key, value in tree.get("best", {}).items():
+            if isinstance(value, dict):  # the validation split's "val/<m>", saved nested
+                for m, t in value.items():
+                    self.best[f"{key}/{m}"] = t.to("cpu", torch.float64)
+            else:
+                self.best[key] = value.to("cpu", torch.float64)
         self.round = round_
         self.ledger = ledger
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedexp.comm.channel import Channel
 from fedexp.config.instantiate import fresh_dir, instantiate_checked
 from fedexp.config.schema import validate
+from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import federate
 from fedexp.engine import checkpoint, rng
 from fedexp.engine.context import Context
@@ -28,8 +29,15 @@ from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import task_for
 from fedexp.tracking.base import Tracker
+from fedexp.tracking.dataset_input import describe_dataset
+from fedexp.tracking.provenance import run_tags
 
 log = logging.getLogger("fedexp")
+
+#: Keys one of which every logged step holds: round 0 always evaluates (``time/eval_s``), every
+#: training round is timed (``time/round_s``). A resumed run asks the tracker for their last
+#: step to know what it already holds (``round`` itself is the step, never a metric).
+_STEP_KEYS = ("time/round_s", "time/eval_s")
 
 #: Settings that must not change when a run is resumed (they define the experiment and the
 #: shape of its state). Everything else may: rounds, eval/checkpoint frequency, device,
@@ -47,10 +55,23 @@ _RESUME_KEYS = (
     "participation",
     "batch_size",
     "test_fraction",
+    "val_fraction",
 )
+
+#: Defaults of resume keys added after checkpoints were first written (older ones lack them).
+_RESUME_DEFAULTS = {"val_fraction": 0.0}
 
 #: Keys whose change on resume is not recorded (they name where this attempt writes).
 _UNRECORDED = ("resume", "output_dir")
+
+
+#: The per-client table's artifact name (MLflow's table API wants .json or .parquet).
+CLIENT_TABLE = "clients_rounds.json"
+
+
+def _table_rows(client_history: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """clients_rounds.csv's rows with ``round`` and ``client`` as integers."""
+    return [{**r, "round": int(r["round"]), "client": int(r["client"])} for r in client_history]
 
 
 @dataclass
@@ -97,6 +118,11 @@ def build_channel(node: DictConfig, path: str) -> Channel:
 
 def build_engine(cfg: DictConfig) -> Engine:
     """Data, partition, model, algorithm and channels from the config."""
+    return _build(cfg)[0]
+
+
+def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
+    """:func:`build_engine`, and the data set as loaded (before it is partitioned)."""
     device = resolve_device(cfg.device)
     if cfg.rounds < 0 or cfg.eval_every < 1 or cfg.checkpoint_every < 0:
         raise ConfigError("rounds ≥ 0, eval_every ≥ 1 and checkpoint_every ≥ 0 are expected")
@@ -104,7 +130,15 @@ def build_engine(cfg: DictConfig) -> Engine:
         raise ConfigError(f"participation={cfg.participation}: expected a fraction in (0, 1]")
     data = instantiate_checked(cfg.dataset, "dataset")
     partition = instantiate_checked(cfg.partition, "partition")
-    clients = federate(data, partition, cfg.num_clients, cfg.test_fraction, cfg.seed, device)
+    clients = federate(
+        data,
+        partition,
+        cfg.num_clients,
+        cfg.test_fraction,
+        cfg.seed,
+        device,
+        val_fraction=cfg.get("val_fraction", 0.0),
+    )
     validate(cfg, clients)  # the run settings' ranges, and batch_size against the data
     module, personal_patterns = build_model(
         cfg.model, data.x.shape[1:], data.num_classes, rng.derive_seed(cfg.seed, rng.INIT)
@@ -127,7 +161,7 @@ def build_engine(cfg: DictConfig) -> Engine:
         optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
     )
     algorithm = instantiate_checked(cfg.algorithm, "algorithm")
-    return Engine(
+    engine = Engine(
         ctx=ctx,
         algorithm=algorithm,
         clients=clients,
@@ -138,6 +172,7 @@ def build_engine(cfg: DictConfig) -> Engine:
         x0=model.initial(),
         backend=cfg.backend,
     )
+    return engine, data
 
 
 def flatten_config(cfg: DictConfig) -> dict[str, str]:
@@ -162,7 +197,11 @@ def _check_resume(cfg: DictConfig, saved_yaml: str) -> None:
     saved = OmegaConf.create(saved_yaml)
     now = OmegaConf.to_container(cfg, resolve=True)
     before = OmegaConf.to_container(saved, resolve=True)
-    diff = [k for k in _RESUME_KEYS if now.get(k) != before.get(k)]
+    diff = [
+        k
+        for k in _RESUME_KEYS
+        if now.get(k, _RESUME_DEFAULTS.get(k)) != before.get(k, _RESUME_DEFAULTS.get(k))
+    ]
     if diff:
         raise ConfigError(
             f"resume={cfg.resume}: the checkpoint was made with different {', '.join(diff)}; "
@@ -229,6 +268,38 @@ def _check_blowup(cfg: DictConfig, history: list[dict[str, float]], metrics: dic
         )
 
 
+def _is_round_bytes(key: str) -> bool:
+    """A per-round byte count (``bytes/up``, ``bytes/up_dense``, ``bytes/<dir>/<part>``)."""
+    return key.startswith("bytes/") and not key.endswith("_cum")
+
+
+def loggable(row: dict[str, float], previous: dict[str, float] | None) -> dict[str, float]:
+    """What of a round's metrics goes to the tracker.
+
+    Everything but ``round`` (it is the step) and the per-round byte counts whose value did
+    not change since the previous round's row (a dense run's ``bytes/up`` is the same every
+    round: it is logged at round 1, then only when it changes). Cumulative series
+    (``bytes/up_cum``, ...) and every other metric are logged every round. A pure function of
+    the history, so a resumed run logs what an uninterrupted one does.
+
+    Args:
+        row: the round's metrics (as kept in the history and in rounds.csv).
+        previous: the previous round's row (None for the first).
+    """
+    before = previous or {}
+    return {
+        k: v
+        for k, v in row.items()
+        if k != "round" and not (_is_round_bytes(k) and k in before and before[k] == v)
+    }
+
+
+def _last_logged(tracker: Tracker) -> int | None:
+    """The last step the tracker holds (see :data:`_STEP_KEYS`); None if none."""
+    steps = [s for s in (tracker.last_step(k) for k in _STEP_KEYS) if s is not None]
+    return max(steps, default=None)
+
+
 def _write_outputs(
     out: Path,
     cfg: DictConfig,
@@ -237,6 +308,20 @@ def _write_outputs(
     engine: Engine,
     client_history: list[dict[str, float]],
 ) -> list[Path]:
+    """Write a run's result files into ``out``; returns those the tracker uploads.
+
+    - ``config.yaml``: the resolved config.
+    - ``clients.csv``: one row per client: its number of training samples, its final test
+      metrics and its best value of each over the evaluated rounds (``best_<metric>``).
+    - ``rounds.csv``: one row per round, every metric (``round`` included; a round without
+      evaluation has empty test columns).
+    - ``clients_rounds.csv``: one row per client and evaluated round: its test metrics.
+    - ``curves.png``: the test metric across clients, mean training loss and cumulative bytes
+      per round.
+    - ``clients.png``: each client's test metric over rounds (:func:`~fedexp.plots.plot_clients`).
+    - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients).
+    - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
+    """
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "config.yaml", out / "clients.csv", out / "rounds.csv"]
     if client_history:
@@ -266,7 +351,7 @@ def _write_outputs(
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
         writer.writerows(history)
-    from fedexp.plots import plot_client_models, plot_rounds
+    from fedexp.plots import plot_client_models, plot_clients, plot_rounds
 
     edges = engine.server.get("edges")
     if edges is not None:
@@ -281,8 +366,10 @@ def _write_outputs(
             for n in range(len(engine.clients))
         ]
     )
+    headline = next(iter(per_client[0]))
     for png in (
-        plot_rounds(history, out / "curves.png", next(iter(per_client[0]))),
+        plot_rounds(history, out / "curves.png", headline),
+        plot_clients(client_history, out / "clients.png", headline),
         plot_client_models(models, out / "client_models_pca.png", edges),
     ):
         if png is not None:
@@ -300,16 +387,25 @@ def run(
 ) -> RunResult:
     """Run (or resume) one federated experiment.
 
+    What the tracker receives: the resolved config as params; provenance tags (git commit,
+    package versions, device, host: :mod:`fedexp.tracking.provenance`) under ``tags``; the
+    data set as an input (:mod:`fedexp.tracking.dataset_input`); each round's metrics at step
+    = round (:func:`loggable`: ``round`` is the step, constant byte counts are logged when
+    they change); at the end the files of :func:`_write_outputs` as artifacts and the
+    per-client table as ``clients_rounds.json`` (:data:`CLIENT_TABLE`).
+
     Args:
         cfg: the composed run config.
         tracker: overrides ``cfg.tracker`` (tests).
         callbacks: called after every round with the engine and the round's metrics.
         run_name: MLflow run name.
-        tags: extra MLflow tags (e.g. the sweep's overrides).
+        tags: extra MLflow tags (e.g. the sweep's overrides); they win over provenance tags.
     """
     if tracker is None:  # first: an unreachable tracking server fails before anything is built
         tracker = instantiate_checked(cfg.tracker, "tracker")
-    engine = build_engine(cfg)
+    engine, data = _build(cfg)
+    dataset = describe_dataset(data, OmegaConf.to_container(cfg.dataset, resolve=True))
+    del data  # the clients hold their own copies
     if cfg.output_dir:
         out_dir = Path(cfg.output_dir)
     else:  # no folder given (the API): one of its own, never reused (the CLI's does the same)
@@ -330,7 +426,7 @@ def run(
             log.info("resuming after round %d with changed settings: %s", meta["round"], said)
         changes = [*meta.get("changes", []), *new]
     name = run_name or f"{type(engine.algorithm).__name__}-seed{cfg.seed}"
-    tags = {**(tags or {}), **_change_tags(changes)}
+    tags = {**run_tags(engine.ctx.device), **(tags or {}), **_change_tags(changes)}
     run_id = tracker.start(name, flatten_config(cfg), tags, resume_id)
     logged: int | None = None
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
@@ -342,7 +438,7 @@ def run(
             metrics["time/round_mean_s"] = sum(times) / len(times)
         step = int(metrics["round"])
         if logged is None or step > logged:
-            tracker.log_metrics(metrics, step)
+            tracker.log_metrics(loggable(metrics, history[-1] if history else None), step)
         history.append(metrics)
 
     def evaluate(t: int, clients: list[int] | None = None) -> tuple[dict, list[dict]]:
@@ -356,15 +452,17 @@ def run(
         return agg, rows
 
     try:
+        tracker.log_dataset(dataset)  # once: a resumed run that holds it adds nothing
         if resume_id:
             # The tracker may differ from the first run's (README: it may change on resume):
             # a run it does not hold comes back new, and rounds logged while another tracker
             # was used are missing; replay the checkpoint's history into it up to its round.
-            logged = tracker.last_step("round")
-            for row in history:
+            logged = _last_logged(tracker)
+            for i, row in enumerate(history):
                 if logged is None or row["round"] > logged:
-                    tracker.log_metrics(row, int(row["round"]))
-            logged = tracker.last_step("round")
+                    previous = history[i - 1] if i else None
+                    tracker.log_metrics(loggable(row, previous), int(row["round"]))
+            logged = _last_logged(tracker)
         per_client: list[dict[str, float]] = []
         if engine.round == 0 and not history:
             setup = engine.setup()
@@ -404,6 +502,8 @@ def run(
         final = dict(history[-1]) if history else {}
         for path in _write_outputs(out_dir, cfg, per_client, history, engine, client_history):
             tracker.log_artifact(path)
+        if client_history:  # clients_rounds.csv again, as a table MLflow's UI shows as one
+            tracker.log_table(_table_rows(client_history), CLIENT_TABLE)
         tracker.end("FINISHED")
     except KeyboardInterrupt:
         tracker.end("KILLED")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from fedexp.tracking.dataset_input import DatasetRecord
 
 
 class Tracker(Protocol):
@@ -35,6 +38,14 @@ class Tracker(Protocol):
         """Upload a local file."""
         ...
 
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Log ``rows`` (one dict a row) as a table artifact named ``artifact_file`` (.json)."""
+        ...
+
+    def log_dataset(self, record: DatasetRecord) -> None:
+        """Record the run's data set as an input, once (a resumed run does not add it again)."""
+        ...
+
     def set_tags(self, tags: dict[str, str]) -> None:
         """Set run tags."""
         ...
@@ -58,9 +69,13 @@ class NullTracker:
 
     def __init__(self, uri: str | None = None, experiment: str | None = None) -> None:
         self.metrics: dict[str, dict[int, float]] = {}
+        #: every step a batch of metrics was logged at (a round; ``round`` is not a metric)
+        self.steps: set[int] = set()
         self.params: dict[str, str] = {}
         self.tags: dict[str, str] = {}
         self.artifacts: list[str] = []
+        self.tables: dict[str, list[dict[str, Any]]] = {}
+        self.datasets: list[DatasetRecord] = []
         self.status: str | None = None
 
     def start(
@@ -82,12 +97,23 @@ class NullTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Store metrics."""
+        self.steps.add(step)
         for k, v in metrics.items():
             self.metrics.setdefault(k, {})[step] = v
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Remember the file name."""
         self.artifacts.append(Path(path).name)
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Keep the rows under the file name."""
+        self.tables[artifact_file] = [dict(r) for r in rows]
+        self.artifacts.append(artifact_file)
+
+    def log_dataset(self, record: DatasetRecord) -> None:
+        """Keep the record, once per digest."""
+        if all(d.sha256 != record.sha256 for d in self.datasets):
+            self.datasets.append(record)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Store tags."""

@@ -15,6 +15,18 @@ open when the interpreter exits (KILLED). SIGKILL, the OOM killer and power loss
 this; for them every run is tagged with its host and pid (``fedexp.host``, ``fedexp.pid``), and
 a run that starts ends the RUNNING runs of its experiment left by a dead process of this host
 (KILLED, tagged ``fedexp.reaped``): see :meth:`MLflowTracker._reap`.
+
+System metrics (CPU utilisation, memory, disk, network; GPU too where ``nvidia-ml-py`` is
+installed) are sampled by MLflow's own :class:`SystemMetricsMonitor` (psutil) every
+``system_metrics_interval`` seconds (5 by default, so that a run of a minute has a dozen
+points; MLflow's ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` environment variable overrides
+it) from the moment the run is created or reopened until it ends, whatever its end (FINISHED,
+FAILED, KILLED); the sample still pending when it ends is logged too, so even a short run has
+one point. They appear as ``system/...`` metrics (e.g. ``system/cpu_utilization_percentage``)
+with the sample index as step. ``tracker.system_metrics=false`` turns them off.
+
+The run's data set is recorded as an MLflow dataset input (:meth:`MLflowTracker.log_dataset`),
+and the per-client table as an MLflow table artifact (:meth:`MLflowTracker.log_table`).
 """
 
 from __future__ import annotations
@@ -32,14 +44,18 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 
 from fedexp.errors import TrackerError
+from fedexp.tracking.dataset_input import DatasetRecord
+from fedexp.tracking.links import experiment_url, ui_base, ui_command
 
 log = logging.getLogger("fedexp")
 
@@ -51,6 +67,10 @@ PROBE_TIMEOUT_S = 3.0
 HOST_TAG, PID_TAG, REAPED_TAG = "fedexp.host", "fedexp.pid", "fedexp.reaped"
 #: At most this many RUNNING runs are examined when a run starts.
 _MAX_REAP = 500
+#: Seconds between two system-metrics samples (MLflow's own default is 10).
+SYSTEM_METRICS_INTERVAL_S = 5.0
+#: The dataset input's context tag (MLflow's key): the whole set, split among the clients.
+DATASET_CONTEXT = "federated"
 
 
 def _why(exc: BaseException, timeout: float) -> str | None:
@@ -112,6 +132,38 @@ EXPERIMENT_KIND = "mlflow.experimentKind"
 ML_KIND = "custom_model_development"
 
 
+class _SystemMetrics(SystemMetricsMonitor):
+    """MLflow's system-metrics monitor, writing under the tracker's store lock.
+
+    Also logs, when it finishes, the sample taken since its last publication (MLflow's own
+    drops it), so that a run shorter than the interval still has one point.
+    """
+
+    def __init__(self, tracker: MLflowTracker, resume: bool) -> None:
+        super().__init__(
+            tracker.run_id,
+            sampling_interval=tracker.system_metrics_interval,
+            resume_logging=resume,
+            tracking_uri=tracker.uri,
+        )
+        self._tracker = tracker
+
+    def publish_metrics(self, metrics: dict[str, float]) -> None:
+        """Write one aggregated sample now (serialised with the tracker's other writes)."""
+        with self._tracker._locked():
+            super().publish_metrics(metrics)
+            self.mlflow_logger.flush()  # MLflow's logger may batch; nothing is left for later
+
+    def finish(self) -> None:
+        """Stop sampling, then log the pending sample; never raises."""
+        try:
+            super().finish()
+            if any(m.metrics for m in self.monitors):
+                self.publish_metrics(self.aggregate_metrics())
+        except Exception as exc:  # noqa: BLE001 - system metrics must never fail a run
+            log.debug("could not log the last system-metrics sample: %s", exc)
+
+
 class MLflowTracker:
     """Logs one fedexp run as one MLflow run.
 
@@ -119,17 +171,34 @@ class MLflowTracker:
         uri: tracking URI; None uses MLflow's default (``sqlite:///mlflow.db``) unless the
             MLFLOW_TRACKING_URI environment variable says otherwise.
         experiment: experiment name; None: "fedexp" for a single run, and for the runs of a
-            multirun one experiment per sweep, "fedexp/<sweep folder>" (set by the CLI).
+            multirun one experiment per sweep, "fedexp/<varying keys> <date time>" (set by
+            the CLI, :mod:`fedexp.sweep`).
         retries: attempts for a write that fails on a busy store.
+        system_metrics: log MLflow's system metrics (CPU, memory, disk, network) while the
+            run is open.
+        system_metrics_interval: seconds between two system-metrics samples.
     """
 
     def __init__(
-        self, uri: str | None = None, experiment: str | None = None, retries: int = 20
+        self,
+        uri: str | None = None,
+        experiment: str | None = None,
+        retries: int = 20,
+        system_metrics: bool = True,
+        system_metrics_interval: float = SYSTEM_METRICS_INTERVAL_S,
     ) -> None:
+        if not system_metrics_interval > 0:
+            raise TrackerError(
+                f"tracker.system_metrics_interval={system_metrics_interval}: "
+                "expected a positive number of seconds"
+            )
         self.uri = uri or mlflow.get_tracking_uri()
         check_reachable(self.uri, key="tracker.uri" if uri else "MLFLOW_TRACKING_URI")
         self.experiment = experiment or "fedexp"
         self.retries = retries
+        self.system_metrics = system_metrics
+        self.system_metrics_interval = float(system_metrics_interval)
+        self._monitor: _SystemMetrics | None = None
         self.run_id: str | None = None
         self._lock_path: Path | None = None
         if self.uri.startswith("sqlite:///"):
@@ -206,7 +275,7 @@ class MLflowTracker:
             self.run_id = resume_run_id
             self.set_tags(tags)
             self._call(self.client.update_run, resume_run_id, status="RUNNING")
-            self._open()
+            self._open(resumed=True)
             self._reap(None)
             return resume_run_id
         if resume_run_id is not None:
@@ -275,8 +344,24 @@ class MLflowTracker:
             except Exception as exc:  # noqa: BLE001 - reaping must never fail a run
                 log.debug("could not end run %s (%s): %s", other.info.run_id, why, exc)
 
-    def _open(self) -> None:
+    def _open(self, resumed: bool = False) -> None:
+        """The run is RUNNING: end it at exit, and sample system metrics until it ends."""
         atexit.register(self._end_at_exit)
+        if not self.system_metrics:
+            return
+        # MLflow says "Started monitoring system metrics." (INFO) on every run: not here
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        try:
+            self._monitor = _SystemMetrics(self, resume=resumed)
+            self._monitor.start()
+        except Exception as exc:  # noqa: BLE001 - system metrics must never fail a run
+            self._monitor = None
+            log.warning("system metrics are off for this run: %s", exc)
+
+    def _stop_monitor(self) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.finish()
 
     def _end_at_exit(self) -> None:
         """End a run still open when the interpreter exits (KILLED); never raises."""
@@ -307,14 +392,80 @@ class MLflowTracker:
         """Upload a local file to the run's artifact store."""
         self._call(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Log ``rows`` with MLflow's table API (JSON, shown as a table in the run's artifacts).
+
+        Args:
+            rows: one dict a row (the same keys throughout; missing ones are empty cells).
+            artifact_file: the artifact's name, ending in ``.json``.
+        """
+        import pandas as pd
+
+        self._call(self.client.log_table, self.run_id, pd.DataFrame(rows), artifact_file)
+
+    def log_dataset(self, record: DatasetRecord) -> None:
+        """Log the run's data set as an MLflow dataset input (once per content hash).
+
+        The input holds the name, the source (the file/folder, or the loader), the digest
+        (the first 32 hex digits of :func:`~fedexp.tracking.dataset_input.content_hash`, the
+        most MLflow stores), MLflow's tensor schema of ``x`` and ``y``, and a profile with
+        sizes, shapes, the number of classes and the whole SHA-256. A resumed run that already
+        holds this digest logs nothing; one whose data changed since it began gets a warning
+        and a second input.
+        """
+        import json
+
+        import numpy as np
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.schema import TensorDatasetSchema
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.types import Schema, TensorSpec
+
+        run = self._call(self.client.get_run, self.run_id)
+        held = [d.dataset for d in (run.inputs.dataset_inputs if run.inputs else [])]
+        if any(d.name == record.name and d.digest == record.digest for d in held):
+            return
+        for d in held:
+            if d.name == record.name:
+                log.warning(
+                    "data set %s changed since run %s began (digest %s, was %s): "
+                    "both are recorded as its inputs",
+                    record.name,
+                    self.run_id,
+                    record.digest,
+                    d.digest,
+                )
+        if record.source_type == "local":
+            source = resolve_dataset_source(record.source)
+        else:
+            source = CodeDatasetSource({"loader": record.source})
+
+        def spec(dtype_shape: tuple[str, tuple[int, ...]]) -> Schema:
+            dtype, shape = dtype_shape
+            return Schema([TensorSpec(np.dtype(dtype), (-1, *shape[1:]))])
+
+        schema = TensorDatasetSchema(features=spec(record.features), targets=spec(record.targets))
+        entity = Dataset(
+            name=record.name,
+            digest=record.digest,
+            source_type=source._get_source_type(),
+            source=source.to_json(),
+            schema=json.dumps(schema.to_dict()),
+            profile=json.dumps(record.profile),
+        )
+        tags = [InputTag("mlflow.data.context", DATASET_CONTEXT)]
+        self._call(self.client.log_inputs, self.run_id, datasets=[DatasetInput(entity, tags)])
+
     def set_tags(self, tags: dict[str, str]) -> None:
         """Set run tags."""
         for k, v in tags.items():
             self._call(self.client.set_tag, self.run_id, k, str(v)[:5000])
 
     def end(self, status: str = "FINISHED") -> None:
-        """Terminate the run with ``status``."""
+        """Stop the system metrics, then terminate the run with ``status``."""
         atexit.unregister(self._end_at_exit)
+        self._stop_monitor()
         if self.run_id is not None:
             self._call(
                 self.client.set_terminated,
@@ -322,9 +473,25 @@ class MLflowTracker:
                 RunStatus.to_string(RunStatus.from_string(status)),
             )
 
+    def link(self) -> str:
+        """The experiment's page in MLflow's machine-learning view, and how to serve it.
+
+        ``?workflowType=machine_learning`` (:mod:`fedexp.tracking.links`): MLflow 3.17 opens
+        the GenAI view otherwise, whatever the experiment's tags say.
+        """
+        try:
+            exp = self._call(self.client.get_experiment_by_name, self.experiment)
+        except MlflowException:
+            exp = None
+        if exp is None:
+            return ui_command(self.uri) or ui_base(self.uri)
+        url = experiment_url(ui_base(self.uri), exp.experiment_id)
+        serve = ui_command(self.uri)
+        return f"{serve}, then open {url}" if serve else f"open {url}"
+
     def describe(self) -> str:
-        """Where the run is and the command that shows it."""
-        ui = f"mlflow ui --backend-store-uri {self.uri}"
-        if self.uri.startswith("http"):
-            ui = f"open {self.uri}"
-        return f"MLflow run {self.run_id} in experiment '{self.experiment}' at {self.uri} ({ui})"
+        """Where the run is and how to look at it (the link opens MLflow's ML view)."""
+        return (
+            f"MLflow run {self.run_id} in experiment '{self.experiment}' at {self.uri}\n"
+            f"view: {self.link()}"
+        )

@@ -1,0 +1,166 @@
+"""The CLI on the terminal (issue 13): `fedexp --help` reads as help, a single run's name, the
+progress bar at 80 columns, the job id on a sweep job's lines, SLURM off a cluster."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from contextlib import nullcontext
+from dataclasses import MISSING, fields
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from rich.console import Console
+
+from fedexp.cli_help import setting_docs
+from fedexp.config.schema import RunConfig
+from fedexp.engine.progress import RoundProgress, job_label
+from fedexp.sweep import NO_SLURM
+from helpers import CONF, ROOT, run_cli
+
+CLI = [sys.executable, "-c", "from fedexp.cli import main; main()"]
+
+
+def _help(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def _expected_defaults() -> dict[str, str]:
+    """Every RunConfig field and its default as conf/config.yaml composes it."""
+    config = yaml.safe_load((CONF / "config.yaml").read_text())
+    groups = {k: v for d in config["defaults"] if isinstance(d, dict) for k, v in d.items()}
+    out = {}
+    for f in fields(RunConfig):
+        value = groups[f.name] if f.default is MISSING else config.get(f.name, f.default)
+        if value is None:
+            value = "null"
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        elif isinstance(value, float):
+            value = f"{value:g}"
+        out[f.name] = str(value)
+    return out
+
+
+def test_help_lists_every_setting_with_its_default_and_meaning():
+    proc = _help("--help")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for name, default in _expected_defaults().items():
+        assert re.search(rf"^  {re.escape(name)}={re.escape(default)} ", out, re.M), name
+    # spot checks, written out: the defaults a user reads
+    for shown in ("rounds=50", "lr=0.1", "local_epochs=null", "divergence_factor=10000"):
+        assert f"  {shown} " in out
+    flat = " ".join(out.split())
+    docs = setting_docs()
+    assert set(docs) >= {f.name for f in fields(RunConfig) if f.default is not MISSING}
+    for name, meaning in docs.items():
+        assert " ".join(meaning.split()) in flat, name
+    assert "algorithm.lam=0.1" in out and "fedavg*" in out and "+experiment" in out
+    for group in ("algorithm", "dataset", "model", "partition", "compressor", "tracker"):
+        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        line = re.search(rf"^  {group} +(.*)$", out, re.M).group(1)
+        assert line.split()[0].rstrip("*") == options[0], group
+    assert re.search(r"^  hydra/launcher +parallel slurm$", out, re.M)
+    assert "fedexp run -m" in out and "fedexp report" in out and "--hydra-help" in out
+
+
+def test_run_help_is_ours_and_hydra_help_is_hydras():
+    ours = _help("--help").stdout
+    assert _help("run", "--help").stdout == ours
+    assert _help("run", "-h", "seed=1").stdout == ours
+    hydra = _help("run", "--hydra-help")
+    assert hydra.returncode == 0 and "Hydra (1." in hydra.stdout and "rounds=50" not in hydra.stdout
+
+
+def test_run_help_imports_nothing_heavy():
+    code = (
+        "import sys; from fedexp.cli import main; sys.argv = ['fedexp', 'run', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('LOADED', *sorted({m.split('.')[0] for m in sys.modules}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    loaded = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LOADED")).split()
+    assert not {"hydra", "omegaconf", "torch", "mlflow"} & set(loaded)
+
+
+def test_slurm_launcher_off_a_cluster_is_one_line(tmp_path):
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p)
+    if shutil.which("sbatch", path=path):
+        pytest.skip("this machine has SLURM")
+    proc = subprocess.run(
+        [*CLI, "run", "-m", "hydra/launcher=slurm", "seed=0,1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr == f"fedexp: error: {NO_SLURM}\n"
+    assert NO_SLURM.startswith("hydra/launcher=slurm: no SLURM here (sbatch not found on PATH)")
+    assert list(tmp_path.iterdir()) == []  # nothing ran, no folder made
+
+
+def test_single_run_is_named_by_its_choices_and_seed(tmp_path):
+    uri = f"sqlite:///{tmp_path}/m.db"
+    args = ["rounds=1", "num_clients=3", "progress=none", "device=cpu", "checkpoint_every=0"]
+    proc = run_cli(
+        "run",
+        *args,
+        "algorithm=local",
+        "seed=3",
+        f"tracker.uri={uri}",
+        f"hydra.run.dir={tmp_path}/run",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Per-client results" in proc.stdout  # a single run keeps its table
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("fedexp").experiment_id])
+    assert [r.info.run_name for r in runs] == ["local · breast_cancer · logreg · seed 3"]
+    assert "mlflow.parentRunId" not in runs[0].data.tags
+
+
+LONG = {
+    "acc/mean": 0.61363,
+    "train/train_loss": 0.72021,
+    "pfednet/spread": 0.1234,
+    "bytes/up_cum": 3720000,
+    "bytes/down_cum": 3720000,
+}
+
+
+@pytest.mark.parametrize("label", [None, "job 12"])
+def test_progress_bar_keeps_round_bar_and_eta_at_80_columns(label):
+    console = Console(width=80, record=True)
+    with job_label(label) if label else nullcontext():
+        with RoundProgress(50, mode="bar", console=console) as progress:
+            for t in (1, 2, 3):
+                progress.update(t, LONG)
+    lines = [ln for ln in console.export_text().splitlines() if ln.strip()]
+    assert lines and all(len(ln) <= 80 for ln in lines), lines
+    last = lines[-1]
+    prefix = "[job 12] " if label else ""
+    assert re.match(rf"^{re.escape(prefix)}round +3/50 ━", last), last
+    assert re.search(r" (\d+:\d\d:\d\d|-:--:--) acc/mean=0\.6136 ", last), last  # the ETA
+    assert last.endswith("…"), last  # the metrics text is what gets cut
+
+
+def test_parallel_job_logs_progress_with_its_job_id(caplog):
+    caplog.set_level(logging.INFO, logger="fedexp")
+    terminal = Console(force_terminal=True)
+    with job_label("job 3", parallel=True):
+        with RoundProgress(2, mode="auto", console=terminal) as progress:
+            assert progress.mode == "log"  # no bar from parallel jobs, even on a terminal
+            progress.update(1, {"acc/mean": 0.5})
+        logging.getLogger("fedexp").warning("something else")
+    logging.getLogger("fedexp").warning("after the job")
+    assert "[job 3] round 1/2 acc/mean=0.5" in caplog.text
+    assert "[job 3] something else" in caplog.text
+    assert "after the job" in caplog.text and "[job 3] after the job" not in caplog.text
+    assert RoundProgress(2, mode="auto", console=terminal).mode == "bar"

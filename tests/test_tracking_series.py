@@ -1,0 +1,96 @@
+"""What goes to the tracker each round (``round`` is the step; constant byte counts once),
+the same after a resume, and the per-client plot's choice of clients."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+from omegaconf import open_dict
+
+from fedexp.engine.runner import loggable, run
+from fedexp.plots import CLIENTS_PER_GROUP, MAX_CLIENT_PANELS, pick_clients, plot_clients
+from fedexp.tracking.base import NullTracker
+from helpers import deterministic
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_loggable_drops_round_and_unchanged_per_round_byte_counts():
+    first = {"round": 1.0, "bytes/up": 10, "bytes/up_cum": 10, "bytes/up/idx": 4, "acc/mean": 0.5}
+    assert loggable(first, {"round": 0.0, "bytes/setup_up": 0.0}) == {
+        "bytes/up": 10,
+        "bytes/up_cum": 10,
+        "bytes/up/idx": 4,
+        "acc/mean": 0.5,
+    }
+    same = {**first, "round": 2.0, "bytes/up_cum": 20, "bytes/up/idx_cum": 8, "acc/mean": 0.5}
+    assert loggable(same, first) == {"bytes/up_cum": 20, "bytes/up/idx_cum": 8, "acc/mean": 0.5}
+    changed = {**same, "round": 3.0, "bytes/up": 12, "compression/up": 1.0}
+    assert loggable(changed, same) == {
+        "bytes/up": 12,
+        "bytes/up_cum": 20,
+        "bytes/up/idx_cum": 8,
+        "acc/mean": 0.5,
+        "compression/up": 1.0,
+    }
+    assert loggable({"round": 0.0, "bytes/setup_up": 0.0}, None) == {"bytes/setup_up": 0.0}
+
+
+def test_resume_into_another_tracker_logs_what_an_uninterrupted_run_logs(small_cfg, tmp_path):
+    cfg = small_cfg("rounds=4", "checkpoint_every=2", "compressor=topk", "model=mlp")
+    full = NullTracker()
+    run(cfg, tracker=full)
+    assert "round" not in full.metrics and full.steps == {0, 1, 2, 3, 4}
+    assert len(full.metrics["bytes/up"]) == 4  # top-k: its size varies every round
+    assert list(full.metrics["bytes/up_dense"]) == [1]  # the dense equivalent does not
+
+    def stop(engine, metrics):
+        if engine.round == 3:  # checkpoint at round 2, round 3 logged, then a "crash"
+            raise KeyboardInterrupt
+
+    with open_dict(cfg):
+        cfg.output_dir = str(tmp_path / "cut")
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, tracker=NullTracker(), callbacks=[stop])
+    with open_dict(cfg):
+        cfg.resume = str(tmp_path / "cut" / "checkpoints")
+    fresh = NullTracker()  # e.g. tracker=none first, MLflow on resume: the history is replayed
+    run(cfg, tracker=fresh)
+    assert deterministic(fresh.metrics) == deterministic(full.metrics)
+    assert fresh.steps == full.steps
+
+
+def test_pick_clients_all_up_to_the_limit_then_worst_median_best():
+    few = {n: 0.1 * n for n in range(5)}
+    assert pick_clients(few, False) == ([(n, "") for n in range(5)], "all 5 clients")
+    n = MAX_CLIENT_PANELS + 36  # 100 clients, client n scores n (client 7's score is NaN)
+    final = {c: float(c) for c in range(n)}
+    final[7] = math.nan
+    chosen, said = pick_clients(final, False)
+    k = CLIENTS_PER_GROUP
+    labels = dict(chosen)
+    assert len(chosen) == 3 * k and f"the {k} worst, {k} median and {k} best of {n}" in said
+    assert [c for c, lab in chosen if lab == "worst"] == [0, 1, 2, 3, 4, 5, 6, 8]
+    assert [c for c, lab in chosen if lab == "best"] == list(range(n - k, n))
+    median = [c for c, lab in chosen if lab == "median"]
+    assert len(median) == k and min(median) > 40 and max(median) < 60 and 7 not in labels
+    # for a loss, the worst clients are those with the highest values
+    chosen, _ = pick_clients(final, True)
+    assert [c for c, lab in chosen if lab == "worst"] == list(range(n - 1, n - k - 1, -1))
+
+
+def test_plot_clients_draws_a_panel_grid_or_nothing(tmp_path):
+    rows = [
+        {"round": float(t), "client": float(c), "acc": 0.5 + 0.01 * c * t, "loss": 1.0}
+        for t in (0, 2, 4)
+        for c in range(100)
+    ]
+    assert plot_clients(rows, tmp_path / "none.png", "iou") is None
+    assert not (tmp_path / "none.png").exists()
+    path = plot_clients(rows, tmp_path / "clients.png", "acc")
+    width, height = struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR
+    assert width > 2 * height  # three rows (worst, median, best) of CLIENTS_PER_GROUP panels
+    small = plot_clients(rows[:4], tmp_path / "four.png", "acc")  # clients 0-3, round 0
+    assert small.read_bytes()[:4] == b"\x89PNG"
