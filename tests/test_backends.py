@@ -1,4 +1,4 @@
-"""The lockstep backend (batched local SGD over threads) equals the sequential one."""
+"""The lockstep backend (batched local SGD over greenlets, no threads) equals the sequential one."""
 
 from __future__ import annotations
 
@@ -87,3 +87,21 @@ def test_lockstep_falls_back_when_the_loss_cannot_be_vmapped(small_cfg):
         lock.run_round()
     assert lock.ctx.vmap_ok is False
     assert torch.equal(lock.server["x"], seq.server["x"])
+
+
+def test_lockstep_starts_no_thread(small_cfg, monkeypatch):
+    """The cohort's hooks are greenlets of the calling thread, not a thread per client."""
+    import threading
+
+    started = []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self))
+    engine = build_engine(small_cfg("backend=lockstep", "num_clients=8"))
+    engine.setup()
+    engine.run_round()
+    assert started == [] and engine.round == 1
+
+
+def test_auto_backend_batches_unless_batchnorm(small_cfg):
+    assert build_engine(small_cfg("backend=auto")).backend == "lockstep"
+    bn = build_engine(small_cfg("backend=auto", "model=mlp", "model.hidden=8", "model.norm=batch"))
+    assert bn.backend == "sequential"

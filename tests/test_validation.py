@@ -141,7 +141,7 @@ def test_validate_reports_every_bad_key_in_one_line(base):
 def test_backend_choices_are_the_engines():
     from fedexp.engine.backends import BACKENDS
 
-    assert set(CHOICES["backend"]) == set(BACKENDS)
+    assert set(CHOICES["backend"]) == {*BACKENDS, "auto"}
 
 
 # ------------------------------------------------------- values that need the data / N

@@ -26,6 +26,9 @@ class Codec(ABC):
 
     #: True when ``compress`` is the identity (decode(encode(x)) == x for any x).
     lossless: bool = False
+    #: True when ``compress`` draws from its ``generator`` (the engine then derives the
+    #: sender's stream; deterministic codecs get None and cost no seeding).
+    randomised: bool = False
 
     def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Return the value the receiver will reconstruct (identity by default).

@@ -58,6 +58,7 @@ class EntropyCodec(Codec):
         self.method = method
         self.level = level
         self.lossless = self.inner.lossless
+        self.randomised = self.inner.randomised
 
     def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """The inner codec's lossy operator."""

@@ -34,6 +34,7 @@ class RandKCodec(TopKCodec):
     ) -> None:
         super().__init__(q, adaptive_golomb)
         self.unbiased = bool(unbiased)
+        self.randomised = True
 
     def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Zero all but ``k`` random entries, optionally scaled by ``d / k``.

@@ -23,7 +23,7 @@ from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
-from fedexp.engine.backends import BACKENDS
+from fedexp.engine.backends import BACKENDS, choose_backend
 from fedexp.engine.context import Context
 from fedexp.engine.ledger import ByteLedger
 from fedexp.errors import ConfigError
@@ -75,7 +75,8 @@ class Engine:
         seed: root of all random streams.
         participation: fraction of clients sampled per round.
         x0: the common initial model.
-        backend: "sequential" or "lockstep" (``fedexp.engine.backends``).
+        backend: "sequential", "lockstep" or "auto" (``fedexp.engine.backends``;
+            :func:`fedexp.engine.backends.choose_backend` picks for "auto").
     """
 
     ctx: Context
@@ -103,6 +104,8 @@ class Engine:
     _server0: State | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.backend == "auto":
+            self.backend = choose_backend(self.ctx.model.module, self.ctx.device)
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         self.server = self.algorithm.init_server(self.ctx, self.x0)
@@ -130,7 +133,9 @@ class Engine:
         channel = self.uplink if direction == "up" else self.downlink
         purpose = _UPLINK if direction == "up" else _DOWNLINK
         key = (n, name)
-        gen = rng.generator(self.seed, purpose, self.round, n, *_part_key(name))
+        gen = None  # only a randomised codec (rand-k) draws: no seeding for the others
+        if channel.codec.randomised:
+            gen = rng.generator(self.seed, purpose, self.round, n, *_part_key(name))
         shape, flat = msg.shape, msg.detach().reshape(-1)
         numel, dev = flat.numel(), msg.device
         metrics: dict[str, float] = {}
