@@ -355,6 +355,34 @@ def _hydra_main() -> Callable[[], Any]:
     return hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(_hydra_run)
 
 
+#: A sweep value Hydra expands itself (``choice(a,b)``, ``glob(*)``, ``range(3)``, ...).
+_SWEEP_FUNCTION = re.compile(r"^\s*\w+\(")
+
+
+def _group_option_errors(args: list[str]) -> list[str]:
+    """``algorithm=nope``: one line naming the options, before Hydra's multi-line message.
+
+    Looks at ``group=option`` (and ``group=a,b`` sweeps) where ``group`` is a folder of
+    fedexp's ``conf/``; Hydra's own groups (``hydra/launcher=joblib`` comes from a plugin),
+    package overrides (``@``), nested keys and Hydra's sweep functions are left to Hydra.
+    """
+    errors = []
+    for arg in args:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        folder = Path(CONFIG_DIR) / key
+        if not sep or "." in key or "@" in key or key.startswith("hydra") or not folder.is_dir():
+            continue
+        if _SWEEP_FUNCTION.match(value) or arg.startswith("~"):
+            continue
+        options = sorted(p.stem for p in folder.glob("*.yaml"))
+        for option in value.split(","):
+            if option.strip() not in (*options, "null", ""):
+                errors.append(
+                    f"{key}={option}: no such option (expected one of: {', '.join(options)})"
+                )
+    return errors
+
+
 def _wants_help(args: list[str]) -> bool:
     """``fedexp run --help``/``-h`` (ours); ``--hydra-help`` is left to Hydra."""
     return any(a in ("-h", "--help") for a in args)
@@ -395,7 +423,8 @@ def main() -> None:
         sys.exit(1)
     from fedexp.config.schema import override_errors
 
-    early = override_errors(args[1:])  # lr=-1: one line before Hydra composes anything
+    # lr=-1, algorithm=nope: one line before Hydra composes anything
+    early = _group_option_errors(args[1:]) + override_errors(args[1:])
     if early:
         print(f"fedexp: error: {'; '.join(early)}", file=sys.stderr)
         sys.exit(1)

@@ -61,6 +61,7 @@ def table(tmp_path_factory):
         (["partition=dirichlet", "partition.alpha=0.001", "num_clients=100"], ["alpha=0.001"]),
         (["lr=1e38"], ["diverged", "client"]),
         (["device=cuda:7"], ["device", "cuda:7"]),
+        (["algorithm=fedavg,dito"], ["algorithm=dito: no such option", "ditto", "pfednet"]),
     ],
     ids=[
         "unknown-key",
@@ -73,6 +74,7 @@ def table(tmp_path_factory):
         "dirichlet-empty",
         "nan-loss",
         "no-gpu",
+        "unknown-option",
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, args, needles):
