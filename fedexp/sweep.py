@@ -366,7 +366,8 @@ class SweepCallback(Callback):
         varying = varying_keys(task, params)
         self.groups = [str(k) for k in config.hydra.runtime.choices]
         sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
-        self.tuning = "optuna" in sweeper.lower()
+        searched = OmegaConf.select(config, "hydra.runtime.choices.hparams_search", default=None)
+        self.tuning = "optuna" in sweeper.lower() or searched not in (None, "null")
         self.info = SweepInfo(uuid.uuid4().hex, varying, started=time.time())
         self.sweep_dir = str(config.hydra.sweep.dir)
         if OmegaConf.select(config, "tracker._target_") == MLFLOW_TARGET:

@@ -67,14 +67,23 @@ def test_lr_search_maximises_the_logged_validation_accuracy(tmp_path):
 
 
 def test_a_failed_job_is_a_failed_trial_and_the_study_goes_on(tmp_path):
-    # lr=-1 fails the range check: its job returns NaN; the grid tries both values in order.
-    # No MLflow here (faster): the finished job's rounds.csv holds what it logged.
+    # lr=-1 fails the range check: its job returns NaN. TPE's seeded start-up draws (seed 0 in
+    # conf/hparams_search/lr.yaml) try 0.1, -1, 0.1: the failed trial is in the middle, and
+    # the third trial shows the study went on. No MLflow here (faster): the finished jobs'
+    # rounds.csv hold what they logged.
     proc, results = _sweep(
-        tmp_path, "hparams_search=lr_grid", "rounds=1", "lr=choice(-1,0.1)", "tracker=none"
+        tmp_path,
+        "hparams_search=lr",
+        "rounds=1",
+        "lr=choice(-1,0.1)",
+        "hydra.sweeper.n_trials=3",
+        "tracker=none",
     )
     assert "lr=-1.0: expected > 0" in proc.stderr
     assert "returned NaN: a failed trial" in proc.stdout + proc.stderr
-    (rounds,) = (tmp_path / "sweep").rglob("rounds.csv")  # the one job that ran
+    ran = sorted((tmp_path / "sweep").rglob("rounds.csv"))
+    assert len(ran) == 2 and "2 ok, 1 failed" in proc.stdout  # trials 0 and 2; 1 failed
+    rounds = ran[-1]
     last = pd.read_csv(rounds).iloc[-1]
     assert yaml.safe_load((rounds.parent / "config.yaml").read_text())["lr"] == 0.1
     assert results["best_params"] == {"lr": 0.1}
@@ -100,16 +109,17 @@ def test_hparams_search_configs(search, algorithm, keys):
             return_hydra_config=True,
         )
     sweeper = cfg.hydra.sweeper
+    assert list(sweeper.params) == keys
+    if search == "lr_grid":  # a plain grid: Hydra's basic sweeper, every value once
+        assert sweeper._target_.endswith("BasicSweeper")
+        assert sweeper.params.lr == "1,0.1,0.01,0.001,0.0001"  # pFedSOP §V's grid
+        assert cfg.val_fraction == 0.2
+        return
     assert sweeper._target_.endswith("OptunaSweeper")
     assert sweeper.direction == "maximize" and sweeper.study_name and sweeper.n_trials >= 5
     assert sweeper.max_failure_rate == 1.0 and sweeper.storage is None
-    if search == "lr_grid":
-        assert sweeper.sampler._target_ == "optuna.samplers.GridSampler"
-        assert sweeper.params.lr == "choice(1, 0.1, 0.01, 0.001, 0.0001)"  # pFedSOP §V's grid
-    else:
-        assert sweeper.sampler._target_ == "optuna.samplers.TPESampler"
-        assert sweeper.sampler.seed == 0
-    assert list(sweeper.params) == keys
+    assert sweeper.sampler._target_ == "optuna.samplers.TPESampler"
+    assert sweeper.sampler.seed == 0
     for key in keys:  # every searched key exists in the composed run config
         assert OmegaConf.select(cfg, key) is not None, key
     assert cfg.val_fraction == 0.2
