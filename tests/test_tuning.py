@@ -3,7 +3,6 @@ callback that makes a NaN job a failed Optuna trial."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 
@@ -13,8 +12,6 @@ import torch
 from hydra.core.utils import JobReturn, JobStatus
 
 from fedexp import tuning
-from fedexp.config.instantiate import instantiate_checked
-from fedexp.data.federated import federate
 from fedexp.engine import checkpoint
 from fedexp.engine.runner import build_engine
 from fedexp.errors import FedexpError
@@ -24,25 +21,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _engine(make, val_fraction: float, *overrides: str):
-    """The engine of ``make(*overrides)`` whose clients have a ``val_fraction`` split.
-
-    The clients are federate()'s with ``val_fraction`` (what the runner builds from the
-    config's ``val_fraction``); the rest is build_engine's.
-    """
-    cfg = make("num_clients=3", "batch_size=16", *overrides)
-    engine = build_engine(cfg)
-    data = instantiate_checked(cfg.dataset, "dataset")
-    partition = instantiate_checked(cfg.partition, "partition")
-    clients = federate(
-        data,
-        partition,
-        cfg.num_clients,
-        cfg.test_fraction,
-        cfg.seed,
-        engine.ctx.device,
-        val_fraction=val_fraction,
+    """The engine of ``make(*overrides)`` whose clients have a ``val_fraction`` split."""
+    return build_engine(
+        make("num_clients=3", "batch_size=16", f"val_fraction={val_fraction}", *overrides)
     )
-    return dataclasses.replace(engine, clients=clients)
 
 
 def _independent(engine, split: str) -> list[dict[str, float]]:
