@@ -10,12 +10,10 @@ client and the standard deviation.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-from sklearn.metrics import balanced_accuracy_score, roc_auc_score
 
 #: Metrics whose worst client is the one with the largest value.
 LOWER_IS_BETTER = frozenset({"loss"})
@@ -29,33 +27,173 @@ def probabilities(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+#: Columns of :func:`classification_table`, the keys of :func:`classification_metrics`.
+CLASSIFICATION_METRICS = ("acc", "bal_acc", "auc")
+
+
+def _score_dtype(device: torch.device) -> torch.dtype:
+    """Ranking precision: float64 (MATH §10), float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _rank_auc(scores: torch.Tensor, positive: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One-vs-rest AUC per (client, class) by the Mann-Whitney rank formula.
+
+    ``AUC = (R_+ - n_+(n_+ + 1)/2) / (n_+ n_-)`` with ``R_+`` the sum of the positives'
+    1-based ranks among the client's valid samples, ties getting their average rank
+    ``(left + right + 1) / 2`` (``left``/``right``: how many valid scores are < / <= it); this
+    is ``roc_auc_score``'s trapezoidal area, a tie counting one half.
+
+    Args:
+        scores: (m, K, n) scores of class k for client i's samples (float).
+        positive: (m, K, n) bool, sample of class k.
+        valid: (m, n) bool, the client's real (not padding) samples.
+
+    Returns:
+        (m, K) AUCs; NaN where class k has no positive or no negative sample, or where one of
+        the client's valid scores is not finite.
+    """
+    v = valid[:, None, :]
+    # padding sorts last (+inf is above every finite score) and is never counted
+    s = torch.where(v, scores, math.inf).contiguous()
+    ordered = torch.sort(s, dim=-1).values
+    left = torch.searchsorted(ordered, s, side="left")
+    right = torch.searchsorted(ordered, s, side="right")
+    rank = (left + right + 1).to(scores.dtype) / 2
+    pos = positive & v
+    n_pos = pos.sum(-1).to(scores.dtype)
+    n_neg = v.sum(-1).to(scores.dtype) - n_pos
+    r_pos = torch.where(pos, rank, 0.0).sum(-1)
+    auc = (r_pos - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    finite = (torch.isfinite(scores) | ~v).all(-1)
+    return torch.where(finite, auc, math.nan)
+
+
+def classification_table(
+    logits: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, num_classes: int
+) -> torch.Tensor:
+    """Accuracy, balanced accuracy and AUC of many clients' test splits at once (MATH §10).
+
+    Client i's samples are the first ``lengths[i]`` rows of ``logits[i]`` and ``y[i]``; the
+    rest is padding, whatever it holds, and is ignored. Everything is computed in torch on the
+    logits' device, vectorised over clients (no loop, no host transfer):
+
+    - ``acc``: the fraction of samples whose argmax class (of the probabilities, i.e. of the
+      logits; a one-logit model predicts class 1 when its logit is > 0) is the label.
+    - ``bal_acc``: scikit-learn's ``balanced_accuracy_score``: the mean recall over the
+      classes present in the client's labels (a class that is only predicted is left out).
+    - ``auc``: NaN when fewer than two classes are present; for ``num_classes == 2``,
+      ``roc_auc_score(y, prob[:, 1])``; otherwise the probabilities renormalised over the
+      present classes and the macro mean of their one-vs-rest AUCs (with exactly two present
+      classes, the binary AUC of the larger label, as ``roc_auc_score`` does). The ranking
+      scores are monotone transforms of those probabilities taken from the logits in float64
+      (the logit, the logit difference, or ``z_k - logsumexp`` over the present classes), so
+      saturated probabilities never make false ties. Non-finite logits give NaN AUC.
+
+    A client with no sample gets NaN for every metric.
+
+    Args:
+        logits: (m, n, C) logits; C = 1 is a binary sigmoid model (``num_classes == 2``),
+            otherwise C = ``num_classes``.
+        y: (m, n) integer labels in [0, num_classes) (padding: anything).
+        lengths: (m,) int64 number of valid samples of each client (<= n).
+        num_classes: the data set's number of classes.
+
+    Returns:
+        (m, 3) float tensor on the logits' device, columns :data:`CLASSIFICATION_METRICS`.
+
+    Raises:
+        ValueError: the shapes disagree, or C is neither ``num_classes`` nor 1 for two classes.
+    """
+    if logits.dim() != 3 or y.shape != logits.shape[:2] or lengths.shape != logits.shape[:1]:
+        raise ValueError(
+            f"classification metrics need logits (m, n, C), y (m, n), lengths (m,); got "
+            f"{tuple(logits.shape)}, {tuple(y.shape)}, {tuple(lengths.shape)}"
+        )
+    m, n, c = logits.shape
+    if not (c == num_classes or (c == 1 and num_classes == 2)):
+        raise ValueError(
+            f"classification metrics got {c} logits per sample for num_classes={num_classes}; "
+            f"expected {num_classes}" + (" or 1" if num_classes == 2 else "")
+        )
+    dev = logits.device
+    dt = _score_dtype(dev)
+    with torch.no_grad():
+        z = logits.detach().to(dt)
+        valid = torch.arange(n, device=dev) < lengths.to(dev)[:, None]
+        labels = torch.where(valid, y.to(dev).long(), 0)  # padding's label: anything valid
+        weight = valid.to(dt)
+        counts = torch.zeros(m, num_classes, dtype=dt, device=dev).scatter_add_(1, labels, weight)
+        present = counts > 0
+        n_present = present.sum(1)
+        pred = (z[..., 0] > 0).long() if c == 1 else z.argmax(-1)
+        correct = (pred == labels).to(dt) * weight
+        acc = correct.sum(1) / weight.sum(1)  # 0/0 = NaN for an empty client
+        hits = torch.zeros_like(counts).scatter_add_(1, labels, correct)
+        recall = torch.where(present, hits / counts.clamp(min=1), 0.0)
+        bal_acc = recall.sum(1) / n_present.to(dt)
+
+        if num_classes == 2:
+            score = z[..., 0] if c == 1 else z[..., 1] - z[..., 0]  # monotone in prob[:, 1]
+            auc = _rank_auc(score[:, None, :], (labels == 1)[:, None, :], valid)[:, 0]
+        else:
+            # log of the probabilities renormalised over the present classes
+            masked = torch.where(present[:, None, :], z, -math.inf)
+            log_sub = z - torch.logsumexp(masked, dim=-1, keepdim=True)
+            classes = torch.arange(num_classes, device=dev)
+            positive = labels[:, None, :] == classes[None, :, None]
+            per_class = _rank_auc(log_sub.transpose(1, 2), positive, valid)  # (m, K)
+            # two present classes: roc_auc_score's binary AUC of the larger label
+            last = (present * (classes + 1)).amax(1) - 1
+            only_last = classes[None, :] == last[:, None]
+            use = torch.where((n_present == 2)[:, None], only_last, present)
+            picked = torch.where(use, per_class, 0.0)
+            auc = picked.sum(1) / use.sum(1).clamp(min=1).to(dt)
+        auc = torch.where(n_present >= 2, auc, math.nan)
+        return torch.stack([acc, bal_acc, auc], dim=1)
+
+
+def _rows(table: torch.Tensor, keys: Sequence[str]) -> list[dict[str, float]]:
+    """One dict per row of a (m, len(keys)) tensor, after one transfer to the host."""
+    return [dict(zip(keys, row, strict=True)) for row in table.cpu().tolist()]
+
+
+def classification_metrics_batched(
+    logits: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, num_classes: int
+) -> list[dict[str, float]]:
+    """``acc``, ``bal_acc`` and ``auc`` of each client of a padded batch (MATH §10).
+
+    The figures of :func:`classification_table` (its docstring gives their definitions), as
+    one dict per client after a single transfer of the (m, 3) result.
+
+    Args:
+        logits: (m, n, C) logits, client i's valid rows first.
+        y: (m, n) labels.
+        lengths: (m,) int64 valid rows per client.
+        num_classes: the data set's number of classes.
+
+    Returns:
+        One ``{"acc", "bal_acc", "auc"}`` per client, in order.
+    """
+    return _rows(classification_table(logits, y, lengths, num_classes), CLASSIFICATION_METRICS)
+
+
 def classification_metrics(
     logits: torch.Tensor, y: torch.Tensor, num_classes: int
 ) -> dict[str, float]:
     """Accuracy, balanced accuracy and (one-vs-rest) AUC of one client's test split.
 
-    AUC is NaN when the client's test split holds a single class.
+    The batched computation (:func:`classification_metrics_batched`) for one client, so the
+    single and the batched paths are the same code. AUC is NaN when the client's test split
+    holds a single class (MATH §10).
+
+    Args:
+        logits: (n, C) logits.
+        y: (n,) labels.
+        num_classes: the data set's number of classes.
     """
-    prob = probabilities(logits.detach().float()).cpu().numpy()
-    y_np = y.cpu().numpy()
-    pred = prob.argmax(axis=1)
-    with warnings.catch_warnings():  # a one-class test split is fine: recall of that class
-        warnings.simplefilter("ignore", UserWarning)
-        bal_acc = float(balanced_accuracy_score(y_np, pred))
-    out = {"acc": float((pred == y_np).mean()), "bal_acc": bal_acc}
-    present = np.unique(y_np)
-    if len(present) < 2:
-        out["auc"] = math.nan
-    elif num_classes == 2:
-        out["auc"] = float(roc_auc_score(y_np, prob[:, 1]))
-    else:
-        sub = prob[:, present] / prob[:, present].sum(axis=1, keepdims=True)
-        out["auc"] = float(
-            roc_auc_score(
-                y_np, sub if len(present) > 2 else sub[:, 1], multi_class="ovr", labels=present
-            )
-        )
-    return out
+    lengths = torch.full((1,), y.shape[0], dtype=torch.int64, device=logits.device)
+    return classification_metrics_batched(logits[None], y[None], lengths, num_classes)[0]
 
 
 def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from types import MappingProxyType
 import torch
 
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult
 from fedexp.engine.context import Context
 
 State = dict[str, torch.Tensor]
@@ -88,6 +89,19 @@ class Algorithm(ABC):
         generator: torch.Generator,
     ) -> ClientResult:
         """Local work of one client; ``model_in`` is the decoded downlink message."""
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """Optional: every sampled client's :meth:`client_update` as one computation.
+
+        Called by the engine with ``backend=lockstep`` (issue 14's cohort path,
+        ``fedexp.engine.cohort``) when the downlink messages are bare tensors, stacked here
+        ``[m, ...]`` in ``cohort.clients`` order (None when nothing is sent). It must give what
+        :meth:`client_update` gives each client (up to floating-point summation order: the
+        tests compare the two). Return None to run the per-client hooks (the default).
+        """
+        return None
 
     @abstractmethod
     def server_update(

@@ -13,6 +13,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Objective
 
@@ -55,6 +56,23 @@ class FedAvg(Algorithm):
         )
         new_state = {**state, **opt.save(local.opt_state)}
         return ClientResult(model_in - local.params, new_state, {"train_loss": local.loss})
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: one stacked run of the local steps."""
+        assert isinstance(model_in, torch.Tensor)
+        opt = ctx.optimizer
+        local = ctx.train_cohort(
+            model_in,
+            cohort,
+            objective=self.objective(ctx, model_in.detach()),
+            opt_states=[opt.load(s) for s in states],
+        )
+        if local is None:
+            return None
+        new_states = unstack_states(states, opt, local.opt_state)
+        return CohortResult(model_in - local.params, new_states, {"train_loss": local.loss})
 
     def server_update(
         self,

@@ -10,6 +10,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, ClientResult, State
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 
@@ -41,6 +42,18 @@ class LocalOnly(Algorithm):
         local = ctx.train(state["theta"], data, generator, opt_state=opt.load(state))
         new_state = {**state, "theta": local.params, **opt.save(local.opt_state)}
         return ClientResult(None, new_state, {"train_loss": local.loss})
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: one stacked run of the local steps."""
+        opt = ctx.optimizer
+        theta = torch.stack([s["theta"] for s in states])
+        local = ctx.train_cohort(theta, cohort, opt_states=[opt.load(s) for s in states])
+        if local is None:
+            return None
+        new_states = unstack_states(states, opt, local.opt_state, theta=local.params)
+        return CohortResult(None, new_states, {"train_loss": local.loss})
 
     def server_update(
         self,

@@ -10,6 +10,7 @@ import torch
 
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.partitions import ClientSplit
+from fedexp.engine.rng import Stream
 from fedexp.errors import ConfigError, DataError
 
 
@@ -60,11 +61,18 @@ class ClientData:
         return ClientData(self.x_train, self.y_train, self.x_val, self.y_val)
 
     def batch(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """A minibatch drawn uniformly with replacement; ``size <= 0`` is the full batch."""
+        """A minibatch drawn uniformly with replacement; ``size <= 0`` is the full batch.
+
+        A client's round stream (:class:`fedexp.engine.rng.Stream`) gives its counter-based
+        indices (the same a cohort draw gives); any other generator draws with ``randint``.
+        """
         if size <= 0:
             return self.x_train, self.y_train
-        idx = torch.randint(self.num_train, (size,), generator=generator)
-        idx = idx.to(self.y_train.device)
+        dev = self.y_train.device
+        if isinstance(generator, Stream):
+            idx = generator.indices(size, self.num_train, dev)
+        else:
+            idx = torch.randint(self.num_train, (size,), generator=generator).to(dev)
         return self.x_train[idx], self.y_train[idx]
 
 

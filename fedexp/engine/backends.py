@@ -19,23 +19,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from greenlet import greenlet
 from torch.func import grad_and_value, vmap
 
-from fedexp.algorithms.base import ClientResult
 from fedexp.data.federated import ClientData
 from fedexp.engine.context import LocalResult
 from fedexp.engine.objective import Objective
 from fedexp.engine.optim import Optimizer
 from fedexp.engine.optim import State as OptState
+from fedexp.engine.rng import Stream, batch_indices
 from fedexp.errors import DivergenceError
+
+if TYPE_CHECKING:
+    from fedexp.algorithms.base import ClientResult
 
 log = logging.getLogger("fedexp")
 
 #: client id -> its update, given its decoded downlink message.
-ClientFn = Callable[[int], ClientResult]
+ClientFn = Callable[[int], "ClientResult"]
 
 
 def run_sequential(clients: Sequence[int], fn: ClientFn, ctx: object) -> dict[int, ClientResult]:
@@ -151,13 +155,15 @@ class LockstepBatcher:
         # BatchNorm's in-place running-statistics update is lost under vmap(grad(...)) (the
         # statistics come back unchanged): models with buffers step client by client.
         if self.ctx.vmap_ok and len(reqs) > 1 and not self.ctx.model.has_buffers:
-            states = [r.generator.get_state() for r in reqs]
+            states = [(r.generator.get_state(), getattr(r.generator, "draws", 0)) for r in reqs]
             try:
                 self._execute(reqs)
                 return
             except RuntimeError as exc:  # e.g. an in-place op of the loss that vmap refuses
-                for r, state in zip(reqs, states, strict=True):
+                for r, (state, draws) in zip(reqs, states, strict=True):
                     r.generator.set_state(state)  # the same draws as if never batched
+                    if isinstance(r.generator, Stream):
+                        r.generator.draws = draws
                     r.error = None
                 self.ctx.vmap_ok = False
                 log.warning(
@@ -183,62 +189,163 @@ class LockstepBatcher:
 
     def _execute(self, reqs: list[_Request]) -> None:
         ctx = self.ctx
-        ctx.model.module.train()
-        dev = ctx.device
         first = reqs[0]
-        obj, opt, steps, lr = first.objective, first.optimizer, first.steps, first.lr
+        obj = first.objective
         params = _stack([r.params for r in reqs])
         aux = {k: _stack([r.objective.aux[k] for r in reqs]) for k in obj.aux}
         state = {k: _stack([r.opt_state[k] for r in reqs]) for k in first.opt_state}
         frozen = None if obj.frozen is None else _stack([r.objective.frozen for r in reqs])
         keep = None if first.mask is None else _stack([r.mask for r in reqs]) == 0
-        step_lr: float | torch.Tensor = lr
+        lr_scale = None
         if obj.lr_scale is not None:
-            step_lr = lr * _stack([r.objective.lr_scale for r in reqs])
+            lr_scale = _stack([r.objective.lr_scale for r in reqs])
+        draw = self._batches(reqs)
+        params, state, means = train_stacked(
+            ctx,
+            obj,
+            first.optimizer,
+            first.steps,
+            first.lr,
+            params,
+            aux,
+            state,
+            draw,
+            frozen=frozen,
+            keep=keep,
+            lr_scale=lr_scale,
+        )
+        bad = _diverged(params, means)
+        # one copy a client: a view would keep the whole cohort's tensor alive in its state
+        rows, means_l = [p.clone() for p in params.unbind(0)], means.tolist()
+        for i, r in enumerate(reqs):
+            if i in bad:
+                try:
+                    ctx.check_finite(rows[i], means_l[i], first.lr)
+                except DivergenceError as exc:
+                    r.error = exc
+                    continue
+            r.result = LocalResult(rows[i], means_l[i], {k: v[i].clone() for k, v in state.items()})
+
+    def _batches(self, reqs: list[_Request]) -> BatchFn:
+        """Each step's (inputs, targets, noise) of the group, drawn as ``local_train`` draws."""
+        ctx, first = self.ctx, reqs[0]
+        dev = ctx.device
+        noise = first.objective.noise
+        gens = [r.generator for r in reqs]
+        if first.full_batch:  # equal shapes (the request key): no draws, no padding
+            xs = _stack([r.data.x_train for r in reqs])
+            ys = _stack([r.data.y_train for r in reqs])
+            return lambda: (xs, ys, _noise(gens, noise, dev))
+        size = ctx.batch_size
+        rows = None if ctx.pool is None else ctx.pool.rows([r.data for r in reqs])
+        if rows is not None and all(isinstance(g, Stream) for g in gens):
+            keys = torch.tensor([g.key for g in gens], dtype=torch.int64, device=dev)
+            num = ctx.pool.size[rows]
+
+            def pooled() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                draws = torch.tensor([g.draws for g in gens], dtype=torch.int64)
+                for g in gens:
+                    g.draws += 1
+                idx = batch_indices(keys, draws, size, num)
+                u = _noise(gens, noise, dev)  # after the indices, as ``local_train``
+                return (*ctx.pool.gather(rows, idx), u)
+
+            return pooled
         xs = torch.nn.utils.rnn.pad_sequence([r.data.x_train for r in reqs], batch_first=True)
         ys = torch.nn.utils.rnn.pad_sequence([r.data.y_train for r in reqs], batch_first=True)
-        rows = torch.arange(len(reqs), device=dev)[:, None]
+        ar = torch.arange(len(reqs), device=dev)[:, None]
 
-        grad_fn = vmap(grad_and_value(obj.loss, has_aux=True), randomness="different")
-        step_fn = vmap(opt.step, in_dims=(0, 0, 0, None if obj.lr_scale is None else 0))
-        project = None if obj.project is None else vmap(obj.project)
-        total = torch.zeros(len(reqs), device=dev)
-        for _ in range(steps):
-            idx, noise = [], []
-            for r in reqs:  # the same order of draws as ``Context.local_train``
-                if not first.full_batch:
-                    idx.append(
-                        torch.randint(r.data.num_train, (ctx.batch_size,), generator=r.generator)
-                    )
-                noise.append(torch.rand(obj.noise, generator=r.generator))
-            u = torch.stack(noise).to(dev)
-            if first.full_batch:  # equal shapes (the request key): no padding
-                xb, yb = xs, ys
-            else:
-                idx_t = torch.stack(idx).to(dev)
-                xb, yb = xs[rows, idx_t], ys[rows, idx_t]
-            grads, (values, post) = grad_fn(params, xb, yb, aux, u)
-            if keep is not None:
-                grads = grads.masked_fill(keep, 0.0)
-            new, state = step_fn(params, grads, state, step_lr)
-            if frozen is not None and post is not None:
-                new = torch.where(frozen, post, new)
-            if keep is not None:
-                new = torch.where(keep, params, new)
-            if project is not None:
-                new = project(new, aux)
-            params = new
-            total = total + values.detach()
-        means = (total / max(steps, 1)).tolist()
-        for i, (r, mean) in enumerate(zip(reqs, means, strict=True)):
-            p = params[i].detach().clone()
-            try:
-                ctx.check_finite(p, mean, lr)
-                r.result = LocalResult(
-                    p, mean, {k: v[i].detach().clone() for k, v in state.items()}
-                )
-            except DivergenceError as exc:
-                r.error = exc
+        def padded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            idx, u = [], []
+            for r in reqs:  # per client: indices, then noise (``local_train``'s order)
+                if isinstance(r.generator, Stream):
+                    idx.append(r.generator.indices(size, r.data.num_train, dev))
+                else:
+                    idx.append(torch.randint(r.data.num_train, (size,), generator=r.generator))
+                u.append(torch.rand(noise, generator=r.generator))
+            idx_t = torch.stack(idx).to(dev)
+            return xs[ar, idx_t], ys[ar, idx_t], torch.stack(u).to(dev)
+
+        return padded
+
+
+#: One step's (inputs [m, B, ...], targets [m, B, ...], noise [m, k]) of a cohort.
+BatchFn = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _noise(gens: list[torch.Generator], k: int, dev: torch.device) -> torch.Tensor:
+    """Each generator's ``k`` uniforms (none drawn when k = 0), stacked."""
+    if k == 0:
+        return torch.zeros(len(gens), 0, device=dev)
+    return torch.stack([torch.rand(k, generator=g) for g in gens]).to(dev)
+
+
+def _diverged(params: torch.Tensor, means: torch.Tensor) -> set[int]:
+    """Rows whose parameters or mean loss are not finite (one reduction for the cohort)."""
+    ok = torch.isfinite(params).all(dim=1) & torch.isfinite(means)
+    if bool(ok.all()):
+        return set()
+    return set(torch.nonzero(~ok).reshape(-1).tolist())
+
+
+def train_stacked(
+    ctx,  # noqa: ANN001 - Context (import cycle)
+    obj: Objective,
+    opt: Optimizer,
+    steps: int,
+    lr: float,
+    params: torch.Tensor,
+    aux: dict[str, torch.Tensor],
+    state: OptState,
+    draw: BatchFn,
+    *,
+    frozen: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    lr_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, OptState, torch.Tensor]:
+    """``steps`` optimiser steps of m clients at once, as ``Context.local_train`` takes one.
+
+    One :func:`torch.func.vmap` of the objective's gradient over the stacked ``[m, d]``
+    parameters, ``aux`` tensors and optimiser states per step.
+
+    Args:
+        ctx: the run's context.
+        obj: the objective (its ``aux`` entries given stacked in ``aux``).
+        opt: the optimiser.
+        steps: local steps.
+        lr: step size (times ``lr_scale`` per client if given).
+        params: ``[m, d]`` starting points.
+        aux: the objective's stacked ``aux`` tensors.
+        state: the optimiser's stacked state.
+        draw: each step's minibatches and noise of the m clients.
+        frozen: ``[m, d]`` coordinates written from the forward pass (running statistics).
+        keep: ``[m, d]`` coordinates that do not move (a 0 of the mask).
+        lr_scale: ``[m]`` per-client factors of the step size.
+
+    Returns:
+        (final parameters, final optimiser state, each client's mean loss over the steps).
+    """
+    ctx.model.module.train()
+    step_lr: float | torch.Tensor = lr if lr_scale is None else lr * lr_scale
+    grad_fn = vmap(grad_and_value(obj.loss, has_aux=True), randomness="different")
+    step_fn = vmap(opt.step, in_dims=(0, 0, 0, None if lr_scale is None else 0))
+    project = None if obj.project is None else vmap(obj.project)
+    total = torch.zeros(params.shape[0], device=params.device)
+    for _ in range(steps):
+        xb, yb, u = draw()
+        grads, (values, post) = grad_fn(params, xb, yb, aux, u)
+        if keep is not None:
+            grads = grads.masked_fill(keep, 0.0)
+        new, state = step_fn(params, grads, state, step_lr)
+        if frozen is not None and post is not None:
+            new = torch.where(frozen, post, new)
+        if keep is not None:
+            new = torch.where(keep, params, new)
+        if project is not None:
+            new = project(new, aux)
+        params = new
+        total = total + values.detach()
+    return params.detach(), state, total / max(steps, 1)
 
 
 def run_lockstep(

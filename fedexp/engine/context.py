@@ -78,6 +78,8 @@ class Context:
     model_lock: Any = field(default_factory=threading.RLock)
     #: False once the lockstep backend found the model or loss not vmappable
     vmap_ok: bool = True
+    #: every client's training data in one tensor (``fedexp.engine.pool``; lockstep only)
+    pool: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -219,6 +221,42 @@ class Context:
             params, data, generator, steps, lr, objective, optimizer, opt_state, mask, extra, size
         )
 
+    def train_cohort(
+        self,
+        params: torch.Tensor,
+        cohort: Any,
+        *,
+        objective: Objective | None = None,
+        opt_states: list[OptState | None] | None = None,
+    ) -> Any:
+        """:meth:`train` of a whole cohort at once (``fedexp.engine.cohort``).
+
+        Args:
+            params: [m, d] the clients' starting points, in ``cohort.clients`` order.
+            cohort: the round's :class:`fedexp.engine.cohort.Cohort`.
+            objective: what to minimise, its ``aux`` tensors stacked [m, ...] (0-dim ones
+                shared); default the task loss.
+            opt_states: each client's optimiser state to continue from (None: fresh).
+
+        Returns:
+            A :class:`fedexp.engine.cohort.CohortLocal`, or None when the cohort cannot run
+            as one computation (clients with different step counts, full batches of different
+            sizes, optimiser states with different entries): the engine then runs the
+            per-client hooks.
+        """
+        from fedexp.engine.cohort import stack_opt_states, train_cohort
+
+        steps = {self.steps_for(d) for d in cohort.data}
+        if len(steps) != 1:
+            return None
+        if self.batch_size <= 0 and len({tuple(d.x_train.shape) for d in cohort.data}) > 1:
+            return None
+        stacked = stack_opt_states(self.optimizer, params, opt_states or [None] * params.shape[0])
+        if stacked is None:
+            return None
+        objective = objective or self.model_objective()
+        return train_cohort(self, params, cohort, objective, stacked, steps.pop(), self.lr)
+
     def sgd(
         self,
         params: torch.Tensor,
@@ -258,7 +296,9 @@ class Context:
         keep = None if mask is None else mask == 0
         for _ in range(steps):
             xb, yb = data.batch(size, generator)
-            u = torch.rand(objective.noise, generator=generator).to(p.device)
+            u = torch.zeros(0, device=p.device)
+            if objective.noise:
+                u = torch.rand(objective.noise, generator=generator).to(p.device)
             loss, grad, post = self._loss_grad_post(objective, p, xb, yb, u)
             if extra is not None:
                 grad = grad + extra(p)

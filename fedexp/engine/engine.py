@@ -9,6 +9,7 @@ or in lockstep with their local SGD batched); each client draws from its own
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import zlib
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.func import vmap
 
 from fedexp.algorithms.base import Algorithm, ClientResult, Message, State
 from fedexp.comm.channel import Channel
@@ -24,13 +26,17 @@ from fedexp.comm.codec import DenseCodec
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
 from fedexp.engine.backends import BACKENDS, choose_backend
+from fedexp.engine.cohort import Cohort
 from fedexp.engine.context import Context
 from fedexp.engine.ledger import ByteLedger
-from fedexp.errors import ConfigError
+from fedexp.engine.pool import TrainPool
+from fedexp.errors import ConfigError, DivergenceError
 from fedexp.metrics import LOWER_IS_BETTER, aggregate
 
 # Stream purposes of the channels and the set-up (beside rng.CLIENT etc.).
 _UPLINK, _DOWNLINK, _SKETCH = 11, 12, 13
+
+log = logging.getLogger("fedexp")
 
 #: Prefix of the metrics on the clients' validation splits (``val_fraction > 0``).
 _VAL = "val/"
@@ -108,6 +114,8 @@ class Engine:
             self.backend = choose_backend(self.ctx.model.module, self.ctx.device)
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.backend == "lockstep" and self.clients:
+            self.ctx.pool = TrainPool(self.clients)
         self.server = self.algorithm.init_server(self.ctx, self.x0)
         self.client_states = [
             self.algorithm.init_client(self.ctx, self.x0, n) for n in range(len(self.clients))
@@ -222,27 +230,35 @@ class Engine:
         self.last_sampled = sampled
         updates: dict[int, Message] = {}
         sums: dict[str, float] = {}
-        inbox: dict[int, Message | None] = {}
-        for n in sampled:  # downlink, in client order
-            msg = self.algorithm.downlink(self.ctx, self.server, n)
-            inbox[n] = None if msg is None else self._send("down", n, msg)[0]
+        msgs = {n: self.algorithm.downlink(self.ctx, self.server, n) for n in sampled}
+        stacked = self._send_cohort("down", sampled, msgs)  # one pass when it can
+        if stacked is not None:
+            inbox: dict[int, Message | None] = dict(zip(sampled, stacked.unbind(0), strict=True))
+        else:
+            inbox = {
+                n: None if msgs[n] is None else self._send("down", n, msgs[n])[0] for n in sampled
+            }
+        cohort = self._cohort_update(sampled, inbox, stacked)
+        if cohort is not None:
+            updates, sums = cohort
+        else:
+            streams = rng.client_streams(self.seed, t, sampled)
 
-        def client(n: int) -> ClientResult:
-            gen = rng.generator(self.seed, rng.CLIENT, t, n)
-            return self.algorithm.client_update(
-                self.ctx, inbox[n], self.client_states[n], self.clients[n], gen
-            )
+            def client(n: int) -> ClientResult:
+                return self.algorithm.client_update(
+                    self.ctx, inbox[n], self.client_states[n], self.clients[n], streams[n]
+                )
 
-        results = BACKENDS[self.backend](sampled, client, self.ctx)
-        for n in sampled:  # uplink, in client order
-            result = results[n]
-            self.client_states[n] = result.state
-            metrics = dict(result.metrics)
-            if result.update is not None:
-                updates[n], transform_metrics = self._send("up", n, result.update)
-                metrics.update(transform_metrics)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+            results = BACKENDS[self.backend](sampled, client, self.ctx)
+            for n in sampled:  # uplink, in client order
+                result = results[n]
+                self.client_states[n] = result.state
+                metrics = dict(result.metrics)
+                if result.update is not None:
+                    updates[n], transform_metrics = self._send("up", n, result.update)
+                    metrics.update(transform_metrics)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
         self.server = self.algorithm.server_update(
             self.ctx, self.server, updates, self._weights(updates)
         )
@@ -253,6 +269,107 @@ class Engine:
         out.update(self.ledger.metrics())
         out["time/round_s"] = time.perf_counter() - started
         return out
+
+    def _cohort_update(
+        self, sampled: list[int], inbox: dict[int, Message | None], stacked: torch.Tensor | None
+    ) -> tuple[dict[int, Message], dict[str, float]] | None:
+        """The cohort path (``fedexp.engine.cohort``): every client's work at once.
+
+        Runs with ``backend=lockstep`` when the algorithm offers ``cohort_update`` and the
+        model can be vmapped without running statistics; returns the decoded uploads and the
+        summed client metrics, or None (nothing has changed: the per-client path runs).
+        """
+        ctx, algo = self.ctx, self.algorithm
+        if (
+            self.backend != "lockstep"
+            or not offers_cohort(type(algo))
+            or not ctx.vmap_ok
+            or ctx.model.has_buffers
+            or ctx.pool is None
+        ):
+            return None
+        if stacked is None and any(m is not None for m in inbox.values()):
+            return None  # messages with named parts or shapes that do not stack
+        clients = torch.tensor(sampled, dtype=torch.int64, device=ctx.device)
+        cohort = Cohort(
+            clients=sampled,
+            data=[self.clients[n] for n in sampled],
+            rows=clients,
+            keys=rng.stream_keys(self.seed, rng.CLIENT, self.round, clients),
+            draws=torch.zeros(len(sampled), dtype=torch.int64, device=ctx.device),
+            pool=ctx.pool,
+        )
+        try:
+            result = algo.cohort_update(
+                ctx, stacked, [self.client_states[n] for n in sampled], cohort
+            )
+        except RuntimeError as exc:  # an op vmap refuses: per client from now on
+            if isinstance(exc, DivergenceError):
+                raise
+            ctx.vmap_ok = False
+            log.warning(
+                "cohort path: cannot vmap this model/loss (%s)", str(exc).splitlines()[0][:160]
+            )
+            return None
+        if result is None:
+            return None
+        for n, state in zip(sampled, result.states, strict=True):
+            self.client_states[n] = state
+        sums = {k: float(v.sum()) for k, v in result.metrics.items()}
+        updates: dict[int, Message] = {}
+        if result.updates is not None:
+            rows = dict(zip(sampled, result.updates.unbind(0), strict=True))
+            received = self._send_cohort("up", sampled, rows)
+            if received is not None:
+                updates = dict(zip(sampled, received.unbind(0), strict=True))
+            else:
+                for n in sampled:
+                    updates[n], metrics = self._send("up", n, rows[n])
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + v
+        return updates, sums
+
+    def _send_cohort(
+        self, direction: str, clients: list[int], msgs: dict[int, Message | None]
+    ) -> torch.Tensor | None:
+        """Every client's bare-tensor message through a dense lossless channel in one pass.
+
+        Returns the decoded messages stacked ``[m, ...]`` (client order), or None when they
+        are not all tensors of one shape or the part is not sent exactly as dense float32
+        (the per-client :meth:`_send` then runs). On the CPU the stack is encoded and decoded
+        as one block (each client's message is its 4·numel bytes of it); on an accelerator
+        the bytes are counted from the sizes (dense float32 has no header, MATH §8) and the
+        messages stay on the device.
+        """
+        channel = self.uplink if direction == "up" else self.downlink
+        kinds = self.algorithm.uplink_parts if direction == "up" else self.algorithm.downlink_parts
+        kind = kinds.get("", "update" if direction == "up" else "model")
+        dense = type(channel.codec) is DenseCodec and _exact(channel)
+        if not clients or not (kind == "exact" or dense):
+            return None
+        first = msgs[clients[0]]
+        if not isinstance(first, torch.Tensor):
+            return None
+        tensors = [msgs[n] for n in clients]
+        if any(not isinstance(m, torch.Tensor) or m.shape != first.shape for m in tensors):
+            return None
+        if all(m is first for m in tensors):  # one message for all (the global model)
+            stack = first.detach().unsqueeze(0).expand(len(clients), *first.shape)
+        else:
+            stack = torch.stack([m.detach() for m in tensors])
+        numel = first.numel()
+        if stack.device.type == "cpu":
+            codec = DenseCodec()
+            block = stack.reshape(-1).to(torch.float32)
+            if stack.stride(0) == 0:  # the same message: encode it once, count it m times
+                block = block[:numel]
+            payload = codec.encode(block)
+            received = codec.decode(payload, block.numel()).reshape(-1, *first.shape)
+            received = received.expand(len(clients), *first.shape).to(first.dtype)
+        else:
+            received = stack.to(torch.float32).to(first.dtype)
+        self.ledger.add_many(direction, len(clients), 4 * numel, numel)
+        return received
 
     def _weights(self, updates: dict[int, Message]) -> dict[int, float]:
         if not updates:
@@ -281,24 +398,17 @@ class Engine:
         per-client metrics are the test split's.
         """
         who = list(range(len(self.clients)) if clients is None else clients)
-        per_client = []
-        val_who: list[int] = []
-        val_rows: list[dict[str, float]] = []
-        val_weights: list[float] = []
-
-        def forward(params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            return self.algorithm.predict(self.ctx, params, x)
-
-        for n in who:
-            data = self.clients[n]
-            params = self.algorithm.eval_params(self.ctx, self.server, self.client_states[n], n)
-            m = self.ctx.evaluate(params, data, forward)
-            m["num_test"] = float(data.num_test)
-            per_client.append(m)
-            if data.num_val:
-                val_rows.append(self.ctx.evaluate(params, data.validation(), forward))
-                val_who.append(n)
-                val_weights.append(float(data.num_val))
+        params = [
+            self.algorithm.eval_params(self.ctx, self.server, self.client_states[n], n) for n in who
+        ]
+        per_client = self._evaluate_many(params, [self.clients[n] for n in who])
+        for n, m in zip(who, per_client, strict=True):
+            m["num_test"] = float(self.clients[n].num_test)
+        val_who = [i for i, n in enumerate(who) if self.clients[n].num_val]
+        val_rows = self._evaluate_many(
+            [params[i] for i in val_who], [self.clients[who[i]].validation() for i in val_who]
+        )
+        val_weights = [float(self.clients[who[i]].num_val) for i in val_who]
         weights = [c["num_test"] for c in per_client]
         scored = [{k: v for k, v in c.items() if k != "num_test"} for c in per_client]
         out = aggregate(scored, weights)
@@ -306,8 +416,68 @@ class Engine:
         if val_rows:
             out.update({f"{_VAL}{k}": v for k, v in aggregate(val_rows, val_weights).items()})
             val_scored = [{f"{_VAL}{k}": v for k, v in row.items()} for row in val_rows]
-            out.update(self._update_best(val_who, val_scored))
+            out.update(self._update_best([who[i] for i in val_who], val_scored))
         return out, per_client
+
+    def _forward(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.algorithm.predict(self.ctx, params, x)
+
+    @torch.no_grad()
+    def _evaluate_many(
+        self, params: list[torch.Tensor], data: list[ClientData]
+    ) -> list[dict[str, float]]:
+        """Each client's metrics of ``params[i]`` on ``data[i]``'s test split.
+
+        Clients are evaluated together (issue 14): their test inputs padded into one batch,
+        one vmapped forward pass of the algorithm's ``predict`` over the stacked parameters
+        (one plain pass when all share one vector) and the task's batched metrics
+        (``evaluate_batch``), in chunks of about ``max(eval_batch_size, 8192)`` inputs.
+        Equal to :meth:`Context.evaluate` client by client up to floating-point rounding
+        (tested); segmentation tasks, and models vmap cannot run, go client by client.
+        """
+        ctx = self.ctx
+        if not data:
+            return []
+        if not hasattr(ctx.task, "evaluate_batch") or not ctx.vmap_ok or len(data) == 1:
+            return [ctx.evaluate(p, d, self._forward) for p, d in zip(params, data, strict=True)]
+        ctx.model.module.eval()
+        budget = max(ctx.eval_batch_size, 8192)
+        out: list[dict[str, float]] = []
+        start = 0
+        while start < len(data):
+            longest, stop = 0, start
+            while stop < len(data):  # clients while the padded chunk stays in the budget
+                longest = max(longest, data[stop].num_test)
+                if stop > start and longest * (stop + 1 - start) > budget:
+                    break
+                stop += 1
+            try:
+                out.extend(self._evaluate_chunk(params[start:stop], data[start:stop]))
+            except RuntimeError as exc:  # an op vmap refuses: client by client from now on
+                ctx.vmap_ok = False
+                log.warning("batched evaluation: cannot vmap (%s)", str(exc).splitlines()[0][:160])
+                return out + [
+                    ctx.evaluate(p, d, self._forward)
+                    for p, d in zip(params[start:], data[start:], strict=True)
+                ]
+            start = stop
+        return out
+
+    def _evaluate_chunk(
+        self, params: list[torch.Tensor], data: list[ClientData]
+    ) -> list[dict[str, float]]:
+        xs = torch.nn.utils.rnn.pad_sequence([d.x_test for d in data], batch_first=True)
+        ys = torch.nn.utils.rnn.pad_sequence([d.y_test for d in data], batch_first=True)
+        lengths = torch.tensor([d.num_test for d in data], dtype=torch.int64)
+        m, n = ys.shape[:2]
+        if all(p is params[0] for p in params):  # one vector for all: one plain pass
+            flat = xs.reshape(m * n, *xs.shape[2:])
+            size = max(1, self.ctx.eval_batch_size)
+            logits = torch.cat([self._forward(params[0], c) for c in torch.split(flat, size)])
+            logits = logits.reshape(m, n, *logits.shape[1:])
+        else:
+            logits = vmap(self._forward)(torch.stack(params), xs)
+        return self.ctx.task.evaluate_batch(logits, ys, lengths)
 
     def _update_best(self, who: list[int], scored: list[dict[str, float]]) -> dict[str, float]:
         out = {}
@@ -375,6 +545,21 @@ class Engine:
                 self.best[key] = value.to("cpu", torch.float64)
         self.round = round_
         self.ledger = ledger
+
+
+def offers_cohort(cls: type[Algorithm]) -> bool:
+    """Whether ``cls`` has a cohort path for its own client hook.
+
+    A subclass that overrides ``client_update`` (Ditto over FedAvg) does not inherit its
+    parent's ``cohort_update``: the cohort path must be defined where, or below where, the
+    client hook it replaces is.
+    """
+
+    def owner(name: str) -> type:
+        return next(c for c in cls.__mro__ if name in vars(c))
+
+    cohort = owner("cohort_update")
+    return cohort is not Algorithm and issubclass(cohort, owner("client_update"))
 
 
 RoundCallback = Callable[[Engine, dict[str, float]], None]

@@ -39,6 +39,18 @@ class ByteLedger:
         self.total_dense[direction] += 4 * numel
         self.messages[direction] += 1
 
+    def add_many(self, direction: str, count: int, size: int, numel: int, part: str = "") -> None:
+        """Count ``count`` messages (parts) of ``size`` bytes and ``numel`` entries each."""
+        if part:
+            key = f"{direction}/{part}"
+            self.parts_round[key] = self.parts_round.get(key, 0) + count * size
+            self.parts_total[key] = self.parts_total.get(key, 0) + count * size
+        self.round[direction] += count * size
+        self.round_dense[direction] += count * 4 * numel
+        self.total[direction] += count * size
+        self.total_dense[direction] += count * 4 * numel
+        self.messages[direction] += count
+
     def metrics(self) -> dict[str, float]:
         """``bytes/up``, ``bytes/up_cum``, ``bytes/up_dense``, ``compression/up`` (and down)."""
         out: dict[str, float] = {}

@@ -14,7 +14,12 @@ import torch.nn.functional as F
 
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
-from fedexp.metrics import classification_metrics, segmentation_metrics
+from fedexp.metrics import (
+    CLASSIFICATION_METRICS,
+    classification_metrics,
+    classification_table,
+    segmentation_metrics,
+)
 
 
 class Task(Protocol):
@@ -46,6 +51,45 @@ class ClassificationTask:
     def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """Accuracy, balanced accuracy and AUC on one client's test split."""
         return classification_metrics(logits, y, self.num_classes)
+
+    def evaluate_batch(
+        self, logits: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor
+    ) -> list[dict[str, float]]:
+        """:meth:`evaluate` plus ``loss`` for every client of a padded batch (MATH §10).
+
+        Client i's test samples are the first ``lengths[i]`` rows of ``logits[i]`` and
+        ``y[i]``; the rest is padding and is ignored. ``loss`` is the mean over those rows of
+        this task's per-sample loss, i.e. :meth:`loss` of the unpadded client. All is computed
+        on the logits' device and comes to the host in one transfer.
+
+        Args:
+            logits: (m, n, C) logits.
+            y: (m, n) labels.
+            lengths: (m,) int64 valid rows per client.
+
+        Returns:
+            One dict per client: the keys of :meth:`evaluate`, then ``loss`` (NaN for a client
+            without samples).
+        """
+        with torch.no_grad():
+            table = classification_table(logits, y, lengths, self.num_classes)
+            m, n, c = logits.shape
+            valid = torch.arange(n, device=logits.device) < lengths.to(logits.device)[:, None]
+            y = y.to(logits.device)
+            if c == 1:
+                per_sample = F.binary_cross_entropy_with_logits(
+                    logits[..., 0], y.to(logits.dtype), reduction="none"
+                )
+            else:
+                labels = torch.where(valid, y.long(), 0)  # padding's label: anything valid
+                per_sample = F.cross_entropy(
+                    logits.reshape(m * n, c), labels.reshape(-1), reduction="none"
+                ).view(m, n)
+            total = torch.where(valid, per_sample, 0.0)
+            loss = total.sum(1, dtype=table.dtype) / valid.sum(1).to(table.dtype)
+            rows = torch.cat([table, loss[:, None]], dim=1).cpu().tolist()
+        keys = (*CLASSIFICATION_METRICS, "loss")
+        return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
 class SegmentationTask:

@@ -57,7 +57,7 @@ def test_local_training_starts_from_the_finetuned_model(small_cfg):
     weights = weights / weights.sum()
     expected = torch.zeros_like(x0)
     for n, (s, data) in enumerate(zip(e.client_states, e.clients, strict=True)):
-        gen = rng.generator(e.seed, rng.CLIENT, 0, n)
+        gen = rng.client_stream(e.seed, 0, n)
         ft = ctx.train(x0, data, gen, steps=3).params
         local = ctx.train(ft, data, gen).params
         assert torch.equal(s["ft"], ft)

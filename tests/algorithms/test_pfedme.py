@@ -72,7 +72,7 @@ def test_minibatch_rounds_match_a_reference_algorithm_1(small_cfg):
     x = e.server["x"].clone()
     models, thetas = [], []
     for n, data in enumerate(e.clients):
-        gen = rng.generator(e.seed, rng.CLIENT, 0, n)
+        gen = rng.client_stream(e.seed, 0, n)
         w, theta = x.clone(), x.clone()
         for _ in range(big_r):
             xb, yb = data.batch(4, gen)

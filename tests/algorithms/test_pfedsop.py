@@ -57,7 +57,7 @@ def test_gompertz_weight_and_angle():
 
 def _trained(e, n, start, t):
     """ctx.train from ``start`` on client n's stream of round t (what the round ran)."""
-    gen = rng.generator(e.seed, rng.CLIENT, t, n)
+    gen = rng.client_stream(e.seed, t, n)
     return e.ctx.train(start, e.clients[n], gen).params
 
 

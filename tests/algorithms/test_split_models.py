@@ -124,7 +124,7 @@ def test_fedbn_keeps_batchnorm_local(small_cfg):
     sizes = torch.tensor([float(c.num_train) for c in engine.clients], dtype=torch.float64)
     omega = sizes / sizes.sum()
     thetas = [
-        ctx.train(x0, data, rng.generator(engine.seed, rng.CLIENT, 0, n)).params
+        ctx.train(x0, data, rng.client_stream(engine.seed, 0, n)).params
         for n, data in enumerate(engine.clients)
     ]
     for n, theta in enumerate(thetas):  # each client's BN part is its own local result

@@ -121,7 +121,7 @@ def test_one_round_matches_algorithm_1(small_cfg):
     a0 = e.server["a"].clone()
     uploads, thetas = [], []
     for n, data in enumerate(e.clients):
-        gen = rng.generator(e.seed, rng.CLIENT, 0, n)
+        gen = rng.client_stream(e.seed, 0, n)
         theta = e.client_states[n]["theta"].clone()
         a = a0.clone()
         sgd, adam = SGD(momentum=0.5, nesterov=True), Adam()

@@ -1,0 +1,174 @@
+"""The cohort path: a round's sampled clients trained as one computation (issue 14).
+
+An algorithm whose client work is "local steps of one objective from a stacked starting
+point" implements :meth:`fedexp.algorithms.base.Algorithm.cohort_update`: it receives the
+cohort's decoded downlink messages stacked ``[m, d]`` and calls :meth:`Context.train_cohort`
+once, instead of m ``client_update`` calls. The engine uses it with ``backend=lockstep`` (and
+``auto``); the per-client hooks stay, give the same numbers up to floating-point summation
+order (tests/test_cohort.py), and run everything else (other algorithms, models vmap cannot
+run, BatchNorm statistics, per-client step counts).
+
+What makes it cheap: the minibatch indices of every client and step come from one
+counter-based expression (:func:`fedexp.engine.rng.batch_indices`, the draws a client's
+:class:`fedexp.engine.rng.Stream` gives it alone), the data are gathered from the run's
+:class:`fedexp.engine.pool.TrainPool` (concatenated once), and no Python runs per client
+inside the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fedexp.data.federated import ClientData
+from fedexp.engine.backends import train_stacked
+from fedexp.engine.objective import Objective
+from fedexp.engine.optim import Optimizer
+from fedexp.engine.optim import State as OptState
+from fedexp.engine.rng import batch_indices
+from fedexp.errors import DivergenceError
+
+
+@dataclass
+class Cohort:
+    """The clients of one round, as the cohort path sees them.
+
+    Attributes:
+        clients: their ids, ascending.
+        data: their data (views into ``pool``).
+        rows: int64 [m] the clients' pool rows (= ids) on the device.
+        keys: int64 [m] their round streams' keys (:func:`fedexp.engine.rng.stream_keys`).
+        draws: int64 [m] minibatches each stream has drawn so far this round.
+        pool: the run's training data (:class:`fedexp.engine.pool.TrainPool`).
+    """
+
+    clients: list[int]
+    data: Sequence[ClientData]
+    rows: torch.Tensor
+    keys: torch.Tensor
+    draws: torch.Tensor
+    pool: object
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+
+@dataclass
+class CohortLocal:
+    """What :func:`train_cohort` returns.
+
+    Attributes:
+        params: [m, d] final parameters.
+        loss: [m] each client's mean training loss over the steps.
+        opt_state: the optimiser's stacked state ``{name: [m, ...]}``.
+    """
+
+    params: torch.Tensor
+    loss: torch.Tensor
+    opt_state: OptState
+
+
+@dataclass
+class CohortResult:
+    """What ``cohort_update`` returns: stacked uploads, per-client states and metrics.
+
+    Attributes:
+        updates: [m, ...] the clients' uploads (row i is client ``cohort.clients[i]``'s), or
+            None when the clients send nothing.
+        states: each client's new state, in cohort order.
+        metrics: name -> [m] per-client values (averaged over the round like
+            ``ClientResult.metrics``).
+    """
+
+    updates: torch.Tensor | None
+    states: list[dict[str, torch.Tensor]]
+    metrics: dict[str, torch.Tensor]
+
+
+def stack_opt_states(
+    opt: Optimizer, params: torch.Tensor, states: Sequence[OptState | None]
+) -> OptState | None:
+    """The clients' optimiser states stacked per entry (fresh ones from ``opt.init``).
+
+    Returns None when the clients' states do not have the same entries (the per-client path
+    then runs).
+    """
+    if all(s is None for s in states):
+        fresh = opt.init(params[0])
+        return {k: torch.stack([opt.init(p)[k] for p in params]) for k in fresh}
+    full = [opt.init(params[i]) if s is None else s for i, s in enumerate(states)]
+    names = sorted(full[0])
+    if any(sorted(s) != names for s in full):
+        return None
+    return {k: torch.stack([s[k].detach() for s in full]) for k in names}
+
+
+def train_cohort(
+    ctx,  # noqa: ANN001 - Context (import cycle)
+    params: torch.Tensor,
+    cohort: Cohort,
+    objective: Objective,
+    opt_state: OptState,
+    steps: int,
+    lr: float,
+) -> CohortLocal:
+    """``steps`` minibatch steps of every client of the cohort, as one computation.
+
+    Client i's t-th minibatch is the one its stream would give it alone
+    (:meth:`fedexp.engine.rng.Stream.indices` at draw ``cohort.draws[i]``), gathered from the
+    pool; the objective's ``aux`` tensors are stacked ``[m, ...]`` (0-dim ones are shared).
+
+    Raises:
+        DivergenceError: a client's loss or parameters became NaN or infinite (the lowest
+            client id is named, as the per-client path names it).
+    """
+    m = len(cohort)
+    if objective.noise or objective.frozen is not None or objective.lr_scale is not None:
+        raise ValueError("the cohort path takes objectives without noise, frozen or lr_scale")
+    aux = {k: v.expand(m) if v.dim() == 0 else v for k, v in objective.aux.items()}
+    num = cohort.pool.size[cohort.rows]
+    size = ctx.batch_size
+    empty = torch.zeros(m, 0, device=params.device)
+
+    def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx = batch_indices(cohort.keys, cohort.draws, size, num)
+        cohort.draws = cohort.draws + 1
+        return (*cohort.pool.gather(cohort.rows, idx), empty)
+
+    if size <= 0:  # full batch: every client's whole training set, equal sizes only
+        xs = torch.stack([d.x_train for d in cohort.data])
+        ys = torch.stack([d.y_train for d in cohort.data])
+
+        def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: F811
+            return xs, ys, empty
+
+    out, state, loss = train_stacked(
+        ctx, objective, ctx.optimizer, steps, lr, params.detach(), aux, opt_state, draw
+    )
+    ok = torch.isfinite(out).all(dim=1) & torch.isfinite(loss)
+    if not bool(ok.all()):
+        i = int(torch.nonzero(~ok)[0])
+        try:
+            ctx.check_finite(out[i], float(loss[i]), lr)
+        except DivergenceError as exc:
+            raise DivergenceError(f"client {cohort.clients[i]}: {exc}") from None
+    return CohortLocal(out, loss, state)
+
+
+def unstack_states(
+    states: Sequence[dict[str, torch.Tensor]], opt: Optimizer, opt_state: OptState, **rows
+) -> list[dict[str, torch.Tensor]]:
+    """Each client's new state, in cohort order.
+
+    Its old state, updated with its row of each ``rows`` entry ([m, ...] tensors) and of the
+    stacked optimiser state (``opt.save``).
+    """
+    if not opt_state and not rows:
+        return list(states)
+    out = []
+    for i, state in enumerate(states):
+        row_opt = {k: v[i].clone() for k, v in opt_state.items()}
+        out.append({**state, **{k: v[i].clone() for k, v in rows.items()}, **opt.save(row_opt)})
+    return out
