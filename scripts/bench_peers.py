@@ -53,6 +53,7 @@ FRAMEWORKS: dict[str, tuple[str, str, bool]] = {
     "plain": ("plain PyTorch", "plain_worker.py", False),
     "pfl": ("pfl-research", "pfl_worker.py", True),
     "flower": ("Flower", "flower_worker.py", True),
+    "limit": ("hand-batched limit", "limit_worker.py", False),
 }
 WORKLOAD_TITLES = {
     "tabular": "logistic regression, d = 30, 100 samples/client, 5 steps of 32",
@@ -297,6 +298,8 @@ def benchmark(args: argparse.Namespace) -> dict[tuple[str, int, str], Cell]:
                         est = estimate_s(prev, sizes[i - 1], n, args.rounds)
                         if est is not None and est > args.budget:
                             cell.skipped = f"est. {est:,.0f} s > budget {args.budget:,.0f} s"
+                if fw == "limit" and workload != "tabular":
+                    cell.skipped = "tabular only"
                 if cell.skipped:
                     print(f"# {workload} N={n} {fw}: skipped ({cell.skipped})", file=sys.stderr)
                 else:
@@ -372,8 +375,10 @@ def table(
         elif fw == "flower":
             title += f" {peers.get('flwr', '?')}"
         titles.append(title)
-    ratio_to = [fw for fw in ("pfl", "flower", "plain") if fw in args.frameworks]
-    ratio_titles = [f"fedexp / {FRAMEWORKS[fw][0].split()[0]}" for fw in ratio_to]
+    ratio_to = [fw for fw in ("pfl", "flower", "plain", "limit") if fw in args.frameworks]
+    ratio_titles = [
+        f"fedexp / {'limit' if fw == 'limit' else FRAMEWORKS[fw][0].split()[0]}" for fw in ratio_to
+    ]
     head = ["workload", "N", *titles, *ratio_titles, "accuracy (min–max)"]
     lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 3) + "---|"]
     agree = True
@@ -406,6 +411,36 @@ def table(
         name = "logistic regression" if workload == "tabular" else "small CNN"
         lines.append("| " + " | ".join([name, f"{n:,}", *texts, *ratios, acc_text]) + " |")
     return "\n".join(lines), agree
+
+
+def limit_table(cells: dict[tuple[str, int, str], Cell], args: argparse.Namespace) -> str:
+    """Seconds of a tabular round with every client evaluated: fedexp against the limit.
+
+    Issue 14's goal: a round of 1,000 tabular clients, evaluation included, within 10x of the
+    hand-batched limit (``scripts/peers/limit_worker.py``) measured in the same run.
+    """
+    if "limit" not in args.frameworks or "tabular" not in args.workloads:
+        return ""
+    ours = [fw for fw in args.frameworks if fw.startswith("fedexp-")]
+    head = ["N", *(f"{FRAMEWORKS[fw][0]} (s)" for fw in ours), "limit (s)", "fedexp / limit"]
+    lines = ["| " + " | ".join(head) + " |", "|---:|" + "---:|" * (len(head) - 1)]
+    for n in sorted(args.sizes):
+        limit = cells.get(("tabular", n, "limit"))
+        lim = limit.median("round_eval_s") if limit else None
+        mine = {fw: cells["tabular", n, fw].median("round_eval_s") for fw in ours}
+        found = [v for v in mine.values() if v]
+        best = min(found) if found else None
+        ratio = f"{best / lim:.1f}x" if best and lim else "n/a"
+        texts = [f"{mine[fw]:.4f}" if mine[fw] else "n/a" for fw in ours]
+        lines.append(
+            "| " + " | ".join([f"{n:,}", *texts, f"{lim:.4f}" if lim else "n/a", ratio]) + " |"
+        )
+    return (
+        "\nA tabular round with every client evaluated after it (median of 3 such rounds a "
+        "run, then of the repeats): fedexp's `Engine.run_round()` + `Engine.evaluate()` "
+        "(accuracy, balanced accuracy, AUC and loss per client, their aggregates) against "
+        "the limit's batched round + per-client accuracy and loss:\n\n" + "\n".join(lines)
+    )
 
 
 def notes(
@@ -536,6 +571,7 @@ def main() -> None:
     text, agree = table(cells, args, peers)
     print()
     print(text)
+    print(limit_table(cells, args))
     print(notes(cells, args, load, versions, peers))
     failed = any(not r.ok for c in cells.values() for r in c.runs)
     verdict = "ok" if agree else "FAILED"

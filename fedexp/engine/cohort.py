@@ -18,7 +18,7 @@ inside the steps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +29,11 @@ from fedexp.engine.optim import Optimizer
 from fedexp.engine.optim import State as OptState
 from fedexp.engine.rng import batch_indices
 from fedexp.errors import DivergenceError
+
+
+#: clients trained together at most: the gathered minibatches of a step are
+#: ``_CHUNK × batch × input`` values (16,384 × 32 × 30 floats = 63 MB)
+_CHUNK = 16384
 
 
 @dataclass
@@ -144,9 +149,37 @@ def train_cohort(
         def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: F811
             return xs, ys, empty
 
-    out, state, loss = train_stacked(
-        ctx, objective, ctx.optimizer, steps, lr, params.detach(), aux, opt_state, draw
-    )
+    if m <= _CHUNK or size <= 0:
+        out, state, loss = train_stacked(
+            ctx, objective, ctx.optimizer, steps, lr, params.detach(), aux, opt_state, draw
+        )
+    else:  # large cohorts in slices: the per-step minibatch tensors stay small
+        parts = []
+        for a in range(0, m, _CHUNK):
+            part = slice(a, a + _CHUNK)
+            sub = Cohort(
+                cohort.clients[part],
+                cohort.data[part],
+                cohort.rows[part],
+                cohort.keys[part],
+                cohort.draws[part],
+                cohort.pool,
+            )
+            parts.append(
+                train_cohort(
+                    ctx,
+                    params[part],
+                    sub,
+                    replace(objective, aux={k: v[part] for k, v in aux.items()}),
+                    {k: v[part] for k, v in opt_state.items()},
+                    steps,
+                    lr,
+                )
+            )
+        cohort.draws = cohort.draws + steps
+        out = torch.cat([p_.params for p_ in parts])
+        loss = torch.cat([p_.loss for p_ in parts])
+        state = {k: torch.cat([p_.opt_state[k] for p_ in parts]) for k in opt_state}
     ok = torch.isfinite(out).all(dim=1) & torch.isfinite(loss)
     if not bool(ok.all()):
         i = int(torch.nonzero(~ok)[0])

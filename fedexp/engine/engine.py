@@ -289,7 +289,14 @@ class Engine:
         ):
             return None
         if stacked is None and any(m is not None for m in inbox.values()):
-            return None  # messages with named parts or shapes that do not stack
+            received = [inbox[n] for n in sampled]  # decoded one by one (a lossy downlink)
+            first = received[0]
+            if not all(
+                isinstance(m, torch.Tensor) and m.shape == getattr(first, "shape", None)
+                for m in received
+            ):
+                return None  # messages with named parts or shapes that do not stack
+            stacked = torch.stack(received)
         clients = torch.tensor(sampled, dtype=torch.int64, device=ctx.device)
         cohort = Cohort(
             clients=sampled,
@@ -358,6 +365,8 @@ class Engine:
         else:
             stack = torch.stack([m.detach() for m in tensors])
         numel = first.numel()
+        if numel == 0:
+            return None  # nothing to send: the per-client path counts the empty messages
         if stack.device.type == "cpu":
             codec = DenseCodec()
             block = stack.reshape(-1).to(torch.float32)
@@ -472,7 +481,9 @@ class Engine:
         m, n = ys.shape[:2]
         if all(p is params[0] for p in params):  # one vector for all: one plain pass
             flat = xs.reshape(m * n, *xs.shape[2:])
-            size = max(1, self.ctx.eval_batch_size)
+            # small inputs (tabular rows) go through in passes of up to 8,192
+            per_input = max(1, flat[0].numel()) if flat.numel() else 1
+            size = max(1, self.ctx.eval_batch_size, min(8192, 2**20 // per_input))
             logits = torch.cat([self._forward(params[0], c) for c in torch.split(flat, size)])
             logits = logits.reshape(m, n, *logits.shape[1:])
         else:

@@ -5,7 +5,9 @@ The run settings come from the composed config, as ``fedexp run`` would compose 
 ``batch_size``, ``backend``); the engine is then built as ``fedexp.engine.runner.build_engine``
 builds it, with the benchmark's clients (every sample trains and is evaluated) and model in
 place of the config's dataset and model. Dense float32 messages are encoded, counted and
-decoded as in every run. One warm-up round, then ``--rounds`` timed rounds.
+decoded as in every run. One warm-up round, then ``--rounds`` timed rounds; then
+``--eval-rounds`` rounds each followed by the evaluation of every client (``Engine.evaluate``:
+accuracy, balanced accuracy, AUC and loss per client), whose median is ``round_eval_s``.
 
     python scripts/peers/fedexp_worker.py --workload tabular --clients 10 --backend lockstep
 """
@@ -13,6 +15,7 @@ decoded as in every run. One warm-up round, then ``--rounds`` timed rounds.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import common
@@ -49,6 +52,7 @@ def build(args, clients: list[tuple[torch.Tensor, ...]]):
     )
     device = torch.device("cpu")
     data = [ClientData(x, y, x, y) for x, y in clients]  # accuracy on the clients' own data
+    clients.clear()  # the engine's data hold the only reference: its pool frees them one by one
     model = FlatModel(common.make_model(args.workload, args.seed), device)
     ctx = Context(
         model=model,
@@ -76,20 +80,51 @@ def build(args, clients: list[tuple[torch.Tensor, ...]]):
     )
 
 
+def one_buffer(workload: str, num_clients: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`common.all_clients`'s data, written client by client into one buffer.
+
+    How data are best handed to fedexp: the clients' tensors are views of one tensor, which
+    the engine's pool (``fedexp.engine.pool``) adopts without a copy; each client's freshly
+    drawn tensors are freed as soon as they are copied, so the process never holds two copies.
+    """
+    spec = common.WORKLOADS[workload]
+    pattern = common.shared_pattern(workload, seed)
+    total = num_clients * spec.samples
+    xs = torch.empty(total, *spec.input_shape)
+    ys = torch.empty(total, dtype=torch.long)
+    out = []
+    for n in range(num_clients):
+        x, y = common.client_data(workload, n, seed, pattern)
+        a = n * spec.samples
+        xs[a : a + spec.samples], ys[a : a + spec.samples] = x, y
+        out.append((xs[a : a + spec.samples], ys[a : a + spec.samples]))
+    return out
+
+
 def main() -> None:
     """Run the engine and print the result line."""
     parser = common.base_args(__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=["sequential", "lockstep"], required=True)
+    parser.add_argument("--eval-rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = common.Clock()
-    clients = common.all_clients(args.workload, args.clients, args.seed)
+    clients = one_buffer(args.workload, args.clients, args.seed)
     engine = build(args, clients)
+    # the engine's pooled views from here on: the originals are freed (one copy of the data)
+    clients = [(c.x_train, c.y_train) for c in engine.clients]
     engine.setup()
     for _ in range(args.rounds + 1):
         clock.round_start()
         engine.run_round()
         clock.round_end()
+
+    with_eval = []  # rounds with every client evaluated after them (issue 14's limit row)
+    for _ in range(args.eval_rounds):
+        start = time.perf_counter()
+        engine.run_round()
+        engine.evaluate()
+        with_eval.append(time.perf_counter() - start)
 
     module = common.make_model(args.workload, args.seed)
     torch.nn.utils.vector_to_parameters(engine.server["x"], module.parameters())
@@ -103,6 +138,7 @@ def main() -> None:
             "accuracy": common.accuracy(module, clients),
             "fedexp": getattr(fedexp, "__version__", "?"),
             "bytes_up": float(engine.ledger.total["up"]),
+            "round_eval_s": sorted(with_eval)[len(with_eval) // 2] if with_eval else None,
             **clock.summary(args.clients),
         }
     )

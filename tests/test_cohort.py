@@ -1,0 +1,229 @@
+"""The cohort path (issue 14): a round's client work as one computation equals the per-client
+hooks; counter-based minibatch draws; the pooled data; batched evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.data.federated import ClientData
+from fedexp.engine import rng
+from fedexp.engine.engine import offers_cohort
+from fedexp.engine.pool import TrainPool
+from fedexp.engine.runner import build_engine
+from fedexp.errors import DivergenceError
+
+
+def _run(small_cfg, backend, *overrides, rounds=3):
+    engine = build_engine(small_cfg(f"backend={backend}", *overrides))
+    engine.setup()
+    history = [engine.run_round() for _ in range(rounds)]
+    return engine, history
+
+
+def _no_client_hook(engine):
+    """Make the per-client hook fail: a round that still runs took the cohort path."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("client_update called: the cohort path was not taken")
+
+    engine.algorithm.client_update = refuse
+    return engine
+
+
+COHORT_CASES = [
+    ("algorithm=fedavg",),
+    ("algorithm=fedavg", "participation=0.6", "optimizer=sgd", "optimizer.momentum=0.9"),
+    ("algorithm=fedprox", "algorithm.mu=0.5", "model=mlp", "model.hidden=8"),
+    ("algorithm=local", "optimizer=adam"),
+    (
+        "algorithm=fedavg",
+        "dataset=synthetic",
+        "dataset.num_classes=3",
+        "partition=iid",
+        "num_clients=12",
+        "local_epochs=1",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides", COHORT_CASES, ids=["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc"]
+)
+def test_cohort_path_equals_the_per_client_hooks(small_cfg, overrides):
+    seq, h_seq = _run(small_cfg, "sequential", *overrides)
+    lock = _no_client_hook(build_engine(small_cfg("backend=lockstep", *overrides)))
+    lock.setup()
+    h_lock = [lock.run_round() for _ in range(3)]
+    for key in seq.server:
+        torch.testing.assert_close(lock.server[key], seq.server[key], rtol=1e-4, atol=1e-5)
+    for a, b in zip(seq.client_states, lock.client_states, strict=True):
+        assert sorted(a) == sorted(b)
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+    for m_seq, m_lock in zip(h_seq, h_lock, strict=True):
+        for key in (
+            "bytes/up",
+            "bytes/down",
+            "bytes/up_cum",
+            "bytes/down_dense",
+            "clients/sampled",
+        ):
+            assert m_lock.get(key) == m_seq.get(key), key
+        assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)
+    assert lock.ledger.messages == seq.ledger.messages
+
+
+def test_subclasses_with_their_own_client_hook_do_not_inherit_the_cohort_path():
+    class Tweaked(FedAvg):
+        def client_update(self, *args, **kwargs):  # noqa: D102
+            return super().client_update(*args, **kwargs)
+
+    assert offers_cohort(FedAvg)
+    assert not offers_cohort(Tweaked)
+
+
+def test_lossy_uplink_still_goes_through_the_channel_client_by_client(small_cfg):
+    """STC on the uplink: the cohort trains at once, each update is coded on its own."""
+    over = ("algorithm=fedavg", "compressor=stc", "model=mlp", "model.hidden=8")
+    seq, h_seq = _run(small_cfg, "sequential", *over)
+    lock = _no_client_hook(build_engine(small_cfg("backend=lockstep", *over)))
+    h_lock = [lock.run_round() for _ in range(3)]
+    torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-4, atol=1e-5)
+    assert [m["bytes/up"] for m in h_lock] == [m["bytes/up"] for m in h_seq]
+    assert h_lock[-1]["bytes/up"] < h_lock[-1]["bytes/up_dense"]  # really compressed
+
+
+def test_cohort_divergence_names_the_lowest_client(small_cfg):
+    seq = build_engine(small_cfg("backend=sequential", "lr=1e38"))
+    lock = build_engine(small_cfg("backend=lockstep", "lr=1e38"))
+    msgs = []
+    for engine in (seq, lock):
+        with pytest.raises(DivergenceError) as info:
+            for _ in range(3):
+                engine.run_round()
+        msgs.append(str(info.value))
+    assert msgs[0].split(":")[0] == msgs[1].split(":")[0] == "client 0"
+
+
+def test_a_loss_vmap_refuses_falls_back_to_the_same_draws(small_cfg):
+    def patch(engine):
+        original = engine.ctx.task.loss
+
+        def loss(logits, y):
+            onehot = torch.zeros(y.shape[0], 2)
+            onehot.scatter_(1, y[:, None].long(), 1.0)  # not vmappable
+            return original(logits, y) + 0.0 * onehot.sum()
+
+        engine.ctx.task.loss = loss
+        return engine
+
+    seq = patch(build_engine(small_cfg("backend=sequential")))
+    lock = patch(build_engine(small_cfg("backend=lockstep")))
+    for _ in range(2):
+        seq.run_round()
+        lock.run_round()
+    assert lock.ctx.vmap_ok is False
+    torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the streams
+def test_a_streams_draws_are_its_row_of_the_cohort_draw():
+    clients = [0, 3, 7, 11]
+    streams = rng.client_streams(5, 2, clients)
+    sizes = torch.tensor([10, 1, 37, 100])
+    alone = []
+    for n, num in zip(clients, sizes.tolist(), strict=True):
+        alone.append(torch.stack([streams[n].indices(8, num) for _ in range(3)]))
+    keys = rng.stream_keys(5, rng.CLIENT, 2, clients)
+    for step in range(3):
+        draws = torch.full((4,), step, dtype=torch.int64)
+        together = rng.batch_indices(keys, draws, 8, sizes)
+        for i in range(4):
+            assert torch.equal(together[i], alone[i][step])
+    assert all(s.draws == 3 for s in streams.values())
+    assert int(alone[1].max()) == 0  # one sample: always index 0
+
+
+def test_batch_indices_are_uniform_and_streams_differ():
+    keys = rng.stream_keys(0, rng.CLIENT, 0, list(range(400)))
+    idx = rng.batch_indices(keys, torch.zeros(400, dtype=torch.int64), 700, torch.full((400,), 7))
+    counts = torch.bincount(idx.reshape(-1), minlength=7).double()
+    expected = idx.numel() / 7
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 22.5  # χ²(6) 0.999 quantile
+    assert len({tuple(r.tolist()) for r in idx}) == 400  # no two clients draw alike
+    other_round = rng.stream_keys(0, rng.CLIENT, 1, list(range(400)))
+    assert not torch.equal(keys, other_round)
+    assert bool((keys >= 0).all())
+
+
+def test_mix64_is_splitmix64():
+    """Against SplitMix64 written with Python integers (Steele, Lea & Flood 2014)."""
+    mask = (1 << 64) - 1
+
+    def splitmix(x: int) -> int:
+        z = (x + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    xs = [0, 1, 12345, (1 << 62) + 17, (1 << 63) - 1]
+    got = rng.mix64(torch.tensor(xs, dtype=torch.int64)).tolist()
+    assert [g & mask for g in got] == [splitmix(x) for x in xs]
+
+
+# --------------------------------------------------------------------- the pool
+def test_the_pool_rebinds_views_and_gathers_rows():
+    gen = torch.Generator().manual_seed(0)
+    clients = [
+        ClientData(
+            torch.randn(n, 3, generator=gen), torch.arange(n), torch.zeros(1, 3), torch.zeros(1)
+        )
+        for n in (4, 1, 6)
+    ]
+    before = [(c.x_train.clone(), c.y_train.clone()) for c in clients]
+    pool = TrainPool(clients)
+    for c, (x, y) in zip(clients, before, strict=True):
+        assert torch.equal(c.x_train, x) and torch.equal(c.y_train, y)
+        assert c.x_train._base is pool.x
+    rows = pool.rows([clients[2], clients[0]])
+    assert rows.tolist() == [2, 0]
+    xb, yb = pool.gather(rows, torch.tensor([[5, 0], [3, 3]]))
+    assert torch.equal(xb[0, 0], before[2][0][5]) and torch.equal(yb[1], torch.tensor([3, 3]))
+    other = ClientData(before[0][0], before[0][1], before[0][0], before[0][1])
+    assert pool.rows([clients[0], other]) is None
+
+
+# ------------------------------------------------------------- batched evaluation
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm=fedavg",),
+        ("algorithm=local",),
+        ("algorithm=fedrod", "model=mlp", "model.hidden=8"),
+        ("algorithm=fedavg", "dataset=synthetic", "dataset.num_classes=4", "partition=iid"),
+    ],
+    ids=["shared", "personal", "fedrod-predict", "multiclass"],
+)
+def test_batched_evaluation_equals_client_by_client(small_cfg, overrides):
+    engine, _ = _run(small_cfg, "lockstep", *overrides, "val_fraction=0.2", rounds=2)
+    out, per_client = engine.evaluate()
+    ctx = engine.ctx
+    fwd = lambda p, x: engine.algorithm.predict(ctx, p, x)  # noqa: E731
+    val_acc = []
+    for n, row in enumerate(per_client):
+        params = engine.algorithm.eval_params(ctx, engine.server, engine.client_states[n], n)
+        ref = ctx.evaluate(params, engine.clients[n], fwd)
+        assert set(ref) | {"num_test"} == set(row)
+        for key, value in ref.items():
+            if math.isnan(value):
+                assert math.isnan(row[key]), key
+            else:
+                assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        val_acc.append(ctx.evaluate(params, engine.clients[n].validation(), fwd)["acc"])
+    assert out["val/acc/mean"] == pytest.approx(sum(val_acc) / len(val_acc), rel=1e-6)
+    assert ctx.vmap_ok  # the batched path ran (no fallback)
