@@ -54,7 +54,9 @@ def test_val_metrics_equal_an_independent_evaluation_on_the_val_examples(small_c
     for key in ("acc", "bal_acc", "loss"):
         v = np.array([r[key] for r in ref])
         assert agg[f"val/{key}/mean"] == pytest.approx(v.mean(), rel=1e-6, abs=1e-9)
-        assert agg[f"val/{key}/weighted"] == pytest.approx((v * n).sum() / n.sum(), rel=1e-6, abs=1e-9)
+        assert agg[f"val/{key}/weighted"] == pytest.approx(
+            (v * n).sum() / n.sum(), rel=1e-6, abs=1e-9
+        )
         assert agg[f"val/{key}/std"] == pytest.approx(v.std(), rel=1e-6, abs=1e-9)
     assert agg["val/acc/worst"] == pytest.approx(min(r["acc"] for r in ref), rel=1e-6, abs=1e-9)
     assert agg["val/loss/worst"] == pytest.approx(max(r["loss"] for r in ref), rel=1e-6, abs=1e-9)

@@ -30,7 +30,6 @@ from fedexp.engine.optim import State as OptState
 from fedexp.engine.rng import batch_indices
 from fedexp.errors import DivergenceError
 
-
 #: clients trained together at most: the gathered minibatches of a step are
 #: ``_CHUNK × batch × input`` values (16,384 × 32 × 30 floats = 63 MB)
 _CHUNK = 16384

@@ -34,8 +34,9 @@ class TrainPool:
         self.offset = torch.cumsum(self.size, 0) - self.size
         total = int(self.size.sum())
         first = clients[0]
-        adopted = _consecutive_views([c.x_train for c in clients]), _consecutive_views(
-            [c.y_train for c in clients]
+        adopted = (
+            _consecutive_views([c.x_train for c in clients]),
+            _consecutive_views([c.y_train for c in clients]),
         )
         if adopted[0] is not None and adopted[1] is not None:  # already one buffer: no copy
             self.x, self.y = adopted
@@ -95,4 +96,3 @@ def _consecutive_views(parts: list[torch.Tensor]) -> torch.Tensor | None:
         pos += p.shape[0] * row
     rows = (pos - base.data_ptr()) // row if row else 0
     return base[:rows]
-
