@@ -11,6 +11,9 @@ same torch threads; it reports client updates/s (clients x timed rounds / their 
 the final model's accuracy on the clients' data, and this script takes the peak resident memory
 of each subprocess (``wait4``'s max RSS; for Flower also the peak summed over Ray's processes).
 Repeats are interleaved (the framework order rotates per repeat); the table gives medians.
+The hand-batched limit (``scripts/peers/limit_worker.py``: the tabular round as gathers and
+``torch.bmm``, no per-client Python) runs beside them; a second table compares a tabular round
+with every client evaluated after it, fedexp against that limit (issue 14: within 10x).
 
     python scripts/bench_peers.py --setup            # first use: create .venv-peers (PyPI)
     python scripts/bench_peers.py --quick            # N = 10 only, 1 repeat
