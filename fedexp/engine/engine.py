@@ -325,19 +325,21 @@ class Engine:
         sums = {k: float(v.sum()) for k, v in result.metrics.items()}
         updates: dict[int, Message] = {}
         if result.updates is not None:
-            rows = dict(zip(sampled, result.updates.unbind(0), strict=True))
-            received = self._send_cohort("up", sampled, rows)
+            received = self._send_cohort("up", sampled, result.updates)
             if received is not None:
                 updates = dict(zip(sampled, received.unbind(0), strict=True))
             else:
-                for n in sampled:
-                    updates[n], metrics = self._send("up", n, rows[n])
+                for n, row in zip(sampled, result.updates.unbind(0), strict=True):
+                    updates[n], metrics = self._send("up", n, row)
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + v
         return updates, sums
 
     def _send_cohort(
-        self, direction: str, clients: list[int], msgs: dict[int, Message | None]
+        self,
+        direction: str,
+        clients: list[int],
+        msgs: dict[int, Message | None] | torch.Tensor,
     ) -> torch.Tensor | None:
         """Every client's bare-tensor message through a dense lossless channel in one pass.
 
@@ -354,16 +356,19 @@ class Engine:
         dense = type(channel.codec) is DenseCodec and _exact(channel)
         if not clients or not (kind == "exact" or dense):
             return None
-        first = msgs[clients[0]]
-        if not isinstance(first, torch.Tensor):
-            return None
-        tensors = [msgs[n] for n in clients]
-        if any(not isinstance(m, torch.Tensor) or m.shape != first.shape for m in tensors):
-            return None
-        if all(m is first for m in tensors):  # one message for all (the global model)
-            stack = first.detach().unsqueeze(0).expand(len(clients), *first.shape)
+        if isinstance(msgs, torch.Tensor):  # already stacked (a cohort's uploads)
+            stack, first = msgs.detach(), msgs[0]
         else:
-            stack = torch.stack([m.detach() for m in tensors])
+            first = msgs[clients[0]]
+            if not isinstance(first, torch.Tensor):
+                return None
+            tensors = [msgs[n] for n in clients]
+            if any(not isinstance(m, torch.Tensor) or m.shape != first.shape for m in tensors):
+                return None
+            if all(m is first for m in tensors):  # one message for all (the global model)
+                stack = first.detach().unsqueeze(0).expand(len(clients), *first.shape)
+            else:
+                stack = torch.stack([m.detach() for m in tensors])
         numel = first.numel()
         if numel == 0:
             return None  # nothing to send: the per-client path counts the empty messages
