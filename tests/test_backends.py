@@ -67,7 +67,9 @@ def test_unknown_backend_is_refused(small_cfg):
 
 
 def test_lockstep_falls_back_when_the_loss_cannot_be_vmapped(small_cfg):
-    """An in-place op vmap refuses (MONAI's one_hot does this): same draws, same models."""
+    """An in-place op vmap refuses (MONAI's one_hot does this): same draws, same models.
+
+    FedAvg runs the cohort path (tests/test_cohort.py): its fallback is checked here."""
 
     def patch(engine):
         original = engine.ctx.task.loss

@@ -109,27 +109,6 @@ def test_cohort_divergence_names_the_lowest_client(small_cfg):
     assert msgs[0].split(":")[0] == msgs[1].split(":")[0] == "client 0"
 
 
-def test_a_loss_vmap_refuses_falls_back_to_the_same_draws(small_cfg):
-    def patch(engine):
-        original = engine.ctx.task.loss
-
-        def loss(logits, y):
-            onehot = torch.zeros(y.shape[0], 2)
-            onehot.scatter_(1, y[:, None].long(), 1.0)  # not vmappable
-            return original(logits, y) + 0.0 * onehot.sum()
-
-        engine.ctx.task.loss = loss
-        return engine
-
-    seq = patch(build_engine(small_cfg("backend=sequential")))
-    lock = patch(build_engine(small_cfg("backend=lockstep")))
-    for _ in range(2):
-        seq.run_round()
-        lock.run_round()
-    assert lock.ctx.vmap_ok is False
-    torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-5, atol=1e-6)
-
-
 # ------------------------------------------------------------------ the streams
 def test_a_streams_draws_are_its_row_of_the_cohort_draw():
     clients = [0, 3, 7, 11]
