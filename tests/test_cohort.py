@@ -206,3 +206,20 @@ def test_batched_evaluation_equals_client_by_client(small_cfg, overrides):
         val_acc.append(ctx.evaluate(params, engine.clients[n].validation(), fwd)["acc"])
     assert out["val/acc/mean"] == pytest.approx(sum(val_acc) / len(val_acc), rel=1e-6)
     assert ctx.vmap_ok  # the batched path ran (no fallback)
+
+
+def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch):
+    """Cohorts above ``_CHUNK`` clients run in slices: the same draws, the same models."""
+    from fedexp.engine import cohort as cohort_module
+
+    whole, _ = _run(small_cfg, "lockstep", "optimizer=sgd", "optimizer.momentum=0.9")
+    monkeypatch.setattr(cohort_module, "_CHUNK", 2)
+    sliced = _no_client_hook(
+        build_engine(small_cfg("backend=lockstep", "optimizer=sgd", "optimizer.momentum=0.9"))
+    )
+    sliced.setup()
+    for _ in range(3):
+        sliced.run_round()
+    torch.testing.assert_close(sliced.server["x"], whole.server["x"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(whole.client_states, sliced.client_states, strict=True):
+        torch.testing.assert_close(b["opt.momentum"], a["opt.momentum"], rtol=1e-5, atol=1e-6)

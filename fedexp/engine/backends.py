@@ -214,7 +214,7 @@ class LockstepBatcher:
             keep=keep,
             lr_scale=lr_scale,
         )
-        bad = _diverged(params, means)
+        bad = diverged_rows(params, means)
         # one copy a client: a view would keep the whole cohort's tensor alive in its state
         rows, means_l = [p.clone() for p in params.unbind(0)], means.tolist()
         for i, r in enumerate(reqs):
@@ -280,8 +280,11 @@ def _noise(gens: list[torch.Generator], k: int, dev: torch.device) -> torch.Tens
     return torch.stack([torch.rand(k, generator=g) for g in gens]).to(dev)
 
 
-def _diverged(params: torch.Tensor, means: torch.Tensor) -> set[int]:
-    """Rows whose parameters or mean loss are not finite (one reduction for the cohort)."""
+def diverged_rows(params: torch.Tensor, means: torch.Tensor) -> set[int]:
+    """Rows whose parameters or mean loss are not finite (one reduction for the cohort).
+
+    Shared by the greenlet barrier and the cohort path (``fedexp.engine.cohort``).
+    """
     ok = torch.isfinite(params).all(dim=1) & torch.isfinite(means)
     if bool(ok.all()):
         return set()

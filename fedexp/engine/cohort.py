@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from fedexp.data.federated import ClientData
-from fedexp.engine.backends import train_stacked
+from fedexp.engine.backends import diverged_rows, train_stacked
 from fedexp.engine.objective import Objective
 from fedexp.engine.optim import Optimizer
 from fedexp.engine.optim import State as OptState
@@ -152,7 +152,15 @@ def train_cohort(
         out, state, loss = train_stacked(
             ctx, objective, ctx.optimizer, steps, lr, params.detach(), aux, opt_state, draw
         )
+        bad = diverged_rows(out, loss)
+        if bad:
+            i = min(bad)
+            try:
+                ctx.check_finite(out[i], float(loss[i]), lr)
+            except DivergenceError as exc:
+                raise DivergenceError(f"client {cohort.clients[i]}: {exc}") from None
     else:  # large cohorts in slices: the per-step minibatch tensors stay small
+        # (each slice is checked for divergence in order, so the lowest client is named)
         parts = []
         for a in range(0, m, _CHUNK):
             part = slice(a, a + _CHUNK)
@@ -179,13 +187,6 @@ def train_cohort(
         out = torch.cat([p_.params for p_ in parts])
         loss = torch.cat([p_.loss for p_ in parts])
         state = {k: torch.cat([p_.opt_state[k] for p_ in parts]) for k in opt_state}
-    ok = torch.isfinite(out).all(dim=1) & torch.isfinite(loss)
-    if not bool(ok.all()):
-        i = int(torch.nonzero(~ok)[0])
-        try:
-            ctx.check_finite(out[i], float(loss[i]), lr)
-        except DivergenceError as exc:
-            raise DivergenceError(f"client {cohort.clients[i]}: {exc}") from None
     return CohortLocal(out, loss, state)
 
 

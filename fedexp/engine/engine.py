@@ -30,7 +30,7 @@ from fedexp.engine.cohort import Cohort
 from fedexp.engine.context import Context
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.pool import TrainPool
-from fedexp.errors import ConfigError, DivergenceError
+from fedexp.errors import ConfigError
 from fedexp.metrics import LOWER_IS_BETTER, aggregate
 
 # Stream purposes of the channels and the set-up (beside rng.CLIENT etc.).
@@ -232,9 +232,8 @@ class Engine:
         sums: dict[str, float] = {}
         msgs = {n: self.algorithm.downlink(self.ctx, self.server, n) for n in sampled}
         stacked = self._send_cohort("down", sampled, msgs)  # one pass when it can
-        if stacked is not None:
-            inbox: dict[int, Message | None] = dict(zip(sampled, stacked.unbind(0), strict=True))
-        else:
+        inbox: dict[int, Message | None] = {}
+        if stacked is None:
             inbox = {
                 n: None if msgs[n] is None else self._send("down", n, msgs[n])[0] for n in sampled
             }
@@ -242,6 +241,8 @@ class Engine:
         if cohort is not None:
             updates, sums = cohort
         else:
+            if stacked is not None:
+                inbox = dict(zip(sampled, stacked.unbind(0), strict=True))
             streams = rng.client_streams(self.seed, t, sampled)
 
             def client(n: int) -> ClientResult:
@@ -289,14 +290,10 @@ class Engine:
         ):
             return None
         if stacked is None and any(m is not None for m in inbox.values()):
-            received = [inbox[n] for n in sampled]  # decoded one by one (a lossy downlink)
-            first = received[0]
-            if not all(
-                isinstance(m, torch.Tensor) and m.shape == getattr(first, "shape", None)
-                for m in received
-            ):
-                return None  # messages with named parts or shapes that do not stack
-            stacked = torch.stack(received)
+            # decoded one by one (a lossy downlink); named parts or other shapes do not stack
+            stacked = _stack_alike([inbox[n] for n in sampled])
+            if stacked is None:
+                return None
         clients = torch.tensor(sampled, dtype=torch.int64, device=ctx.device)
         cohort = Cohort(
             clients=sampled,
@@ -311,8 +308,6 @@ class Engine:
                 ctx, stacked, [self.client_states[n] for n in sampled], cohort
             )
         except RuntimeError as exc:  # an op vmap refuses: per client from now on
-            if isinstance(exc, DivergenceError):
-                raise
             ctx.vmap_ok = False
             log.warning(
                 "cohort path: cannot vmap this model/loss (%s)", str(exc).splitlines()[0][:160]
@@ -359,16 +354,10 @@ class Engine:
         if isinstance(msgs, torch.Tensor):  # already stacked (a cohort's uploads)
             stack, first = msgs.detach(), msgs[0]
         else:
-            first = msgs[clients[0]]
-            if not isinstance(first, torch.Tensor):
+            found = _stack_alike([msgs[n] for n in clients])
+            if found is None:
                 return None
-            tensors = [msgs[n] for n in clients]
-            if any(not isinstance(m, torch.Tensor) or m.shape != first.shape for m in tensors):
-                return None
-            if all(m is first for m in tensors):  # one message for all (the global model)
-                stack = first.detach().unsqueeze(0).expand(len(clients), *first.shape)
-            else:
-                stack = torch.stack([m.detach() for m in tensors])
+            stack, first = found, found[0]
         numel = first.numel()
         if numel == 0:
             return None  # nothing to send: the per-client path counts the empty messages
@@ -561,6 +550,21 @@ class Engine:
                 self.best[key] = value.to("cpu", torch.float64)
         self.round = round_
         self.ledger = ledger
+
+
+def _stack_alike(msgs: Sequence[Message | None]) -> torch.Tensor | None:
+    """``msgs`` stacked ``[m, ...]`` (detached) if all are tensors of one shape, else None.
+
+    One message for all (the global model) is expanded, not copied.
+    """
+    first = msgs[0]
+    if not isinstance(first, torch.Tensor):
+        return None
+    if any(not isinstance(m, torch.Tensor) or m.shape != first.shape for m in msgs):
+        return None
+    if all(m is first for m in msgs):
+        return first.detach().unsqueeze(0).expand(len(msgs), *first.shape)
+    return torch.stack([m.detach() for m in msgs])
 
 
 def offers_cohort(cls: type[Algorithm]) -> bool:
