@@ -139,7 +139,7 @@ def worker_command(
         str(PEERS / script),
         f"--workload={workload}",
         f"--clients={clients}",
-        f"--rounds={args.rounds}",
+        f"--rounds={args.cnn_rounds if workload == 'cnn' else args.rounds}",
         f"--threads={args.threads}",
         f"--seed={args.seed}",
     ]
@@ -465,7 +465,7 @@ def notes(
         "",
         f"- Workloads: {WORKLOAD_TITLES['tabular']}, lr 0.1; "
         f"{WORKLOAD_TITLES['cnn']}, lr 0.1. FedAvg, every client every round, "
-        f"1 warm-up round then {args.rounds} timed rounds; "
+        f"1 warm-up round then {args.rounds} timed rounds (CNN: {args.cnn_rounds}); "
         f"median of {args.repeats} interleaved repeat(s).",
         "- Cells: client updates/s (clients × timed rounds / their wall time) · peak RSS of "
         "the subprocess (wait4 max RSS: its largest process); Flower's Σ: the peak of the "
@@ -525,6 +525,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cnn-clients", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after 1 warm-up")
+    parser.add_argument(
+        "--cnn-rounds",
+        type=int,
+        default=20,
+        help="timed rounds of the CNN workload (a round of 10 clients is ~0.2 s)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads everywhere")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -549,8 +555,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats, args.cnn_clients = [10], 1, 10
-    if min(args.sizes) < 1 or args.repeats < 1 or args.rounds < 1 or args.threads < 1:
-        parser.error("sizes, --repeats, --rounds and --threads must be at least 1")
+    if min(args.sizes) < 1 or min(args.repeats, args.rounds, args.cnn_rounds, args.threads) < 1:
+        parser.error("sizes, --repeats, --rounds, --cnn-rounds and --threads must be at least 1")
     return args
 
 

@@ -47,15 +47,29 @@ COHORT_CASES = [
         "num_clients=12",
         "local_epochs=1",
     ),
+    # a CNN on the CPU: channels-last weights, gradients client by client (backends._rowwise)
+    (
+        "algorithm=fedprox",
+        "algorithm.mu=0.1",
+        "dataset=digits",
+        "partition=iid",
+        "num_clients=4",
+        "model=vgg8",
+        "model.channels=[4,4,4,4,4]",
+        "model.hidden=8",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "overrides", COHORT_CASES, ids=["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc"]
+    "overrides",
+    COHORT_CASES,
+    ids=["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc", "fedprox-cnn"],
 )
 def test_cohort_path_equals_the_per_client_hooks(small_cfg, overrides):
     seq, h_seq = _run(small_cfg, "sequential", *overrides)
     lock = _no_client_hook(build_engine(small_cfg("backend=lockstep", *overrides)))
+    assert lock.ctx.model.channels_last == ("model=vgg8" in overrides)
     lock.setup()
     h_lock = [lock.run_round() for _ in range(3)]
     for key in seq.server:

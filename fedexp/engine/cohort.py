@@ -30,9 +30,20 @@ from fedexp.engine.optim import State as OptState
 from fedexp.engine.rng import batch_indices
 from fedexp.errors import DivergenceError
 
-#: clients trained together at most: the gathered minibatches of a step are
-#: ``_CHUNK × batch × input`` values (16,384 × 32 × 30 floats = 63 MB)
+#: bytes of gathered minibatches (inputs and targets) a slice of the cohort takes per step:
+#: 8 MiB is 2,048 tabular clients (batch 32 of 30 floats and a label) or 128 CNN clients
+#: (batch 16 of 1x32x32). Issue 14, 20,000 logistic-regression clients: the round's peak
+#: memory +116 MB over the set-up (+283 MB with slices of 16,384) and no slower (N = 10,000:
+#: slices of 2,048 as fast as one of 10,000 or faster; /tmp measurements in docs/benchmarks.md).
+_STEP_BYTES = 8 * 2**20
+#: clients of a slice at most (the gathered index and per-client rows stay small too)
 _CHUNK = 16384
+
+
+def _slice_rows(pool, size: int) -> int:  # noqa: ANN001 - TrainPool
+    """Clients per slice: ``_STEP_BYTES`` of a step's gathered minibatches, in [1, _CHUNK]."""
+    row = pool.x[0].numel() * pool.x.element_size() + pool.y[0].numel() * pool.y.element_size()
+    return max(1, min(_CHUNK, _STEP_BYTES // max(1, size * row)))
 
 
 @dataclass
@@ -148,7 +159,8 @@ def train_cohort(
         def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: F811
             return xs, ys, empty
 
-    if m <= _CHUNK or size <= 0:
+    chunk = _slice_rows(cohort.pool, size)
+    if m <= chunk or size <= 0:
         out, state, loss = train_stacked(
             ctx, objective, ctx.optimizer, steps, lr, params.detach(), aux, opt_state, draw
         )
@@ -162,8 +174,8 @@ def train_cohort(
     else:  # large cohorts in slices: the per-step minibatch tensors stay small
         # (each slice is checked for divergence in order, so the lowest client is named)
         parts = []
-        for a in range(0, m, _CHUNK):
-            part = slice(a, a + _CHUNK)
+        for a in range(0, m, chunk):
+            part = slice(a, a + chunk)
             sub = Cohort(
                 cohort.clients[part],
                 cohort.data[part],

@@ -72,17 +72,25 @@ class Layout:
         return self.numel - self.num_params
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of ``flat`` shaped like each entry (parameters, and buffers if present)."""
-        out = {}
+        """Views of ``flat`` shaped like each entry (parameters, and buffers if present).
+
+        The entries that ``flat`` holds whole, as one :func:`torch.split` (its backward is
+        one concatenation; a slice per entry would add a zero-filled d-vector per entry).
+        """
         end = flat.shape[-1]
+        names, shapes, sizes = [], [], []
         for name, shape, off in zip(self.names, self.shapes, self.offsets, strict=True):
-            size = 1
-            for s in shape:
-                size *= s
+            size = int(torch.Size(shape).numel())
             if off + size > end:
                 break
-            out[name] = flat[off : off + size].view(shape)
-        return out
+            names.append(name)
+            shapes.append(shape)
+            sizes.append(size)
+        if not sizes:
+            return {}
+        used = self.offsets[len(sizes) - 1] + sizes[-1]
+        parts = torch.split(flat if used == end else flat[:used], sizes)
+        return {n: t.view(shape) for n, shape, t in zip(names, shapes, parts, strict=True)}
 
     def indices(self, patterns: Sequence[str], device: torch.device | str = "cpu") -> torch.Tensor:
         """Flat coordinates of the entries whose name matches any glob pattern."""
@@ -100,17 +108,51 @@ class Layout:
         return torch.cat(idx).to(device)
 
 
+def _nhwc(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [O, I, kh, kw] as a channels-last copy (strides (I·kh·kw, 1, kw·I, I)).
+
+    Written with views and ``contiguous`` so that it also runs under vmap; with I = 1 the data
+    order is the same and only the strides change (``contiguous`` alone would keep them).
+    """
+    o, i, kh, kw = weight.shape
+    return weight.permute(0, 2, 3, 1).contiguous().view(-1).view(o, kh, kw, i).permute(0, 3, 1, 2)
+
+
 class FlatModel:
     """A module evaluated at a flat vector of parameters and running statistics.
+
+    On the CPU, 2-D convolution weights are handed to the module in channels-last strides
+    (``channels_last``): oneDNN's convolutions and PyTorch's max-pooling then run in NHWC,
+    and every activation after the first convolution stays NHWC. Measured on issue 14's
+    2-conv CNN (one thread, batch 16, forward and backward): 1.3-1.9x a step, the gradient
+    equal to the NCHW one up to rounding. The copy per call is the size of the weights; its
+    backward puts the gradient back in the vector's order. Under :func:`torch.func.vmap`
+    the convolutions of stacked weights become grouped ones that do not gain from it, so
+    stacked training computes such a model's gradients client by client
+    (:func:`fedexp.engine.backends.train_stacked`).
 
     Args:
         module: the network (its own parameters and buffers are only the initial point).
         device: where the module and every flat vector live.
+        channels_last: hand 2-D convolution weights over in channels-last strides; None:
+            on the CPU when the module has a ``Conv2d``.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, module: nn.Module, device: torch.device, channels_last: bool | None = None
+    ) -> None:
         self.module = module.to(device)
         self.layout = Layout.of(self.module)
+        convs = [
+            name + ".weight"
+            for name, sub in self.module.named_modules()
+            if isinstance(sub, nn.Conv2d) and sub.weight.requires_grad
+        ]
+        if channels_last is None:
+            channels_last = torch.device(device).type == "cpu" and bool(convs)
+        #: whether 2-D convolution weights are handed over in channels-last strides
+        self.channels_last = bool(channels_last and convs)
+        self._nhwc = frozenset(convs) if self.channels_last else frozenset()
         float_names = set(self.layout.names[len(self._param_names()) :])
         #: integer buffers (e.g. ``num_batches_tracked``), copied fresh into every call
         self.int_buffers = {k: v for k, v in self.module.named_buffers() if k not in float_names}
@@ -145,6 +187,8 @@ class FlatModel:
         """Views for ``functional_call``: parameters of ``flat``, buffers of a detached copy."""
         n = self.layout.num_params
         views = self.layout.unflatten(flat[:n])
+        for name in self._nhwc:
+            views[name] = _nhwc(views[name])
         buffers = flat[n:].detach().clone()
         for name, shape, off in zip(
             self.layout.names, self.layout.shapes, self.layout.offsets, strict=True
