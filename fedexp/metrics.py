@@ -270,15 +270,18 @@ def segmentation_metrics(
 
 
 def aggregate(
-    per_client: Sequence[Mapping[str, float]], weights: Sequence[float]
+    per_client: Sequence[Mapping[str, float]],
+    weights: Sequence[float],
+    keys: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Across clients: ``<m>/weighted`` (by test samples), ``/mean``, ``/worst``, ``/std``.
 
     NaN client values (e.g. AUC of a one-class test split) are left out of that metric.
+    ``keys``: the metrics to aggregate (default: every key of the first client's).
     """
     out: dict[str, float] = {}
     w_all = np.asarray(weights, dtype=np.float64)
-    for key in per_client[0]:
+    for key in per_client[0] if keys is None else keys:
         v = np.asarray([m[key] for m in per_client], dtype=np.float64)
         ok = np.isfinite(v)
         if not ok.any():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.data.federated import ClientData
+from fedexp.data.federated import ClientData, PoolRows
 from fedexp.engine import rng
 from fedexp.engine.engine import offers_cohort
 from fedexp.engine.pool import TrainPool
@@ -100,14 +100,56 @@ def test_subclasses_with_their_own_client_hook_do_not_inherit_the_cohort_path():
     assert not offers_cohort(Tweaked)
 
 
-def test_lossy_uplink_still_goes_through_the_channel_client_by_client(small_cfg):
-    """STC on the uplink: the cohort trains at once, each update is coded on its own."""
+def _message_by_message(engine):
+    """The reference: every message through its channel on its own (``Engine._transmit``)."""
+    engine._send_cohort = lambda *args, **kwargs: None
+    return engine
+
+
+@pytest.mark.parametrize("compressor", ["stc", "topk", "sar", "stc_twomean", "topk_zlib"])
+def test_a_cohorts_lossy_messages_coded_in_one_pass_equal_message_by_message(small_cfg, compressor):
+    """Sparse codecs, error feedback, lossy downlink models, randomised codecs: the batched
+    channel (``Engine._transmit_cohort``) sends the same bytes and the same values."""
+    over = ("backend=sequential", "algorithm=fedavg", f"compressor={compressor}", "rounds=3")
+    one = _message_by_message(build_engine(small_cfg(*over)))
+    batched = build_engine(small_cfg(*over))
+    calls = []
+    inner = batched._transmit_cohort
+    batched._transmit_cohort = lambda *a: calls.append(a[0]) or inner(*a)
+    h_one = [one.run_round() for _ in range(3)]
+    h_batched = [batched.run_round() for _ in range(3)]
+    assert calls.count("down") == 3  # the downlink in one pass every round (the uplink:
+    # client by client on the sequential backend, in one pass on the cohort path below)
+    assert torch.equal(batched.server["x"], one.server["x"])
+    for d in ("up", "down"):
+        assert batched.residual[d].keys() == one.residual[d].keys()
+        for k, v in one.residual[d].items():
+            assert torch.equal(batched.residual[d][k], v)
+        assert batched.replica[d].keys() == one.replica[d].keys()
+        for k, v in one.replica[d].items():
+            assert torch.equal(batched.replica[d][k], v)
+    for a, b in zip(h_one, h_batched, strict=True):
+        assert a["bytes/up"] == b["bytes/up"] and a["bytes/down"] == b["bytes/down"]
+    assert batched.ledger.messages == one.ledger.messages
+    assert h_batched[-1]["bytes/up"] < h_batched[-1]["bytes/up_dense"]  # really compressed
+
+
+def test_lossy_uplink_of_the_cohort_path_goes_through_the_channel(small_cfg):
+    """STC both ways: the cohort trains at once, its updates are coded in one pass."""
     over = ("algorithm=fedavg", "compressor=stc", "model=mlp", "model.hidden=8")
     seq, h_seq = _run(small_cfg, "sequential", *over)
+    ref = _message_by_message(build_engine(small_cfg("backend=sequential", *over)))
+    h_ref = [ref.run_round() for _ in range(3)]
     lock = _no_client_hook(build_engine(small_cfg("backend=lockstep", *over)))
+    calls = []
+    inner = lock._transmit_cohort
+    lock._transmit_cohort = lambda *a: calls.append(a[0]) or inner(*a)
     h_lock = [lock.run_round() for _ in range(3)]
+    assert calls == ["down", "up"] * 3
     torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lock.server["x"], ref.server["x"], rtol=1e-4, atol=1e-5)
     assert [m["bytes/up"] for m in h_lock] == [m["bytes/up"] for m in h_seq]
+    assert [m["bytes/up"] for m in h_lock] == [m["bytes/up"] for m in h_ref]
     assert h_lock[-1]["bytes/up"] < h_lock[-1]["bytes/up_dense"]  # really compressed
 
 
@@ -189,6 +231,25 @@ def test_the_pool_rebinds_views_and_gathers_rows():
     assert torch.equal(xb[0, 0], before[2][0][5]) and torch.equal(yb[1], torch.tensor([3, 3]))
     other = ClientData(before[0][0], before[0][1], before[0][0], before[0][1])
     assert pool.rows([clients[0], other]) is None
+    # the fields hold rows, not view objects; num_train reads them; a rebound field unpools
+    assert type(clients[1].__dict__["x_train"]) is PoolRows and clients[1].num_train == 1
+    assert torch.equal(clients[0].x_test, torch.zeros(1, 3))  # its own test split is kept
+    clients[1].x_train = before[1][0].clone()
+    assert pool.rows([clients[1]]) is None and torch.equal(clients[1].x_train, before[1][0])
+
+
+def test_the_pool_adopts_one_buffer_and_shares_a_test_split_that_is_the_training_set():
+    xs, ys = torch.randn(7, 2), torch.arange(7)
+    cuts = [(0, 3), (3, 7)]
+    clients = [ClientData(xs[a:b], ys[a:b], xs[a:b], ys[a:b]) for a, b in cuts]
+    for c in clients:  # evaluated on its own training data: one object for both splits
+        c.x_test, c.y_test = c.x_train, c.y_train
+    pool = TrainPool(clients)
+    assert pool.x.data_ptr() == xs.data_ptr() and pool.y.data_ptr() == ys.data_ptr()  # no copy
+    for c, (a, b) in zip(clients, cuts, strict=True):
+        assert c.__dict__["x_test"] is c.__dict__["x_train"]
+        assert torch.equal(c.x_test, xs[a:b]) and torch.equal(c.y_test, ys[a:b])
+    assert pool.rows(clients).tolist() == [0, 1]
 
 
 # ------------------------------------------------------------- batched evaluation

@@ -13,6 +13,7 @@ decoded tensors. Evaluation uses ``eval_params``. Hooks must not keep state on `
 
 from __future__ import annotations
 
+import bisect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -139,9 +140,45 @@ class Algorithm(ABC):
         return {}
 
 
-def weighted_mean(updates: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
+class StackedUpdates(Mapping):
+    """A cohort's received updates as one ``[m, ...]`` tensor, read as ``{client: row}``.
+
+    What the cohort path hands ``server_update`` instead of a dict of m row views (a view
+    costs ~600 bytes: 60 MB a round at 100,000 clients); :func:`weighted_mean` reads the
+    stack directly.
+
+    Args:
+        clients: the senders, ascending (row i is ``clients[i]``'s update).
+        stack: ``[m, ...]`` the decoded updates.
+    """
+
+    def __init__(self, clients: list[int], stack: torch.Tensor) -> None:
+        if len(clients) != stack.shape[0] or any(
+            a >= b for a, b in zip(clients, clients[1:], strict=False)
+        ):
+            raise ValueError("StackedUpdates needs ascending clients, one per row")
+        self.clients, self.stack = clients, stack
+
+    def __getitem__(self, n: int) -> torch.Tensor:
+        i = bisect.bisect_left(self.clients, n)
+        if i == len(self.clients) or self.clients[i] != n:
+            raise KeyError(n)
+        return self.stack[i]
+
+    def __iter__(self):  # noqa: ANN204 - Mapping's
+        return iter(self.clients)
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+
+def weighted_mean(updates: Mapping[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
     """Σ_n ω_n u_n over the received updates."""
     clients = sorted(updates)
+    if isinstance(updates, StackedUpdates):  # rows in ascending client order: one product
+        stack = updates.stack
+        w = torch.tensor([weights[n] for n in clients], dtype=stack.dtype, device=stack.device)
+        return (w @ stack.reshape(len(clients), -1)).reshape(stack.shape[1:])
     stacked = torch.stack([updates[n] for n in clients])
     w = torch.tensor([weights[n] for n in clients], dtype=stacked.dtype, device=stacked.device)
     return (w[:, None] * stacked).sum(dim=0)

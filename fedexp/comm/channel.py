@@ -3,6 +3,10 @@
 The sender applies its transforms (e.g. CER, MATH §6) to the message, adds its error-feedback
 residual, compresses, keeps the new residual and encodes to bytes. The receiver decodes the
 bytes. The engine owns the residuals (one per sender) so that a checkpoint holds them.
+
+``send_many`` / ``receive_many`` do the same for a cohort's stacked messages ``[m, d]`` in one
+pass of the codec's batched methods (channels without transforms); each sender still gets its
+own payload (MATH §8) and its own residual.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from fedexp.comm.codec import Codec, DenseCodec
+from fedexp.comm.codec import Codec, DenseCodec, Payloads
 
 
 class UpdateTransform(Protocol):
@@ -71,3 +75,41 @@ class Channel:
     def receive(self, payload: bytes, numel: int, device: torch.device | str) -> torch.Tensor:
         """Decode a payload onto ``device``."""
         return self.codec.decode(payload, numel).to(device)
+
+    def send_many(
+        self,
+        x: torch.Tensor,
+        residuals: torch.Tensor | None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> tuple[Payloads, torch.Tensor | None]:
+        """``send`` of every row of ``x`` ``[m, d]`` at once (channels without transforms).
+
+        Error feedback as in ``send`` row by row (Sattler et al. 2019): ``acc = x +
+        residuals``, ``sent = compress_many(acc)``, new residuals ``acc - sent``.
+
+        Args:
+            x: the stacked messages, one sender per row.
+            residuals: ``[m, d]`` residuals of the senders, or None (all zero / none kept).
+            generators: one random stream per sender for randomised codecs, or None.
+
+        Returns:
+            (the senders' payloads, the new residuals ``[m, d]`` or None without error
+            feedback).
+
+        Raises:
+            ValueError: if the channel has transforms (they act message by message).
+        """
+        if self.transforms:
+            raise ValueError("send_many needs a channel without transforms; use send per message")
+        x = x.detach().to(torch.float32)
+        if self.error_feedback:
+            acc = x if residuals is None else x + residuals
+            sent = self.codec.compress_many(acc, generators)
+            return self.codec.encode_many(sent), acc - sent
+        return self.codec.encode_many(self.codec.compress_many(x, generators)), None
+
+    def receive_many(
+        self, payloads: Payloads, numel: int, device: torch.device | str
+    ) -> torch.Tensor:
+        """Decode every payload onto ``device``: ``[m, numel]``."""
+        return self.codec.decode_many(payloads, numel).to(device)

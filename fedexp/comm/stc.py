@@ -20,17 +20,23 @@ so ``len(payload) == 9 + ceil(STCCodec.payload_bits(positions, b) / 8)`` exactly
 :class:`TwoMeanSTCCodec` is the variant of the pFedNet authors' code: positive and negative
 kept entries get their own mean (``mu+`` and ``mu-``), used without error feedback. Its header
 holds both means (13 bytes); the bit stream is the same.
+
+Cohorts (``compress_many`` / ``encode_many`` / ``decode_many``): one ``torch.topk`` over the
+stacked messages, ``mu`` of every row as one tensor reduction, then all payloads written and
+read in one pass (numpy plus one numba kernel for the gaps and sign bits of every message);
+each payload is byte for byte the single-message one, so every sender's bytes are counted.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from fedexp.comm.codec import Codec
+from fedexp.comm.codec import Codec, Payloads, as_rows, check_generators, overrides
 from fedexp.comm.golomb import (
     BitReader,
     BitWriter,
@@ -38,9 +44,28 @@ from fedexp.comm.golomb import (
     expected_position_bits,
     gaps_to_positions,
     positions_to_gaps,
+    positions_to_gaps_many,
     rice_bits,
 )
-from fedexp.comm.topk import check_fraction, flat_cpu_float32, keep_count, rice_parameter_for
+from fedexp.comm.topk import (
+    check_fraction,
+    flat_cpu_float32,
+    keep_count,
+    pack_sparse_many,
+    read_sparse_many,
+    rice_parameter_for,
+    rice_parameters_for_many,
+    sparse_rows,
+)
+
+#: ATen's ``internal::GRAIN_SIZE``: a CPU reduction over at least this many elements may be
+#: split across threads, so a 1-D ``mean`` and a row of a 2-D ``mean(dim=1)`` can then sum in
+#: different orders. Rows this long are reduced one by one (as ``compress`` does).
+_GRAIN_SIZE = 32768
+
+#: The headers as packed numpy records (``STCCodec.HEADER``, ``TwoMeanSTCCodec.HEADER``).
+_STC_HEADER_DTYPE = np.dtype([("n", "<u4"), ("mu", "<f4"), ("b", "u1")])
+_TWO_MEAN_HEADER_DTYPE = np.dtype([("n", "<u4"), ("mu_pos", "<f4"), ("mu_neg", "<f4"), ("b", "u1")])
 
 
 def _top_k(a: torch.Tensor, q: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +100,48 @@ def _read_positions_and_signs(
     if n and positions[-1] >= numel:
         raise ValueError(f"position {positions[-1]} out of range for {numel} entries")
     return positions, negative
+
+
+def _top_k_rows(a: torch.Tensor, q: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_top_k` of every row of ``a`` ``[m, d]``: indices ``[m, k]`` and the values."""
+    k = keep_count(q, a.shape[1])
+    idx = torch.topk(a.abs(), k, dim=1, sorted=False).indices
+    return idx, a.gather(1, idx)
+
+
+def row_means(v: torch.Tensor) -> torch.Tensor:
+    """``v[i].mean()`` of every row of ``v`` ``[r, c]``, bit for bit.
+
+    ``mean(dim=1)`` sums each row with the same kernel, in the same order, as ``mean`` of
+    that row on its own (CPU, ``c`` below ATen's grain size; checked by the tests); longer
+    rows, where a 1-D reduction may be split across threads, are reduced row by row (their
+    length dwarfs the per-row call). On other devices the reduction order of the two forms
+    is not guaranteed to agree, so ``mu`` may differ in its last bit from ``compress``.
+    """
+    if v.shape[1] >= _GRAIN_SIZE and v.device.type == "cpu":
+        return torch.stack([row.mean() for row in v.contiguous()])
+    return v.mean(dim=1)
+
+
+def masked_row_means(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``v[i][mask[i]].mean()`` of every row with a masked entry (0 for the other rows).
+
+    The masked entries of a row are reduced as the 1-D vector ``v[i][mask[i]]`` would be,
+    in their order: the rows are grouped by their number of masked entries ``c`` and each
+    group's ``[r, c]`` block goes through :func:`row_means` (at most ``min(m, k)`` groups).
+    """
+    m = v.shape[0]
+    means = torch.zeros(m, dtype=v.dtype, device=v.device)
+    counts = mask.sum(dim=1)
+    flat = v[mask]  # row-major: row i's entries are flat[start_i : start_i + counts_i]
+    starts = torch.cumsum(counts, 0) - counts
+    for c in torch.unique(counts).tolist():
+        if c == 0:
+            continue
+        rows = torch.nonzero(counts == c).squeeze(1)
+        block = flat[starts[rows, None] + torch.arange(c, device=v.device)]
+        means[rows] = row_means(block)
+    return means
 
 
 class STCCodec(Codec):
@@ -154,6 +221,79 @@ class STCCodec(Codec):
         out[positions] = np.where(negative, -mu, mu)
         return torch.from_numpy(out)
 
+    def compress_many(
+        self,
+        x: torch.Tensor,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """``compress`` of every row: one ``torch.topk(|x|, k, dim=1)``, ``mu`` per row.
+
+        ``mu_i`` is the mean of row ``i``'s kept magnitudes taken over the same values in
+        the same order as ``compress`` (the row's ``topk`` indices), by :func:`row_means`;
+        so row ``i`` equals ``compress(x[i])`` bit for bit on the CPU whenever the row has no
+        tie at the ``k``-th magnitude (with a tie, both are valid STC messages: Sattler et
+        al. 2019, Algorithm 1; MATH §7).
+
+        Args:
+            x: ``[m, d]`` stacked messages.
+            generators: unused (checked for length); STC is deterministic.
+        """
+        if overrides(self, STCCodec, "compress"):
+            return super().compress_many(x, generators)
+        a = as_rows(x)
+        check_generators(generators, a.shape[0])
+        out = torch.zeros_like(a)
+        if a.numel() == 0:
+            return out
+        idx, kept = _top_k_rows(a, self.q)
+        mu = row_means(kept.abs())[:, None]
+        zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        return out.scatter_(1, idx, torch.where(kept > 0, mu, torch.where(kept < 0, -mu, zero)))
+
+    def encode_many(self, x_hat: torch.Tensor) -> Payloads:
+        """Every row's payload, byte for byte ``encode(row)``, in one vectorised pass.
+
+        Raises:
+            ValueError: naming the first row that is not ternary (0 and +-mu).
+        """
+        if overrides(self, STCCodec, "encode"):
+            return super().encode_many(x_hat)
+        v = np.ascontiguousarray(as_rows(x_hat).to("cpu").numpy())
+        positions, values, offsets = sparse_rows(v)
+        counts = np.diff(offsets)
+        mu = np.zeros(counts.size, dtype=np.float32)
+        mu[counts > 0] = np.abs(values[offsets[:-1][counts > 0]])
+        bad = np.abs(values) != np.repeat(mu, counts)
+        if bad.any():
+            i = int(np.searchsorted(offsets, np.flatnonzero(bad)[0], side="right") - 1)
+            raise ValueError(f"message {i}: STC can only encode ternary vectors (0 and +-mu)")
+        gaps = positions_to_gaps_many(positions, offsets)
+        bs = rice_parameters_for_many(gaps, offsets, self.q, self.adaptive_golomb)
+        header = np.zeros(counts.size, dtype=_STC_HEADER_DTYPE)
+        header["mu"] = mu
+        return pack_sparse_many(header, gaps, offsets, bs, signs=values < 0)
+
+    def decode_many(self, payloads: Payloads, numel: int) -> torch.Tensor:
+        """Every message decoded (CPU float32 ``[m, numel]``) in one pass.
+
+        Raises:
+            ValueError: as ``decode`` would, for the first malformed message (named).
+        """
+        if overrides(self, STCCodec, "decode"):
+            return super().decode_many(payloads, numel)
+        msgs = read_sparse_many(
+            payloads,
+            numel,
+            _STC_HEADER_DTYPE,
+            "STC payload shorter than its header",
+            "STC",
+            with_signs=True,
+        )
+        mu = msgs.header["mu"][msgs.rows]
+        out = np.zeros((len(payloads), numel), dtype=np.float32)
+        out[msgs.rows, msgs.positions] = np.where(msgs.negative.astype(bool), -mu, mu)
+        return torch.from_numpy(out)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(q={self.q}, adaptive_golomb={self.adaptive_golomb})"
 
@@ -219,4 +359,84 @@ class TwoMeanSTCCodec(STCCodec):
         positions, negative = _read_positions_and_signs(payload[self.HEADER_BYTES :], n, b, numel)
         out = np.zeros(numel, dtype=np.float32)
         out[positions] = np.where(negative, -np.float32(mu_neg), np.float32(mu_pos))
+        return torch.from_numpy(out)
+
+    def compress_many(
+        self,
+        x: torch.Tensor,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """``compress`` of every row: one ``topk`` over the rows, ``mu+`` / ``mu-`` per row.
+
+        Each mean is taken over the same values, in the same order, as ``compress`` takes it
+        (:func:`masked_row_means`), so a row without a tie at the ``k``-th magnitude equals
+        ``compress(x[i])`` bit for bit on the CPU; with a tie both are valid.
+
+        Args:
+            x: ``[m, d]`` stacked messages.
+            generators: unused (checked for length).
+        """
+        if overrides(self, TwoMeanSTCCodec, "compress"):
+            return Codec.compress_many(self, x, generators)
+        a = as_rows(x)
+        check_generators(generators, a.shape[0])
+        out = torch.zeros_like(a)
+        if a.numel() == 0:
+            return out
+        idx, kept = _top_k_rows(a, self.q)
+        pos, neg = kept > 0, kept < 0
+        mu_pos = masked_row_means(kept, pos)[:, None]
+        mu_neg = masked_row_means(kept, neg)[:, None]
+        zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        return out.scatter_(1, idx, torch.where(pos, mu_pos, torch.where(neg, mu_neg, zero)))
+
+    def encode_many(self, x_hat: torch.Tensor) -> Payloads:
+        """Every row's payload, byte for byte ``encode(row)``, in one vectorised pass.
+
+        Raises:
+            ValueError: naming the first row whose values are not 0, mu+ and -mu-.
+        """
+        if overrides(self, TwoMeanSTCCodec, "encode"):
+            return Codec.encode_many(self, x_hat)
+        v = np.ascontiguousarray(as_rows(x_hat).to("cpu").numpy())
+        positions, values, offsets = sparse_rows(v)
+        m = offsets.size - 1
+        rows = np.repeat(np.arange(m), np.diff(offsets))
+        negative = values < 0
+        header = np.zeros(m, dtype=_TWO_MEAN_HEADER_DTYPE)
+        for field, sel, sign in (("mu_pos", ~negative, 1), ("mu_neg", negative, -1)):
+            at = np.flatnonzero(sel)
+            first = at[np.r_[True, rows[at][1:] != rows[at][:-1]]] if at.size else at
+            header[field][rows[first]] = sign * values[first]
+        expect = np.where(negative, -header["mu_neg"][rows], header["mu_pos"][rows])
+        bad = values != expect
+        if bad.any():
+            i = int(rows[np.flatnonzero(bad)[0]])
+            raise ValueError(
+                f"message {i}: two-mean STC can only encode vectors with values 0, mu+ and -mu-"
+            )
+        gaps = positions_to_gaps_many(positions, offsets)
+        bs = rice_parameters_for_many(gaps, offsets, self.q, self.adaptive_golomb)
+        return pack_sparse_many(header, gaps, offsets, bs, signs=negative)
+
+    def decode_many(self, payloads: Payloads, numel: int) -> torch.Tensor:
+        """Every message decoded (CPU float32 ``[m, numel]``) in one pass.
+
+        Raises:
+            ValueError: as ``decode`` would, for the first malformed message (named).
+        """
+        if overrides(self, TwoMeanSTCCodec, "decode"):
+            return Codec.decode_many(self, payloads, numel)
+        msgs = read_sparse_many(
+            payloads,
+            numel,
+            _TWO_MEAN_HEADER_DTYPE,
+            "two-mean STC payload shorter than its header",
+            "STC",
+            with_signs=True,
+        )
+        mu_pos = msgs.header["mu_pos"][msgs.rows]
+        mu_neg = msgs.header["mu_neg"][msgs.rows]
+        out = np.zeros((len(payloads), numel), dtype=np.float32)
+        out[msgs.rows, msgs.positions] = np.where(msgs.negative.astype(bool), -mu_neg, mu_pos)
         return torch.from_numpy(out)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.func import vmap
 
-from fedexp.algorithms.base import Algorithm, ClientResult, Message, State
+from fedexp.algorithms.base import Algorithm, ClientResult, Message, StackedUpdates, State
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
 from fedexp.data.federated import ClientData
@@ -115,7 +115,7 @@ class Engine:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.backend == "lockstep" and self.clients:
-            self.ctx.pool = TrainPool(self.clients)
+            self.ctx.pool = TrainPool.of(self.clients)
         self.server = self.algorithm.init_server(self.ctx, self.x0)
         self.client_states = [
             self.algorithm.init_client(self.ctx, self.x0, n) for n in range(len(self.clients))
@@ -322,7 +322,7 @@ class Engine:
         if result.updates is not None:
             received = self._send_cohort("up", sampled, result.updates)
             if received is not None:
-                updates = dict(zip(sampled, received.unbind(0), strict=True))
+                updates = StackedUpdates(sampled, received)
             else:
                 for n, row in zip(sampled, result.updates.unbind(0), strict=True):
                     updates[n], metrics = self._send("up", n, row)
@@ -349,7 +349,8 @@ class Engine:
         kinds = self.algorithm.uplink_parts if direction == "up" else self.algorithm.downlink_parts
         kind = kinds.get("", "update" if direction == "up" else "model")
         dense = type(channel.codec) is DenseCodec and _exact(channel)
-        if not clients or not (kind == "exact" or dense):
+        lossy = not (kind == "exact" or dense or (kind == "model" and _exact(channel)))
+        if not clients or (lossy and channel.transforms):  # transforms act message by message
             return None
         if isinstance(msgs, torch.Tensor):  # already stacked (a cohort's uploads)
             stack, first = msgs.detach(), msgs[0]
@@ -361,6 +362,12 @@ class Engine:
         numel = first.numel()
         if numel == 0:
             return None  # nothing to send: the per-client path counts the empty messages
+        if lossy or not (kind == "exact" or dense):
+            if not lossy:  # a lossless codec other than dense float32: its own bytes
+                return None
+            flat = stack.reshape(len(clients), numel)
+            received = self._transmit_cohort(direction, clients, kind, channel, flat)
+            return received.reshape(len(clients), *first.shape).to(first.dtype)
         if stack.device.type == "cpu":
             codec = DenseCodec()
             block = stack.reshape(-1).to(torch.float32)
@@ -372,6 +379,56 @@ class Engine:
         else:
             received = stack.to(torch.float32).to(first.dtype)
         self.ledger.add_many(direction, len(clients), 4 * numel, numel)
+        return received
+
+    def _transmit_cohort(
+        self, direction: str, clients: list[int], kind: str, channel: Channel, flat: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`_transmit` of every client's bare-tensor part through a lossy channel at once.
+
+        The same messages, residuals, replicas and bytes as client by client (``update``:
+        error-feedback residuals stacked; ``model``: the change against each receiver's
+        reference), coded in one pass (``Channel.send_many``: one vectorised compression, one
+        encoding of every payload, each counted at its own size; MATH §8). Returns the
+        decoded messages ``[m, numel]``.
+        """
+        purpose = _UPLINK if direction == "up" else _DOWNLINK
+        keys = [(n, "") for n in clients]
+        gens = None
+        if channel.codec.randomised:
+            gens = [rng.generator(self.seed, purpose, self.round, n) for n in clients]
+        numel, dev = flat.shape[1], flat.device
+        if kind == "update":
+            store = self.residual[direction]
+            old = [store.get(k) for k in keys]
+            res = None
+            if channel.error_feedback and any(r is not None for r in old):
+                res = torch.stack([torch.zeros_like(flat[0]) if r is None else r for r in old])
+            payloads, new = channel.send_many(flat, res, gens)
+            if new is not None:
+                for k, row in zip(keys, new.unbind(0), strict=True):
+                    store[k] = row.clone()  # a row of its own: no round's stack kept alive
+            received = channel.receive_many(payloads, numel, dev)
+        else:
+            held = torch.stack(
+                [
+                    h
+                    if (h := self.replica[direction].get(k)) is not None
+                    else self._initial_part(direction, n, "", flat[i])
+                    for i, (n, k) in enumerate(zip(clients, keys, strict=True))
+                ]
+            )
+            ref = held
+            if not channel.error_feedback:
+                refs = self.reference[direction]
+                ref = torch.stack([refs.get(k, held[i]) for i, k in enumerate(keys)])
+            payloads, _ = channel.send_many(flat - ref, None, gens)
+            received = held + channel.receive_many(payloads, numel, dev)
+            for i, k in enumerate(keys):
+                self.replica[direction][k] = received[i].clone()
+                if not channel.error_feedback:
+                    self.reference[direction][k] = flat[i].clone()
+        self.ledger.add_sizes(direction, payloads.sizes, numel)
         return received
 
     def _weights(self, updates: dict[int, Message]) -> dict[int, float]:
@@ -413,13 +470,15 @@ class Engine:
         )
         val_weights = [float(self.clients[who[i]].num_val) for i in val_who]
         weights = [c["num_test"] for c in per_client]
-        scored = [{k: v for k, v in c.items() if k != "num_test"} for c in per_client]
-        out = aggregate(scored, weights)
-        out.update(self._update_best(who, scored))
+        keys = [k for k in per_client[0] if k != "num_test"] if per_client else []
+        out = aggregate(per_client, weights, keys) if per_client else {}
+        out.update(self._update_best(who, per_client, keys))
         if val_rows:
             out.update({f"{_VAL}{k}": v for k, v in aggregate(val_rows, val_weights).items()})
             val_scored = [{f"{_VAL}{k}": v for k, v in row.items()} for row in val_rows]
-            out.update(self._update_best([who[i] for i in val_who], val_scored))
+            out.update(
+                self._update_best([who[i] for i in val_who], val_scored, list(val_scored[0]))
+            )
         return out, per_client
 
     def _forward(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -484,9 +543,11 @@ class Engine:
             logits = vmap(self._forward)(torch.stack(params), xs)
         return self.ctx.task.evaluate_batch(logits, ys, lengths)
 
-    def _update_best(self, who: list[int], scored: list[dict[str, float]]) -> dict[str, float]:
+    def _update_best(
+        self, who: list[int], scored: list[dict[str, float]], keys: list[str]
+    ) -> dict[str, float]:
         out = {}
-        for key in scored[0] if scored else ():
+        for key in keys if scored else ():
             best = self.best.setdefault(
                 key, torch.full((len(self.clients),), math.nan, dtype=torch.float64)
             )

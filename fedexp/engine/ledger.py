@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -48,6 +49,19 @@ class ByteLedger:
         self.round[direction] += count * size
         self.round_dense[direction] += count * 4 * numel
         self.total[direction] += count * size
+        self.total_dense[direction] += count * 4 * numel
+        self.messages[direction] += count
+
+    def add_sizes(self, direction: str, sizes: Sequence[int], numel: int, part: str = "") -> None:
+        """Count one message (part) of ``numel`` entries per entry of ``sizes`` (its bytes)."""
+        total, count = int(sum(int(b) for b in sizes)), len(sizes)
+        if part:
+            key = f"{direction}/{part}"
+            self.parts_round[key] = self.parts_round.get(key, 0) + total
+            self.parts_total[key] = self.parts_total.get(key, 0) + total
+        self.round[direction] += total
+        self.round_dense[direction] += count * 4 * numel
+        self.total[direction] += total
         self.total_dense[direction] += count * 4 * numel
         self.messages[direction] += count
 

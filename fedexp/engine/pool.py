@@ -2,8 +2,9 @@
 
 Issue 14: the lockstep backend padded the cohort's training sets into one ``[m, n_max, ...]``
 tensor at every call. The pool concatenates the clients' training inputs and targets once per
-run and makes each client's tensors views into it (no second copy stays alive); a cohort's
-step then gathers its ``m × B`` minibatch rows with one index: ``offset[client] + index``.
+run and the clients' training fields then hold their rows of it (:class:`PoolRows`, read as
+views: no second copy and no view object stays alive); a cohort's step gathers its ``m × B``
+minibatch rows with one index: ``offset[client] + index``.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from collections.abc import Sequence
 
 import torch
 
-from fedexp.data.federated import ClientData
+from fedexp.data.federated import ClientData, PoolRows
 
 
 class TrainPool:
     """The clients' training sets, concatenated.
 
     Args:
-        clients: every client's data; their ``x_train`` / ``y_train`` are rebound to views of
-            the concatenation (the same values).
+        clients: every client's data; their ``x_train`` / ``y_train`` (and ``x_test`` /
+            ``y_test`` when they are the same tensors) are rebound to their rows of the
+            concatenation (the same values), adopted without a copy when they already tile
+            one buffer.
 
     Attributes:
         x, y: all training inputs / targets, client after client.
@@ -28,8 +31,58 @@ class TrainPool:
         size: int64 [N] each client's training-set size.
     """
 
+    @classmethod
+    def of(cls, clients: Sequence[ClientData]) -> TrainPool:
+        """The pool of ``clients``.
+
+        Theirs if :meth:`clients_of` made them (in this order), else a new one (which copies
+        or adopts their tensors and rebinds their fields).
+        """
+        first = clients[0].__dict__.get("x_train")
+        if type(first) is PoolRows and isinstance(first.pool, cls):
+            pool = first.pool
+            if len(clients) == len(pool.size) and all(
+                (r := c.pooled(pool)) is not None and r.row == n for n, c in enumerate(clients)
+            ):
+                return pool
+        return cls(clients)
+
+    @classmethod
+    def clients_of(
+        cls,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        sizes: Sequence[int],
+        tests: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> list[ClientData]:
+        """Clients whose training sets are consecutive blocks of rows of ``x`` and ``y``.
+
+        The way to hand over data that already live in one array: no tensor (view) is made
+        per client (each costs ~600 bytes); the engine's pool is this one (:meth:`of`).
+
+        Args:
+            x: every client's training inputs, client after client.
+            y: their targets.
+            sizes: each client's number of rows.
+            tests: each client's test split (default: its training set).
+        """
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(f"x has {x.shape[0]} rows, y {y.shape[0]}: expected as many")
+        if sum(sizes) > x.shape[0]:
+            raise ValueError(f"sizes sum to {sum(sizes)}: more than x's {x.shape[0]} rows")
+        pool = cls.__new__(cls)
+        pool.x, pool.y = x, y
+        size = torch.tensor(list(sizes), dtype=torch.int64)
+        offset = torch.cumsum(size, 0) - size
+        clients = []
+        for n, (a, k) in enumerate(zip(offset.tolist(), size.tolist(), strict=True)):
+            rows = PoolRows(pool, n, a, a + k)
+            test = (rows, rows) if tests is None else tests[n]
+            clients.append(ClientData(rows, rows, *test))  # type: ignore[arg-type]
+        pool.offset, pool.size = offset.to(x.device), size.to(x.device)
+        return clients
+
     def __init__(self, clients: Sequence[ClientData]) -> None:
-        self._row = {id(c): n for n, c in enumerate(clients)}
         self.size = torch.tensor([c.num_train for c in clients], dtype=torch.int64)
         self.offset = torch.cumsum(self.size, 0) - self.size
         total = int(self.size.sum())
@@ -38,38 +91,40 @@ class TrainPool:
             _consecutive_views([c.x_train for c in clients]),
             _consecutive_views([c.y_train for c in clients]),
         )
-        if adopted[0] is not None and adopted[1] is not None:  # already one buffer: no copy
+        copy = adopted[0] is None or adopted[1] is None
+        if copy:
+            self.x = first.x_train.new_empty((total, *first.x_train.shape[1:]))
+            self.y = first.y_train.new_empty((total, *first.y_train.shape[1:]))
+        else:  # already one buffer: no copy
             self.x, self.y = adopted
-            self._ptr = [(c.x_train.data_ptr(), c.y_train.data_ptr()) for c in clients]
-            dev = self.x.device
-            self.offset, self.size = self.offset.to(dev), self.size.to(dev)
-            return
-        self.x = first.x_train.new_empty((total, *first.x_train.shape[1:]))
-        self.y = first.y_train.new_empty((total, *first.y_train.shape[1:]))
-        # client by client, so that each original can be freed as soon as it is copied
-        for c, a, n in zip(clients, self.offset.tolist(), self.size.tolist(), strict=True):
+        # client by client, so that each original can be freed as soon as it is copied; the
+        # fields then hold rows of the pool (ClientData reads them as views)
+        for n, (c, a, k) in enumerate(
+            zip(clients, self.offset.tolist(), self.size.tolist(), strict=True)
+        ):
             same = c.x_test is c.x_train and c.y_test is c.y_train  # evaluated on its data
-            self.x[a : a + n] = c.x_train
-            self.y[a : a + n] = c.y_train
-            c.x_train, c.y_train = self.x[a : a + n], self.y[a : a + n]
+            if copy:
+                self.x[a : a + k] = c.x_train
+                self.y[a : a + k] = c.y_train
+            rows = PoolRows(self, n, a, a + k)
+            c.x_train = c.y_train = rows
             if same:  # keep one copy
-                c.x_test, c.y_test = c.x_train, c.y_train
-        self._ptr = [(c.x_train.data_ptr(), c.y_train.data_ptr()) for c in clients]
+                c.x_test = c.y_test = rows
         dev = self.x.device
         self.offset, self.size = self.offset.to(dev), self.size.to(dev)
 
     def rows(self, data: Sequence[ClientData]) -> torch.Tensor | None:
         """The pool rows (client ids) of ``data``, or None if one is not a pooled client.
 
-        A client's data count as pooled while their tensors are still the pool's views (an
-        algorithm may hand ``Context.train`` other data, e.g. a drawn minibatch).
+        A client's data count as pooled while their training fields still hold the pool's
+        rows (an algorithm may hand ``Context.train`` other data, e.g. a drawn minibatch).
         """
         rows = []
         for d in data:
-            n = self._row.get(id(d))
-            if n is None or (d.x_train.data_ptr(), d.y_train.data_ptr()) != self._ptr[n]:
+            found = d.pooled(self)
+            if found is None:
                 return None
-            rows.append(n)
+            rows.append(found.row)
         return torch.tensor(rows, dtype=torch.int64, device=self.x.device)
 
     def gather(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

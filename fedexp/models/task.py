@@ -87,9 +87,10 @@ class ClassificationTask:
                 ).view(m, n)
             total = torch.where(valid, per_sample, 0.0)
             loss = total.sum(1, dtype=table.dtype) / valid.sum(1).to(table.dtype)
-            rows = torch.cat([table, loss[:, None]], dim=1).cpu().tolist()
+            columns = torch.cat([table, loss[:, None]], dim=1).cpu().T.tolist()
         keys = (*CLASSIFICATION_METRICS, "loss")
-        return [dict(zip(keys, row, strict=True)) for row in rows]
+        # from columns: no list per client alongside the dicts (100,000 clients: -18 MB)
+        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 class SegmentationTask:

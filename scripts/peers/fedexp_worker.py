@@ -24,11 +24,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build(args, clients: list[tuple[torch.Tensor, ...]]):
-    """The engine for ``clients`` (mirrors ``fedexp.engine.runner._build`` past the data)."""
+def build(args, data: list):
+    """The engine for ``data`` (``ClientData``; mirrors ``fedexp.engine.runner._build`` past
+    the data)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from fedexp.config.instantiate import instantiate_checked
-    from fedexp.data.federated import ClientData
     from fedexp.engine.context import Context
     from fedexp.engine.engine import Engine
     from fedexp.engine.runner import build_channel
@@ -51,8 +51,6 @@ def build(args, clients: list[tuple[torch.Tensor, ...]]):
         f"seed={args.seed}",
     )
     device = torch.device("cpu")
-    data = [ClientData(x, y, x, y) for x, y in clients]  # accuracy on the clients' own data
-    clients.clear()  # the engine's data hold the only reference: its pool frees them one by one
     model = FlatModel(common.make_model(args.workload, args.seed), device)
     ctx = Context(
         model=model,
@@ -80,25 +78,27 @@ def build(args, clients: list[tuple[torch.Tensor, ...]]):
     )
 
 
-def one_buffer(workload: str, num_clients: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+def one_buffer(workload: str, num_clients: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`common.all_clients`'s data, written client by client into one buffer.
 
-    How data are best handed to fedexp: the clients' tensors are views of one tensor, which
-    the engine's pool (``fedexp.engine.pool``) adopts without a copy; each client's freshly
-    drawn tensors are freed as soon as they are copied, so the process never holds two copies.
+    How data are best handed to fedexp: one tensor of every client's rows, the clients made
+    by ``TrainPool.clients_of`` (no tensor object per client; the engine's pool is that
+    buffer, no copy). Each client's freshly drawn tensors are freed as soon as they are
+    copied, so the process never holds two copies.
+
+    Returns:
+        (all inputs, all labels), client after client.
     """
     spec = common.WORKLOADS[workload]
     pattern = common.shared_pattern(workload, seed)
     total = num_clients * spec.samples
     xs = torch.empty(total, *spec.input_shape)
     ys = torch.empty(total, dtype=torch.long)
-    out = []
     for n in range(num_clients):
         x, y = common.client_data(workload, n, seed, pattern)
         a = n * spec.samples
         xs[a : a + spec.samples], ys[a : a + spec.samples] = x, y
-        out.append((xs[a : a + spec.samples], ys[a : a + spec.samples]))
-    return out
+    return xs, ys
 
 
 def main() -> None:
@@ -109,10 +109,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = common.Clock()
-    clients = one_buffer(args.workload, args.clients, args.seed)
-    engine = build(args, clients)
-    # the engine's pooled views from here on: the originals are freed (one copy of the data)
-    clients = [(c.x_train, c.y_train) for c in engine.clients]
+    from fedexp.engine.pool import TrainPool
+
+    xs, ys = one_buffer(args.workload, args.clients, args.seed)
+    # every client is evaluated on its own training data (the test split is the training set)
+    sizes = [common.WORKLOADS[args.workload].samples] * args.clients
+    engine = build(args, TrainPool.clients_of(xs, ys, sizes))
     engine.setup()
     for _ in range(args.rounds + 1):
         clock.round_start()
@@ -135,7 +137,10 @@ def main() -> None:
             "framework": f"fedexp-{args.backend}",
             "workload": args.workload,
             "clients": args.clients,
-            "accuracy": common.accuracy(module, clients),
+            # every client's data pooled, in slices of 100,000 samples
+            "accuracy": common.accuracy(
+                module, list(zip(xs.split(100_000), ys.split(100_000), strict=True))
+            ),
             "fedexp": getattr(fedexp, "__version__", "?"),
             "bytes_up": float(engine.ledger.total["up"]),
             "round_eval_s": sorted(with_eval)[len(with_eval) // 2] if with_eval else None,
