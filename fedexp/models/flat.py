@@ -14,6 +14,7 @@ only when its momentum is None) are not part of the vector: each call gets a fre
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ class Layout:
     def __post_init__(self) -> None:
         if self.num_params < 0:
             object.__setattr__(self, "num_params", self.numel)
+        sizes = tuple(int(torch.Size(shape).numel()) for shape in self.shapes)
+        ends = tuple(off + size for off, size in zip(self.offsets, sizes, strict=True))
+        object.__setattr__(self, "_sizes", sizes)  # computed once: unflatten runs every step
+        object.__setattr__(self, "_ends", ends)
 
     @classmethod
     def of(cls, module: nn.Module) -> Layout:
@@ -78,19 +83,14 @@ class Layout:
         one concatenation; a slice per entry would add a zero-filled d-vector per entry).
         """
         end = flat.shape[-1]
-        names, shapes, sizes = [], [], []
-        for name, shape, off in zip(self.names, self.shapes, self.offsets, strict=True):
-            size = int(torch.Size(shape).numel())
-            if off + size > end:
-                break
-            names.append(name)
-            shapes.append(shape)
-            sizes.append(size)
-        if not sizes:
+        k = bisect.bisect_right(self._ends, end)  # entries held whole (consecutive from 0)
+        if k == 0:
             return {}
-        used = self.offsets[len(sizes) - 1] + sizes[-1]
-        parts = torch.split(flat if used == end else flat[:used], sizes)
-        return {n: t.view(shape) for n, shape, t in zip(names, shapes, parts, strict=True)}
+        used = self._ends[k - 1]
+        parts = torch.split(flat if used == end else flat[:used], self._sizes[:k])
+        return {
+            n: t.view(shape) for n, shape, t in zip(self.names, self.shapes, parts, strict=False)
+        }
 
     def indices(self, patterns: Sequence[str], device: torch.device | str = "cpu") -> torch.Tensor:
         """Flat coordinates of the entries whose name matches any glob pattern."""
@@ -186,9 +186,11 @@ class FlatModel:
     def _tensors(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Views for ``functional_call``: parameters of ``flat``, buffers of a detached copy."""
         n = self.layout.num_params
-        views = self.layout.unflatten(flat[:n])
+        views = self.layout.unflatten(flat if flat.shape[-1] == n else flat[:n])
         for name in self._nhwc:
             views[name] = _nhwc(views[name])
+        if not self.layout.num_buffers and not self.int_buffers:
+            return views, flat[n:]  # no running statistics: nothing to copy
         buffers = flat[n:].detach().clone()
         for name, shape, off in zip(
             self.layout.names, self.layout.shapes, self.layout.offsets, strict=True
