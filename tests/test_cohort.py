@@ -232,7 +232,7 @@ def test_the_pool_rebinds_views_and_gathers_rows():
     other = ClientData(before[0][0], before[0][1], before[0][0], before[0][1])
     assert pool.rows([clients[0], other]) is None
     # the fields hold rows, not view objects; num_train reads them; a rebound field unpools
-    assert type(clients[1].__dict__["x_train"]) is PoolRows and clients[1].num_train == 1
+    assert type(clients[1]._x_train) is PoolRows and clients[1].num_train == 1
     assert torch.equal(clients[0].x_test, torch.zeros(1, 3))  # its own test split is kept
     clients[1].x_train = before[1][0].clone()
     assert pool.rows([clients[1]]) is None and torch.equal(clients[1].x_train, before[1][0])
@@ -247,7 +247,7 @@ def test_the_pool_adopts_one_buffer_and_shares_a_test_split_that_is_the_training
     pool = TrainPool(clients)
     assert pool.x.data_ptr() == xs.data_ptr() and pool.y.data_ptr() == ys.data_ptr()  # no copy
     for c, (a, b) in zip(clients, cuts, strict=True):
-        assert c.__dict__["x_test"] is c.__dict__["x_train"]
+        assert c._x_test is c._x_train
         assert torch.equal(c.x_test, xs[a:b]) and torch.equal(c.y_test, ys[a:b])
     assert pool.rows(clients).tolist() == [0, 1]
 

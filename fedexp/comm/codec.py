@@ -218,5 +218,7 @@ class DenseCodec(Codec):
             )
         m = len(payloads)
         lo = int(payloads.offsets[0])
-        block = payloads.buffer[lo : lo + 4 * numel * m]
-        return torch.from_numpy(block.view("<f4").reshape(m, numel).copy())
+        values = payloads.buffer[lo : lo + 4 * numel * m].view("<f4").reshape(m, numel)
+        # the received tensor reads the payload buffer itself (one that ``encode_many`` wrote
+        # is the payload's own copy); a read-only buffer (bytes) is copied
+        return torch.from_numpy(values if values.flags.writeable else values.copy())

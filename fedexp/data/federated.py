@@ -29,24 +29,29 @@ class PoolRows:
 
 
 class _Tensor:
-    """A ClientData tensor field that may hold :class:`PoolRows` (read as a view of the pool)."""
+    """A ClientData tensor field that may hold :class:`PoolRows` (read as a view of the pool).
 
-    def __init__(self, part: str) -> None:
-        self.part = part  # "x" or "y": which of the pool's tensors
+    The value lives in the slot ``_<name>`` (ClientData has no per-instance dict).
+    """
+
+    def __init__(self, part: str | None) -> None:
+        self.part = part  # "x" or "y": which of the pool's tensors; None: no pooled value
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+        self.name, self.slot = name, "_" + name
 
-    def __get__(self, obj: object, objtype: type | None = None) -> torch.Tensor:
+    def __get__(self, obj: object, objtype: type | None = None) -> torch.Tensor | None:
         if obj is None:
+            if self.part is None:
+                return None  # dataclasses: the field's default
             raise AttributeError(self.name)  # dataclasses: a field without a default
-        value = obj.__dict__[self.name]
+        value = getattr(obj, self.slot)
         if type(value) is PoolRows:
             return getattr(value.pool, self.part)[value.start : value.stop]
         return value
 
-    def __set__(self, obj: object, value: torch.Tensor | PoolRows) -> None:
-        obj.__dict__[self.name] = value
+    def __set__(self, obj: object, value: torch.Tensor | PoolRows | None) -> None:
+        setattr(obj, self.slot, value)
 
 
 @dataclass
@@ -61,28 +66,35 @@ class ClientData:
 
     The run's training pool (``fedexp.engine.pool.TrainPool``) may set the training fields
     (and the test ones when they are the same tensors) to :class:`PoolRows`; they still read
-    as tensors (views of the pool made on access).
+    as tensors (views of the pool made on access). Slots, no instance dict: ~200 bytes a
+    client less (issue 14's 100,000 clients).
     """
+
+    __slots__ = ("_x_train", "_y_train", "_x_test", "_y_test", "_x_val", "_y_val")
 
     x_train: torch.Tensor = _Tensor("x")
     y_train: torch.Tensor = _Tensor("y")
     x_test: torch.Tensor = _Tensor("x")
     y_test: torch.Tensor = _Tensor("y")
-    x_val: torch.Tensor | None = None
-    y_val: torch.Tensor | None = None
+    x_val: torch.Tensor | None = _Tensor(None)
+    y_val: torch.Tensor | None = _Tensor(None)
 
     @property
     def num_train(self) -> int:
         """Number of training samples."""
-        rows = self.__dict__["y_train"]
+        rows = self._y_train
         if type(rows) is PoolRows:
             return rows.stop - rows.start
         return int(rows.shape[0])
 
-    def pooled(self, pool: object) -> PoolRows | None:
-        """The rows of ``pool`` this client's training set is, or None if not pooled there."""
-        x, y = self.__dict__["x_train"], self.__dict__["y_train"]
-        if type(x) is PoolRows and x is y and x.pool is pool:
+    def pooled(self, pool: object = None) -> PoolRows | None:
+        """The pool rows this client's training set is, or None when it is not pooled.
+
+        Args:
+            pool: the pool it must be in (None: any pool).
+        """
+        x = self._x_train
+        if type(x) is PoolRows and x is self._y_train and (pool is None or x.pool is pool):
             return x
         return None
 

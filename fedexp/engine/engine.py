@@ -373,8 +373,8 @@ class Engine:
             block = stack.reshape(-1).to(torch.float32)
             if stack.stride(0) == 0:  # the same message: encode it once, count it m times
                 block = block[:numel]
-            payload = codec.encode(block)
-            received = codec.decode(payload, block.numel()).reshape(-1, *first.shape)
+            payloads = codec.encode_many(block.view(-1, numel))  # the bytes on the wire
+            received = codec.decode_many(payloads, numel).reshape(-1, *first.shape)
             received = received.expand(len(clients), *first.shape).to(first.dtype)
         else:
             received = stack.to(torch.float32).to(first.dtype)
@@ -436,9 +436,8 @@ class Engine:
             return {}
         if self.algorithm.weighting == "uniform":
             return {n: 1.0 / len(updates) for n in updates}
-        sizes = {n: self.clients[n].num_train for n in updates}
-        total = sum(sizes.values())
-        return {n: s / total for n, s in sizes.items()}
+        total = sum(self.clients[n].num_train for n in updates)
+        return {n: self.clients[n].num_train / total for n in updates}
 
     # --------------------------------------------------------------- evaluation
     def evaluate(

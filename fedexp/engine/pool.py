@@ -38,8 +38,8 @@ class TrainPool:
         Theirs if :meth:`clients_of` made them (in this order), else a new one (which copies
         or adopts their tensors and rebinds their fields).
         """
-        first = clients[0].__dict__.get("x_train")
-        if type(first) is PoolRows and isinstance(first.pool, cls):
+        first = clients[0].pooled()
+        if first is not None and isinstance(first.pool, cls):
             pool = first.pool
             if len(clients) == len(pool.size) and all(
                 (r := c.pooled(pool)) is not None and r.row == n for n, c in enumerate(clients)
