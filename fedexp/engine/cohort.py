@@ -32,9 +32,8 @@ from fedexp.errors import DivergenceError
 
 #: bytes of gathered minibatches (inputs and targets) a slice of the cohort takes per step:
 #: 8 MiB is 2,048 tabular clients (batch 32 of 30 floats and a label) or 128 CNN clients
-#: (batch 16 of 1x32x32). Issue 14, 20,000 logistic-regression clients: the round's peak
-#: memory +116 MB over the set-up (+283 MB with slices of 16,384) and no slower (N = 10,000:
-#: slices of 2,048 as fast as one of 10,000 or faster; /tmp measurements in docs/benchmarks.md).
+#: (batch 16 of 1x32x32). The round's transient memory then stays flat in N (issue 14's
+#: 100,000-client run, docs/benchmarks.md), with no loss of speed in our trials.
 _STEP_BYTES = 8 * 2**20
 #: clients of a slice at most (the gathered index and per-client rows stay small too)
 _CHUNK = 16384
