@@ -336,21 +336,24 @@ class Engine:
         clients: list[int],
         msgs: dict[int, Message | None] | torch.Tensor,
     ) -> torch.Tensor | None:
-        """Every client's bare-tensor message through a dense lossless channel in one pass.
+        """Every client's bare-tensor message through its channel in one pass.
 
         Returns the decoded messages stacked ``[m, ...]`` (client order), or None when they
-        are not all tensors of one shape or the part is not sent exactly as dense float32
-        (the per-client :meth:`_send` then runs). On the CPU the stack is encoded and decoded
-        as one block (each client's message is its 4·numel bytes of it); on an accelerator
-        the bytes are counted from the sizes (dense float32 has no header, MATH §8) and the
-        messages stay on the device.
+        are not all tensors of one shape, the channel has transforms (they act message by
+        message) or a lossless codec other than dense float32 sends the model itself (the
+        per-client :meth:`_send` then runs). Sent exactly as dense float32, on the CPU the
+        stack is encoded and decoded as one block (each client's message is its 4·numel
+        bytes of it); on an accelerator the bytes are counted from the sizes (dense float32
+        has no header, MATH §8) and the messages stay on the device. Anything else goes
+        through :meth:`_transmit_cohort`.
         """
         channel = self.uplink if direction == "up" else self.downlink
         kinds = self.algorithm.uplink_parts if direction == "up" else self.algorithm.downlink_parts
         kind = kinds.get("", "update" if direction == "up" else "model")
-        dense = type(channel.codec) is DenseCodec and _exact(channel)
-        lossy = not (kind == "exact" or dense or (kind == "model" and _exact(channel)))
-        if not clients or (lossy and channel.transforms):  # transforms act message by message
+        dense = kind == "exact" or (type(channel.codec) is DenseCodec and _exact(channel))
+        if not clients or (
+            not dense and (channel.transforms or (kind == "model" and _exact(channel)))
+        ):
             return None
         if isinstance(msgs, torch.Tensor):  # already stacked (a cohort's uploads)
             stack, first = msgs.detach(), msgs[0]
@@ -362,9 +365,7 @@ class Engine:
         numel = first.numel()
         if numel == 0:
             return None  # nothing to send: the per-client path counts the empty messages
-        if lossy or not (kind == "exact" or dense):
-            if not lossy:  # a lossless codec other than dense float32: its own bytes
-                return None
+        if not dense:
             flat = stack.reshape(len(clients), numel)
             received = self._transmit_cohort(direction, clients, kind, channel, flat)
             return received.reshape(len(clients), *first.shape).to(first.dtype)
