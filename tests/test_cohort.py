@@ -250,6 +250,11 @@ def test_the_pool_adopts_one_buffer_and_shares_a_test_split_that_is_the_training
         assert c._x_test is c._x_train
         assert torch.equal(c.x_test, xs[a:b]) and torch.equal(c.y_test, ys[a:b])
     assert pool.rows(clients).tolist() == [0, 1]
+    # made by clients_of, the engine takes that pool; a new pool over them keeps the shared split
+    made = TrainPool.clients_of(xs, ys, [3, 4])
+    assert TrainPool.of(made) is made[0].pooled().pool
+    again = TrainPool(made)
+    assert all(c._x_test is c._x_train and c.pooled(again) is not None for c in made)
 
 
 # ------------------------------------------------------------- batched evaluation

@@ -102,7 +102,9 @@ class TrainPool:
         for n, (c, a, k) in enumerate(
             zip(clients, self.offset.tolist(), self.size.tolist(), strict=True)
         ):
-            same = c.x_test is c.x_train and c.y_test is c.y_train  # evaluated on its data
+            # evaluated on its own training data: the same stored values (a pooled field
+            # reads as a new view each time, so compare what the fields hold)
+            same = c._x_test is c._x_train and c._y_test is c._y_train
             if copy:
                 self.x[a : a + k] = c.x_train
                 self.y[a : a + k] = c.y_train
