@@ -16,6 +16,7 @@ import torch
 from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 
@@ -69,6 +70,32 @@ class Ditto(FedAvg):
         new_state = {**result.state, "v": personal.params, **opt.save(personal.opt_state, "opt_v")}
         metrics = {**result.metrics, "personal_loss": personal.loss}
         return ClientResult(result.update, new_state, metrics)
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: the global, then the personal steps."""
+        assert isinstance(model_in, torch.Tensor)
+        if self.personal_steps is None and ctx.cohort_steps(cohort) is None:
+            return None
+        result = super().cohort_update(ctx, model_in, states, cohort)
+        if result is None:
+            return None
+        opt = ctx.optimizer
+        personal = ctx.train_cohort(
+            torch.stack([s["v"] for s in states]),
+            cohort,
+            objective=ctx.proximal_objective(model_in.detach(), self.lam),
+            opt_states=[opt.load(s, "opt_v") for s in states],
+            steps=self.personal_steps,
+        )
+        if personal is None:
+            return None
+        new_states = unstack_states(
+            result.states, opt, personal.opt_state, "opt_v", v=personal.params
+        )
+        metrics = {**result.metrics, "personal_loss": personal.loss}
+        return CohortResult(result.updates, new_states, metrics)
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int

@@ -22,6 +22,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 
@@ -66,10 +67,11 @@ class FedPer(Algorithm):
         return torch.nonzero(shared).flatten()
 
     def assemble(self, ctx: Context, body: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        """The full model vector of a body and a head."""
-        full = torch.empty(ctx.model.layout.numel, dtype=body.dtype, device=body.device)
-        full[self.body_idx(ctx)] = body
-        full[self.personal_idx(ctx)] = head
+        """The full model vector of a body and a head (rows of them: [m, ...] each)."""
+        shape = (*body.shape[:-1], ctx.model.layout.numel)
+        full = torch.empty(shape, dtype=body.dtype, device=body.device)
+        full[..., self.body_idx(ctx)] = body
+        full[..., self.personal_idx(ctx)] = head
         return full
 
     # ---------------------------------------------------------------------- hooks
@@ -106,6 +108,25 @@ class FedPer(Algorithm):
         }
         update = model_in - local.params[self.body_idx(ctx)]
         return ClientResult(update, new_state, {"train_loss": local.loss})
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: one stacked run of the local steps."""
+        assert isinstance(model_in, torch.Tensor)
+        opt = ctx.optimizer
+        local = ctx.train_cohort(
+            self.assemble(ctx, model_in, torch.stack([s["head"] for s in states])),
+            cohort,
+            objective=ctx.model_objective(),
+            opt_states=[opt.load(s) for s in states],
+        )
+        if local is None:
+            return None
+        head = local.params[:, self.personal_idx(ctx)]
+        new_states = unstack_states(states, opt, local.opt_state, head=head)
+        update = model_in - local.params[:, self.body_idx(ctx)]
+        return CohortResult(update, new_states, {"train_loss": local.loss})
 
     def server_update(
         self,

@@ -30,6 +30,7 @@ import torch
 from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedper import FedPer
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 
@@ -117,3 +118,36 @@ class FedRep(FedPer):
             metrics["train_loss"] = local.loss
         new_state["head"] = theta[head]
         return ClientResult(model_in - theta[body], new_state, metrics)
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: each phase one stacked run."""
+        assert isinstance(model_in, torch.Tensor)
+        phases = {self.phase_steps(ctx, d) for d in cohort.data}
+        if len(phases) != 1:
+            return None
+        head_steps, body_steps = phases.pop()
+        opt, body, head = ctx.optimizer, self.body_idx(ctx), self.personal_idx(ctx)
+        theta = self.assemble(ctx, model_in, torch.stack([s["head"] for s in states]))
+        new_states, metrics = list(states), {}
+        for name, idx, steps in (("head", head, head_steps), ("body", body, body_steps)):
+            if steps == 0:
+                continue
+            local = ctx.train_cohort(
+                theta,
+                cohort,
+                objective=ctx.model_objective(),
+                opt_states=[opt.load(s, f"opt_{name}") for s in states],
+                steps=steps,
+                mask=self.phase_mask(ctx, idx, theta[0]),
+            )
+            if local is None:
+                return None
+            theta = local.params
+            new_states = unstack_states(new_states, opt, local.opt_state, f"opt_{name}")
+            metrics[f"{name}_loss"] = local.loss
+            metrics["train_loss"] = local.loss
+        heads = theta[:, head]
+        new_states = [{**s, "head": h.clone()} for s, h in zip(new_states, heads, strict=True)]
+        return CohortResult(model_in - theta[:, body], new_states, metrics)

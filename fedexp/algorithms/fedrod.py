@@ -61,6 +61,7 @@ import torch
 from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 
@@ -71,9 +72,9 @@ def class_counts(y: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 
 def log_priors(counts: torch.Tensor, floor: float = 1.0) -> torch.Tensor:
-    """The log class priors log π of ``counts``, an empty class counted as ``floor``."""
+    """The log class priors log π of ``counts`` ([..., C]), an empty class counted as ``floor``."""
     counts = counts.clamp_min(floor)
-    return (counts / counts.sum()).log()
+    return (counts / counts.sum(dim=-1, keepdim=True)).log()
 
 
 def prior_adjusted(logits: torch.Tensor, log_prior: torch.Tensor) -> torch.Tensor:
@@ -204,6 +205,33 @@ class FedRoD(FedAvg):
         theta, p = local.params[: joint.d], local.params[joint.d :]
         new_state = {**state, "p": p, "counts": counts, **opt.save(local.opt_state)}
         return ClientResult(model_in - theta, new_state, {"train_loss": local.loss})
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: the joint steps as one stacked run."""
+        assert isinstance(model_in, torch.Tensor)
+        joint, opt = self._joint(ctx), ctx.optimizer
+        counts = torch.stack(
+            [
+                s["counts"]
+                if "counts" in s
+                else class_counts(d.y_train, ctx.task.num_classes).to(model_in.device)
+                for s, d in zip(states, cohort.data, strict=True)
+            ]
+        )
+        aux = {"log_prior": log_priors(counts, self.count_floor).to(model_in.dtype)}
+        local = ctx.train_cohort(
+            torch.cat([model_in, torch.stack([s["p"] for s in states])], dim=1),
+            cohort,
+            objective=Objective(joint.loss, aux=aux),
+            opt_states=[opt.load(s) for s in states],
+        )
+        if local is None:
+            return None
+        theta, p = local.params[:, : joint.d], local.params[:, joint.d :]
+        new_states = unstack_states(states, opt, local.opt_state, p=p, counts=counts)
+        return CohortResult(model_in - theta, new_states, {"train_loss": local.loss})
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int

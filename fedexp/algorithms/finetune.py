@@ -27,6 +27,7 @@ from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.algorithms.fedprox import FedProx
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 
@@ -65,6 +66,33 @@ class _FineTune:
         new_state = {**state, "ft": ft.params, **opt.save(local.opt_state)}
         metrics = {"train_loss": local.loss, "finetune_loss": ft.loss}
         return ClientResult(model_in - local.params, new_state, metrics)
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: fine-tuning, then the local steps."""
+        assert isinstance(model_in, torch.Tensor)
+        default = ctx.cohort_steps(cohort)
+        steps = default if self.finetune_steps is None else self.finetune_steps
+        if steps is None or default is None:
+            return None
+        if steps == 0:
+            return super().cohort_update(ctx, model_in, states, cohort)  # type: ignore[misc]
+        ft = ctx.train_cohort(model_in, cohort, steps=steps)
+        if ft is None:
+            return None
+        opt = ctx.optimizer
+        local = ctx.train_cohort(
+            ft.params,
+            cohort,
+            objective=self.objective(ctx, model_in.detach()),  # type: ignore[attr-defined]
+            opt_states=[opt.load(s) for s in states],
+        )
+        if local is None:
+            return None
+        new_states = unstack_states(states, opt, local.opt_state, ft=ft.params)
+        metrics = {"train_loss": local.loss, "finetune_loss": ft.loss}
+        return CohortResult(model_in - local.params, new_states, metrics)
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int

@@ -49,6 +49,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, ClientResult, State
 from fedexp.algorithms.group_prox import check_penalty, prox_rows
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 from fedexp.graph.incidence import q_rows, qt_rows
 
@@ -129,6 +130,24 @@ class FPFC(Algorithm):
         )
         new_state = {**state, "theta": local.params, **opt.save(local.opt_state)}
         return ClientResult(local.params, new_state, {"train_loss": local.loss})
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: each θ_i pulled to its own c_i."""
+        assert isinstance(model_in, torch.Tensor)
+        opt = ctx.optimizer
+        mu = self.rho * max(ctx.num_clients - 1, 1)
+        local = ctx.train_cohort(
+            torch.stack([s["theta"] for s in states]),
+            cohort,
+            objective=ctx.proximal_objective(model_in.detach(), mu),
+            opt_states=[opt.load(s) for s in states],
+        )
+        if local is None:
+            return None
+        new_states = unstack_states(states, opt, local.opt_state, theta=local.params)
+        return CohortResult(local.params, new_states, {"train_loss": local.loss})
 
     def server_update(
         self,

@@ -49,6 +49,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 from fedexp.errors import ConfigError
 
@@ -157,6 +158,32 @@ class L2GD(Algorithm):
         if zeros > 0:
             metrics["train_loss"] = local.loss
         return ClientResult(model_in - local.params, new_state, metrics)
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort (one schedule for all: it is the round's)."""
+        assert isinstance(model_in, torch.Tensor)
+        ones, zeros = self.schedule(ctx, ctx.round)
+        x = torch.stack([s["x"] for s in states])
+        if ones > 0:
+            x = torch.lerp(x, model_in, 1.0 - (1.0 - self.averaging_rate(ctx)) ** ones)
+        opt = ctx.optimizer
+        local = ctx.train_cohort(
+            x,
+            cohort,
+            opt_states=[opt.load(s) for s in states],
+            steps=zeros,
+            lr=self.local_lr(ctx),
+        )
+        if local is None:
+            return None
+        new_states = unstack_states(states, opt, local.opt_state, x=local.params)
+        full = torch.ones(len(cohort), device=x.device)
+        metrics = {"local_steps": full * zeros, "averaging_steps": full * ones}
+        if zeros > 0:
+            metrics["train_loss"] = local.loss
+        return CohortResult(model_in - local.params, new_states, metrics)
 
     def server_update(
         self,

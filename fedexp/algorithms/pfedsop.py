@@ -40,12 +40,14 @@ Choices where the paper is silent, and differences from ALGORITHMS.md:
 
 from __future__ import annotations
 
+from functools import partial
 from types import MappingProxyType
 
 import torch
 
 from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 
@@ -129,6 +131,19 @@ class PFedSOP(Algorithm):
         beta = gompertz(angle(local, glob), self.lam)
         return (1 - beta) * local + beta * glob
 
+    def start(
+        self,
+        ctx: Context,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        glob: torch.Tensor,
+        seen: torch.Tensor,
+    ) -> torch.Tensor:
+        """The local steps' start: x − η₁ (Δp Δpᵀ + ρI)⁻¹ Δp for a returning client, else x."""
+        eta1 = ctx.lr if self.personal_lr is None else self.personal_lr
+        stepped = x - eta1 * sop_direction(self.personalized_update(delta, glob), self.rho)
+        return torch.where(seen > 0, stepped, x)
+
     def client_update(
         self,
         ctx: Context,
@@ -140,11 +155,7 @@ class PFedSOP(Algorithm):
         """Newton step (returning clients), T local steps from it, send Δ_i = (x⁰ − x^T)/η₂."""
         assert isinstance(model_in, torch.Tensor)
         x = state["x"]
-        glob = model_in.to(x)
-        eta1 = ctx.lr if self.personal_lr is None else self.personal_lr
-        dp = self.personalized_update(state["delta"], glob)
-        stepped = x - eta1 * sop_direction(dp, self.rho)
-        x_start = torch.where(state["seen"] > 0, stepped, x)
+        x_start = self.start(ctx, x, state["delta"], model_in.to(x), state["seen"])
         opt = ctx.optimizer
         local = ctx.train(x_start, data, generator, opt_state=opt.load(state))
         delta = (x_start - local.params) / ctx.lr
@@ -161,6 +172,27 @@ class PFedSOP(Algorithm):
             **opt.save(local.opt_state),
         }
         return ClientResult(delta, new_state, {"train_loss": local.loss})
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: Newton steps vmapped, local steps stacked.
+
+        (No running statistics here: the engine's condition for the cohort path.)
+        """
+        assert isinstance(model_in, torch.Tensor)
+        x, delta, seen = (torch.stack([s[k] for s in states]) for k in ("x", "delta", "seen"))
+        x_start = torch.func.vmap(partial(self.start, ctx))(x, delta, model_in.to(x), seen)
+        opt = ctx.optimizer
+        local = ctx.train_cohort(x_start, cohort, opt_states=[opt.load(s) for s in states])
+        if local is None:
+            return None
+        delta = (x_start - local.params) / ctx.lr
+        x_new = local.params if self.keep_trained else x_start
+        new_states = unstack_states(
+            states, opt, local.opt_state, x=x_new, delta=delta, seen=torch.ones_like(seen)
+        )
+        return CohortResult(delta, new_states, {"train_loss": local.loss})
 
     def server_update(
         self,

@@ -127,21 +127,27 @@ def train_cohort(
     opt_state: OptState,
     steps: int,
     lr: float,
+    keep: torch.Tensor | None = None,
 ) -> CohortLocal:
     """``steps`` minibatch steps of every client of the cohort, as one computation.
 
     Client i's t-th minibatch is the one its stream would give it alone
     (:meth:`fedexp.engine.rng.Stream.indices` at draw ``cohort.draws[i]``), gathered from the
-    pool; the objective's ``aux`` tensors are stacked ``[m, ...]`` (0-dim ones are shared).
+    pool; the objective's ``aux`` tensors are stacked ``[m, ...]`` (0-dim ones are shared),
+    its ``lr_scale`` is one vector for all or ``[m, d]``; ``keep`` ([m, d] bool) marks the
+    coordinates that do not move (a 0 of ``Context.train``'s mask).
 
     Raises:
         DivergenceError: a client's loss or parameters became NaN or infinite (the lowest
             client id is named, as the per-client path names it).
     """
     m = len(cohort)
-    if objective.noise or objective.frozen is not None or objective.lr_scale is not None:
-        raise ValueError("the cohort path takes objectives without noise, frozen or lr_scale")
+    if objective.noise or objective.frozen is not None:
+        raise ValueError("the cohort path takes objectives without noise or frozen coordinates")
     aux = {k: v.expand(m) if v.dim() == 0 else v for k, v in objective.aux.items()}
+    scale = objective.lr_scale
+    if scale is not None:
+        scale = scale.expand(m, params.shape[1])
     num = cohort.pool.size[cohort.rows]
     size = ctx.batch_size
     empty = torch.zeros(m, 0, device=params.device)
@@ -161,7 +167,17 @@ def train_cohort(
     chunk = _slice_rows(cohort.pool, size)
     if m <= chunk or size <= 0:
         out, state, loss = train_stacked(
-            ctx, objective, ctx.optimizer, steps, lr, params.detach(), aux, opt_state, draw
+            ctx,
+            objective,
+            ctx.optimizer,
+            steps,
+            lr,
+            params.detach(),
+            aux,
+            opt_state,
+            draw,
+            keep=keep,
+            lr_scale=scale,
         )
         bad = diverged_rows(out, loss)
         if bad:
@@ -188,10 +204,15 @@ def train_cohort(
                     ctx,
                     params[part],
                     sub,
-                    replace(objective, aux={k: v[part] for k, v in aux.items()}),
+                    replace(
+                        objective,
+                        aux={k: v[part] for k, v in aux.items()},
+                        lr_scale=None if scale is None else scale[part],
+                    ),
                     {k: v[part] for k, v in opt_state.items()},
                     steps,
                     lr,
+                    None if keep is None else keep[part],
                 )
             )
         cohort.draws = cohort.draws + steps
@@ -202,17 +223,23 @@ def train_cohort(
 
 
 def unstack_states(
-    states: Sequence[dict[str, torch.Tensor]], opt: Optimizer, opt_state: OptState, **rows
+    states: Sequence[dict[str, torch.Tensor]],
+    opt: Optimizer,
+    opt_state: OptState,
+    prefix: str = "opt",
+    **rows: torch.Tensor,
 ) -> list[dict[str, torch.Tensor]]:
     """Each client's new state, in cohort order.
 
     Its old state, updated with its row of each ``rows`` entry ([m, ...] tensors) and of the
-    stacked optimiser state (``opt.save``).
+    stacked optimiser state (``opt.save(..., prefix)``). Rows are copied: a view would keep
+    the whole cohort's tensor alive in every client's state.
     """
     if not opt_state and not rows:
         return list(states)
     out = []
     for i, state in enumerate(states):
         row_opt = {k: v[i].clone() for k, v in opt_state.items()}
-        out.append({**state, **{k: v[i].clone() for k, v in rows.items()}, **opt.save(row_opt)})
+        new = {k: v[i].clone() for k, v in rows.items()}
+        out.append({**state, **new, **opt.save(row_opt, prefix)})
     return out

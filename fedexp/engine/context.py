@@ -228,8 +228,14 @@ class Context:
         *,
         objective: Objective | None = None,
         opt_states: list[OptState | None] | None = None,
+        steps: int | None = None,
+        lr: float | None = None,
+        mask: torch.Tensor | None = None,
     ) -> Any:
         """:meth:`train` of a whole cohort at once (``fedexp.engine.cohort``).
+
+        Successive calls draw each client's minibatches in the order its own calls of
+        :meth:`train` would (its stream's draw counter is ``cohort.draws``).
 
         Args:
             params: [m, d] the clients' starting points, in ``cohort.clients`` order.
@@ -237,6 +243,10 @@ class Context:
             objective: what to minimise, its ``aux`` tensors stacked [m, ...] (0-dim ones
                 shared); default the task loss.
             opt_states: each client's optimiser state to continue from (None: fresh).
+            steps: local steps (default :meth:`steps_for`, which must then be the same for
+                every client of the cohort).
+            lr: step size (default the run's ``lr``).
+            mask: 0/1, [d] for every client or [m, d]; only coordinates with 1 move.
 
         Returns:
             A :class:`fedexp.engine.cohort.CohortLocal`, or None when the cohort cannot run
@@ -246,8 +256,8 @@ class Context:
         """
         from fedexp.engine.cohort import stack_opt_states, train_cohort
 
-        steps = {self.steps_for(d) for d in cohort.data}
-        if len(steps) != 1:
+        steps = self.cohort_steps(cohort) if steps is None else steps
+        if steps is None:
             return None
         if self.batch_size <= 0 and len({tuple(d.x_train.shape) for d in cohort.data}) > 1:
             return None
@@ -255,7 +265,14 @@ class Context:
         if stacked is None:
             return None
         objective = objective or self.model_objective()
-        return train_cohort(self, params, cohort, objective, stacked, steps.pop(), self.lr)
+        keep = None if mask is None else (mask == 0).expand(params.shape)
+        lr = self.lr if lr is None else lr
+        return train_cohort(self, params, cohort, objective, stacked, steps, lr, keep)
+
+    def cohort_steps(self, cohort: Any) -> int | None:
+        """:meth:`steps_for` of every client of ``cohort`` when it is the same; else None."""
+        counts = {self.steps_for(d) for d in cohort.data}
+        return counts.pop() if len(counts) == 1 else None
 
     def sgd(
         self,
