@@ -77,10 +77,20 @@ COHORT_CASES = [
     ("algorithm=apfl", "algorithm.alpha_lr=0.5", "optimizer=sgd", "optimizer.momentum=0.9"),
     ("algorithm=fedrod", "model=mlp", "model.hidden=8", "participation=0.6"),
     ("algorithm=pfedsop", "participation=0.6", "optimizer=adam"),
+    ("algorithm=pfedme", "algorithm.personal_steps=3", "algorithm.lam=2"),
+    (  # full batches: equal sizes
+        "algorithm=pfedme",
+        "batch_size=0",
+        "dataset=synthetic",
+        "dataset.num_samples=120",
+        "num_clients=4",
+        "partition=iid",
+        "algorithm.local_rounds=2",
+    ),
 ]
 COHORT_IDS = ["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc", "fedprox-cnn"]
 COHORT_IDS += ["ditto", "fedavg_ft", "fedprox_ft", "fedamp", "fpfc", "l2gd", "fedper", "fedrep"]
-COHORT_IDS += ["apfl", "fedrod", "pfedsop"]
+COHORT_IDS += ["apfl", "fedrod", "pfedsop", "pfedme", "pfedme-full-batch"]
 
 
 @pytest.mark.parametrize("overrides", COHORT_CASES, ids=COHORT_IDS)

@@ -36,6 +36,7 @@ import torch
 from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, check_rows, draw_batch, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.optim import SGD
 
@@ -111,6 +112,36 @@ class PFedMe(FedAvg):
         ctx.check_finite(w, total, ctx.lr)
         metrics = {"train_loss": total / max(rounds, 1)}
         return ClientResult(model_in - w, {**state, "theta": theta}, metrics)
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: each local round stacked.
+
+        Every client's minibatch drawn at once, the K inner steps one stacked run on them, the
+        envelope step on the stacked w.
+        """
+        assert isinstance(model_in, torch.Tensor)
+        rounds = ctx.cohort_steps(cohort) if self.local_rounds is None else self.local_rounds
+        if rounds is None or not ctx.cohort_batches(cohort):
+            return None
+        w = model_in.detach().clone()
+        theta, total = w, torch.zeros(len(cohort), device=w.device)
+        for _ in range(rounds):
+            inner = ctx.train_cohort(
+                theta,
+                cohort,
+                objective=ctx.proximal_objective(w, self.lam),
+                optimizer=self.inner,
+                steps=self.personal_steps,
+                lr=self.personal_lr,
+                batch=draw_batch(ctx, cohort),
+            )
+            theta, total = inner.params, total + inner.loss
+            w = w - ctx.lr * self.lam * (w - theta)
+        check_rows(ctx, cohort, w, total, ctx.lr)
+        new_states = unstack_states(states, self.inner, {}, theta=theta)
+        return CohortResult(model_in - w, new_states, {"train_loss": total / max(rounds, 1)})
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int

@@ -128,6 +128,8 @@ def train_cohort(
     steps: int,
     lr: float,
     keep: torch.Tensor | None = None,
+    optimizer: Optimizer | None = None,
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> CohortLocal:
     """``steps`` minibatch steps of every client of the cohort, as one computation.
 
@@ -135,7 +137,9 @@ def train_cohort(
     (:meth:`fedexp.engine.rng.Stream.indices` at draw ``cohort.draws[i]``), gathered from the
     pool; the objective's ``aux`` tensors are stacked ``[m, ...]`` (0-dim ones are shared),
     its ``lr_scale`` is one vector for all or ``[m, d]``; ``keep`` ([m, d] bool) marks the
-    coordinates that do not move (a 0 of ``Context.train``'s mask).
+    coordinates that do not move (a 0 of ``Context.train``'s mask). ``optimizer`` replaces the
+    run's; with ``batch`` ([m, B, ...] inputs and targets, e.g. from :func:`draw_batch`) every
+    step is on it and nothing is drawn.
 
     Raises:
         DivergenceError: a client's loss or parameters became NaN or infinite (the lowest
@@ -148,28 +152,26 @@ def train_cohort(
     scale = objective.lr_scale
     if scale is not None:
         scale = scale.expand(m, params.shape[1])
-    num = cohort.pool.size[cohort.rows]
     size = ctx.batch_size
     empty = torch.zeros(m, 0, device=params.device)
+    opt = optimizer or ctx.optimizer
 
     def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        idx = batch_indices(cohort.keys, cohort.draws, size, num)
-        cohort.draws = cohort.draws + 1
-        return (*cohort.pool.gather(cohort.rows, idx), empty)
+        return (*draw_batch(ctx, cohort), empty)
 
-    if size <= 0:  # full batch: every client's whole training set, equal sizes only
-        xs = torch.stack([d.x_train for d in cohort.data])
-        ys = torch.stack([d.y_train for d in cohort.data])
+    fixed = batch is not None or size <= 0
+    if fixed:  # every step on the same inputs: the given batch or the whole training sets
+        xs, ys = batch if batch is not None else draw_batch(ctx, cohort)
 
         def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: F811
             return xs, ys, empty
 
     chunk = _slice_rows(cohort.pool, size)
-    if m <= chunk or size <= 0:
+    if m <= chunk or fixed:
         out, state, loss = train_stacked(
             ctx,
             objective,
-            ctx.optimizer,
+            opt,
             steps,
             lr,
             params.detach(),
@@ -179,13 +181,7 @@ def train_cohort(
             keep=keep,
             lr_scale=scale,
         )
-        bad = diverged_rows(out, loss)
-        if bad:
-            i = min(bad)
-            try:
-                ctx.check_finite(out[i], float(loss[i]), lr)
-            except DivergenceError as exc:
-                raise DivergenceError(f"client {cohort.clients[i]}: {exc}") from None
+        check_rows(ctx, cohort, out, loss, lr)
     else:  # large cohorts in slices: the per-step minibatch tensors stay small
         # (each slice is checked for divergence in order, so the lowest client is named)
         parts = []
@@ -213,6 +209,7 @@ def train_cohort(
                     steps,
                     lr,
                     None if keep is None else keep[part],
+                    opt,
                 )
             )
         cohort.draws = cohort.draws + steps
@@ -220,6 +217,45 @@ def train_cohort(
         loss = torch.cat([p_.loss for p_ in parts])
         state = {k: torch.cat([p_.opt_state[k] for p_ in parts]) for k in opt_state}
     return CohortLocal(out, loss, state)
+
+
+def draw_batch(ctx, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """Each client's next minibatch, stacked ``[m, B, ...]``: what ``ClientData.batch`` gives it.
+
+    The indices of every client's stream at its draw counter (advanced by one); with
+    ``ctx.batch_size`` ≤ 0 every client's whole training set (equal sizes only), no draw.
+    """
+    size = ctx.batch_size
+    if size <= 0:
+        return (
+            torch.stack([d.x_train for d in cohort.data]),
+            torch.stack([d.y_train for d in cohort.data]),
+        )
+    idx = batch_indices(cohort.keys, cohort.draws, size, cohort.pool.size[cohort.rows])
+    cohort.draws = cohort.draws + 1
+    return cohort.pool.gather(cohort.rows, idx)
+
+
+def check_rows(
+    ctx,  # noqa: ANN001 - Context (import cycle)
+    cohort: Cohort,
+    params: torch.Tensor,
+    loss: torch.Tensor,
+    lr: float,
+) -> None:
+    """``Context.check_finite`` of every client at once ([m, d] parameters, [m] losses).
+
+    Raises:
+        DivergenceError: for the lowest client whose loss or parameters are not finite, named
+            as the per-client path names it.
+    """
+    bad = diverged_rows(params, loss)
+    if bad:
+        i = min(bad)
+        try:
+            ctx.check_finite(params[i], float(loss[i]), lr)
+        except DivergenceError as exc:
+            raise DivergenceError(f"client {cohort.clients[i]}: {exc}") from None
 
 
 def unstack_states(

@@ -231,6 +231,8 @@ class Context:
         steps: int | None = None,
         lr: float | None = None,
         mask: torch.Tensor | None = None,
+        optimizer: Optimizer | None = None,
+        batch: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
         """:meth:`train` of a whole cohort at once (``fedexp.engine.cohort``).
 
@@ -247,6 +249,10 @@ class Context:
                 every client of the cohort).
             lr: step size (default the run's ``lr``).
             mask: 0/1, [d] for every client or [m, d]; only coordinates with 1 move.
+            optimizer: the update rule (default: the run's ``optimizer``).
+            batch: inputs and targets [m, B, ...] every step is taken on, instead of drawn
+                minibatches (:func:`fedexp.engine.cohort.draw_batch`; :meth:`train`'s
+                ``batch_size=0`` on a drawn minibatch).
 
         Returns:
             A :class:`fedexp.engine.cohort.CohortLocal`, or None when the cohort cannot run
@@ -259,20 +265,27 @@ class Context:
         steps = self.cohort_steps(cohort) if steps is None else steps
         if steps is None:
             return None
-        if self.batch_size <= 0 and len({tuple(d.x_train.shape) for d in cohort.data}) > 1:
+        if batch is None and not self.cohort_batches(cohort):
             return None
-        stacked = stack_opt_states(self.optimizer, params, opt_states or [None] * params.shape[0])
+        optimizer = optimizer or self.optimizer
+        stacked = stack_opt_states(optimizer, params, opt_states or [None] * params.shape[0])
         if stacked is None:
             return None
         objective = objective or self.model_objective()
         keep = None if mask is None else (mask == 0).expand(params.shape)
         lr = self.lr if lr is None else lr
-        return train_cohort(self, params, cohort, objective, stacked, steps, lr, keep)
+        return train_cohort(
+            self, params, cohort, objective, stacked, steps, lr, keep, optimizer, batch
+        )
 
     def cohort_steps(self, cohort: Any) -> int | None:
         """:meth:`steps_for` of every client of ``cohort`` when it is the same; else None."""
         counts = {self.steps_for(d) for d in cohort.data}
         return counts.pop() if len(counts) == 1 else None
+
+    def cohort_batches(self, cohort: Any) -> bool:
+        """Whether ``cohort``'s minibatches stack: drawn ones, or full ones of equal sizes."""
+        return self.batch_size > 0 or len({tuple(d.x_train.shape) for d in cohort.data}) == 1
 
     def sgd(
         self,
