@@ -42,6 +42,7 @@ ALGORITHMS = [
     "apfl",
     "fedrod",
     "pfedsop",
+    "pfedme",
 ]
 #: a model with a body and a head (logistic regression is all head: nothing would be shared)
 HEADED = ["model=mlp", "model.hidden=16"]
