@@ -9,6 +9,8 @@ from torch import nn
 from torch.func import grad_and_value, vmap
 
 from fedexp.engine.backends import _rowwise
+from fedexp.engine.context import Context
+from fedexp.engine.objective import Objective
 from fedexp.models.flat import FlatModel, _nhwc
 from fedexp.models.vision import vgg8
 
@@ -81,9 +83,12 @@ def test_rowwise_gradients_equal_vmapped_ones():
     x, y = torch.randn(m, 6, 1, 8, 8), torch.randint(0, 3, (m, 6))
     aux = {"mu": torch.tensor([0.0, 0.1, 0.5]), "anchor": torch.randn(m, d)}
     u = torch.zeros(m, 0)
-    g_row, (v_row, post_row) = _rowwise(loss, posts=True)(params, x, y, aux, u)
+    ctx = Context(
+        model, None, num_clients=m, lr=0.1, local_steps=1, local_epochs=None, batch_size=6
+    )
+    g_row, (v_row, post_row) = _rowwise(ctx, Objective(loss), posts=True)(params, x, y, aux, u)
     g_vm, (v_vm, post_vm) = vmap(grad_and_value(loss, has_aux=True))(params, x, y, aux, u)
     torch.testing.assert_close(g_row, g_vm, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(v_row, v_vm)
     torch.testing.assert_close(post_row, post_vm)
-    assert _rowwise(loss, posts=False)(params, x, y, aux, u)[1][1] is None
+    assert _rowwise(ctx, Objective(loss), posts=False)(params, x, y, aux, u)[1][1] is None

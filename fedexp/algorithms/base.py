@@ -80,6 +80,17 @@ class Algorithm(ABC):
         """The message sent to ``client`` this round (default: the global model)."""
         return server["x"]
 
+    def downlinks(
+        self, ctx: Context, server: State, clients: list[int]
+    ) -> dict[int, Message | None]:
+        """Every sampled client's :meth:`downlink` message of the round, in one call.
+
+        The engine's entry point; the default asks :meth:`downlink` client by client. An
+        algorithm whose messages are cheaper computed together (FedAMP's cloud models)
+        overrides it; the messages must equal :meth:`downlink`'s up to rounding.
+        """
+        return {n: self.downlink(ctx, server, n) for n in clients}
+
     @abstractmethod
     def client_update(
         self,

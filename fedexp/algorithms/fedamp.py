@@ -44,6 +44,8 @@ from fedexp.engine.context import Context
 
 #: σ of FedAMP's A(x) = 1 − e^{−x/σ} when none is given (with α_k = 1e3: ξ_ij ≈ 0.01).
 FEDAMP_SIGMA = 1e5
+#: elements of the [S, N, d] pairwise tensor of one slice of :meth:`FedAMP.downlinks` (64 MiB)
+_ROWS_ELEMENTS = 2**24
 #: HeurFedAMP's cosine scale when none is given (PFLlib's HeurFedAMP scripts: -sg 0.1).
 HEUR_SIGMA = 0.1
 
@@ -75,7 +77,9 @@ def attention(
     if n == 1:
         return torch.ones(rows.shape[0], 1, dtype=W.dtype, device=W.device)
     if heuristic:
-        cos = torch.nn.functional.cosine_similarity(wi[:, None, :], W[None, :, :], dim=-1)
+        # cos(w_i, w_j) as one product of unit rows ([S, N]; ε as cosine_similarity's)
+        unit = W / W.norm(dim=1, keepdim=True).clamp_min(1e-8)
+        cos = unit[rows] @ unit.T
         logits = (sigma * cos).masked_fill(eye, float("-inf"))
         others = (1.0 - self_attention) * torch.softmax(logits, dim=1)
         return torch.where(eye, torch.full_like(others, self_attention), others)
@@ -145,6 +149,16 @@ class FedAMP(Algorithm):
         """The personalised cloud model u_i."""
         rows = torch.tensor([client], device=server["W"].device)
         return self.cloud_models(server["W"], rows)[0]
+
+    def downlinks(
+        self, ctx: Context, server: State, clients: list[int]
+    ) -> dict[int, torch.Tensor | None]:
+        """All ``clients``' cloud models at once (slices of ~``_ROWS_ELEMENTS`` pairwise terms)."""
+        W = server["W"]
+        per = max(1, _ROWS_ELEMENTS // max(1, W.numel()))
+        rows = torch.tensor(clients, device=W.device)
+        u = torch.cat([self.cloud_models(W, part) for part in torch.split(rows, per)])
+        return dict(zip(clients, u.unbind(0), strict=True))
 
     def client_update(
         self,

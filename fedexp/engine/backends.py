@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -291,24 +291,24 @@ def diverged_rows(params: torch.Tensor, means: torch.Tensor) -> set[int]:
     return set(torch.nonzero(~ok).reshape(-1).tolist())
 
 
-def _rowwise(loss: Callable, posts: bool) -> Callable:
+def _rowwise(ctx, obj: Objective, posts: bool) -> Callable:  # noqa: ANN001 - Context
     """vmap(grad_and_value(loss, has_aux=True))'s contract, one row at a time.
 
-    Each row's gradient by plain autograd (as ``Context.local_train`` takes it: functorch's
-    wrappers cost ~1 ms a step on issue 14's CNN); outputs stacked; the loss's ``post``
-    vectors only if ``posts`` (else None).
+    Each row's gradient by plain autograd, as ``Context.local_train`` takes it
+    (``Context._loss_grad_post`` with the row's ``aux``: functorch's wrappers cost ~1 ms a
+    step on issue 14's CNN); outputs stacked; the loss's ``post`` vectors only if ``posts``
+    (else None).
     """
 
     def run(params, xb, yb, aux, u):  # noqa: ANN001, ANN202 - vmap's signature
         grads, values, kept = [], [], []
         for i in range(params.shape[0]):
-            p = params[i].detach().requires_grad_(True)
-            value, post = loss(p, xb[i], yb[i], {k: t[i] for k, t in aux.items()}, u[i])
-            (g,) = torch.autograd.grad(value, p)
+            row = replace(obj, aux={k: t[i] for k, t in aux.items()})
+            value, g, post = ctx._loss_grad_post(row, params[i], xb[i], yb[i], u[i])
             grads.append(g)
-            values.append(value.detach())
+            values.append(value)
             if posts and post is not None:
-                kept.append(post.detach())
+                kept.append(post)
         post = torch.stack(kept) if kept else None
         return torch.stack(grads), (torch.stack(values), post)
 
@@ -358,7 +358,7 @@ def train_stacked(
     ctx.model.module.train()
     step_lr: float | torch.Tensor = lr if lr_scale is None else lr * lr_scale
     if getattr(ctx.model, "channels_last", False):
-        grad_fn = _rowwise(obj.loss, posts=frozen is not None)
+        grad_fn = _rowwise(ctx, obj, posts=frozen is not None)
     else:
         grad_fn = vmap(grad_and_value(obj.loss, has_aux=True), randomness="different")
     step_fn = vmap(opt.step, in_dims=(0, 0, 0, None if lr_scale is None else 0))

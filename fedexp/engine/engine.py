@@ -230,7 +230,7 @@ class Engine:
         self.last_sampled = sampled
         updates: dict[int, Message] = {}
         sums: dict[str, float] = {}
-        msgs = {n: self.algorithm.downlink(self.ctx, self.server, n) for n in sampled}
+        msgs = self.algorithm.downlinks(self.ctx, self.server, sampled)
         stacked = self._send_cohort("down", sampled, msgs)  # one pass when it can
         inbox: dict[int, Message | None] = {}
         if stacked is None:

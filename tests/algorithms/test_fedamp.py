@@ -133,3 +133,22 @@ def test_runs(small_cfg, overrides):
 def test_resume_is_exact(small_cfg, tmp_path):
     cfg = small_cfg("algorithm=fedamp", "rounds=5", "checkpoint_every=2", "participation=0.6")
     assert_resume_exact(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("heuristic", [False, True])
+def test_the_cohorts_cloud_models_at_once_equal_client_by_client(heuristic, monkeypatch):
+    """``downlinks`` (one computation, in slices) gives each client its ``downlink``."""
+    from fedexp.algorithms import fedamp as fedamp_module
+
+    torch.manual_seed(0)
+    W = torch.randn(7, 5)
+    algo = FedAMP(alpha_k=0.5, sigma=2.0 if not heuristic else 0.3, heuristic=heuristic)
+    server = {"W": W}
+    clients = [0, 2, 3, 6]
+    monkeypatch.setattr(fedamp_module, "_ROWS_ELEMENTS", 2 * W.numel())  # slices of 2 rows
+    together = algo.downlinks(None, server, clients)
+    assert list(together) == clients
+    for n in clients:
+        alone = algo.downlink(None, server, n)
+        torch.testing.assert_close(together[n], alone, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(together[0], together[6])  # the messages differ per client
