@@ -43,6 +43,7 @@ ALGORITHMS = [
     "fedrod",
     "pfedsop",
     "pfedme",
+    "feddwa",
 ]
 #: a model with a body and a head (logistic regression is all head: nothing would be shared)
 HEADED = ["model=mlp", "model.hidden=16"]

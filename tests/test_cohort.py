@@ -87,10 +87,14 @@ COHORT_CASES = [
         "partition=iid",
         "algorithm.local_rounds=2",
     ),
+    # uploads with named parts: message by message after the stacked training
+    ("algorithm=feddwa", "algorithm.topk=2", "optimizer=sgd", "optimizer.momentum=0.9"),
+    ("algorithm=feddwa", "algorithm.guide_steps=2", "algorithm.evaluate=model", "compressor=topk"),
 ]
 COHORT_IDS = ["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc", "fedprox-cnn"]
 COHORT_IDS += ["ditto", "fedavg_ft", "fedprox_ft", "fedamp", "fpfc", "l2gd", "fedper", "fedrep"]
-COHORT_IDS += ["apfl", "fedrod", "pfedsop", "pfedme", "pfedme-full-batch"]
+COHORT_IDS += ["apfl", "fedrod", "pfedsop", "pfedme", "pfedme-full-batch", "feddwa"]
+COHORT_IDS += ["feddwa-model-topk"]
 
 
 @pytest.mark.parametrize("overrides", COHORT_CASES, ids=COHORT_IDS)

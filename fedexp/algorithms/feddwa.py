@@ -51,6 +51,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, ClientResult, Message, State
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 
@@ -152,6 +153,34 @@ class FedDWA(Algorithm):
         upload = {"model": local.params, "guide": guide.params}
         metrics = {"train_loss": local.loss, "guide_loss": guide.loss}
         return ClientResult(upload, new_state, metrics)
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: the E steps, then the guide pass."""
+        assert isinstance(model_in, torch.Tensor)
+        if self.guide_steps is None and ctx.cohort_steps(cohort) is None:
+            return None
+        opt = ctx.optimizer
+        objective = ctx.model_objective()
+        local = ctx.train_cohort(
+            model_in, cohort, objective=objective, opt_states=[opt.load(s) for s in states]
+        )
+        if local is None:
+            return None
+        rows = [{k: v[i] for k, v in local.opt_state.items()} for i in range(len(cohort))]
+        guide = ctx.train_cohort(
+            local.params, cohort, objective=objective, opt_states=rows, steps=self.guide_steps
+        )
+        if guide is None:
+            return None
+        kept = {}
+        if self.evaluate != "personal":
+            kept[self.evaluate] = guide.params if self.evaluate == "guide" else local.params
+        new_states = unstack_states(states, opt, local.opt_state, **kept)
+        upload = {"model": local.params, "guide": guide.params}
+        metrics = {"train_loss": local.loss, "guide_loss": guide.loss}
+        return CohortResult(upload, new_states, metrics)
 
     # ----------------------------------------------------------------- server
     def server_update(

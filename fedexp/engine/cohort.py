@@ -89,14 +89,15 @@ class CohortResult:
     """What ``cohort_update`` returns: stacked uploads, per-client states and metrics.
 
     Attributes:
-        updates: [m, ...] the clients' uploads (row i is client ``cohort.clients[i]``'s), or
-            None when the clients send nothing.
+        updates: [m, ...] the clients' uploads (row i is client ``cohort.clients[i]``'s), a
+            dict of such stacks for uploads with named parts, or None when the clients send
+            nothing.
         states: each client's new state, in cohort order.
         metrics: name -> [m] per-client values (averaged over the round like
             ``ClientResult.metrics``).
     """
 
-    updates: torch.Tensor | None
+    updates: torch.Tensor | dict[str, torch.Tensor] | None
     states: list[dict[str, torch.Tensor]]
     metrics: dict[str, torch.Tensor]
 

@@ -320,12 +320,14 @@ class Engine:
         sums = {k: float(v.sum()) for k, v in result.metrics.items()}
         updates: dict[int, Message] = {}
         if result.updates is not None:
-            received = self._send_cohort("up", sampled, result.updates)
+            received = None
+            if isinstance(result.updates, torch.Tensor):
+                received = self._send_cohort("up", sampled, result.updates)
             if received is not None:
                 updates = StackedUpdates(sampled, received)
-            else:
-                for n, row in zip(sampled, result.updates.unbind(0), strict=True):
-                    updates[n], metrics = self._send("up", n, row)
+            else:  # message by message (named parts: each client's row of every part)
+                for i, n in enumerate(sampled):
+                    updates[n], metrics = self._send("up", n, _row(result.updates, i))
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + v
         return updates, sums
@@ -626,6 +628,13 @@ def _stack_alike(msgs: Sequence[Message | None]) -> torch.Tensor | None:
     if all(m is first for m in msgs):
         return first.detach().unsqueeze(0).expand(len(msgs), *first.shape)
     return torch.stack([m.detach() for m in msgs])
+
+
+def _row(stacked: torch.Tensor | dict[str, torch.Tensor], i: int) -> Message:
+    """Row ``i`` of a cohort's stacked message: of the tensor, or of each named part."""
+    if isinstance(stacked, torch.Tensor):
+        return stacked[i]
+    return {name: part[i] for name, part in stacked.items()}
 
 
 def offers_cohort(cls: type[Algorithm]) -> bool:
