@@ -90,11 +90,17 @@ COHORT_CASES = [
     # uploads with named parts: message by message after the stacked training
     ("algorithm=feddwa", "algorithm.topk=2", "optimizer=sgd", "optimizer.momentum=0.9"),
     ("algorithm=feddwa", "algorithm.guide_steps=2", "algorithm.evaluate=model", "compressor=topk"),
+    # downlinks with named parts (the k cluster models), stacked part by part
+    ("algorithm=ifca", "algorithm.k=3", "participation=0.6"),
+    ("algorithm=ifca", "algorithm.k=2", "optimizer=adam", "model=mlp", "model.hidden=8"),
+    # noise: each client's λ ~ U(0, 1) from its own stream; a warm-up round, then mixing
+    ("algorithm=superfed", "algorithm.warmup_rounds=1", "optimizer=adam", "participation=0.6"),
+    ("algorithm=superfed", "algorithm.warmup_rounds=0", "algorithm.eval_lambda=0.5"),
 ]
 COHORT_IDS = ["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc", "fedprox-cnn"]
 COHORT_IDS += ["ditto", "fedavg_ft", "fedprox_ft", "fedamp", "fpfc", "l2gd", "fedper", "fedrep"]
 COHORT_IDS += ["apfl", "fedrod", "pfedsop", "pfedme", "pfedme-full-batch", "feddwa"]
-COHORT_IDS += ["feddwa-model-topk"]
+COHORT_IDS += ["feddwa-model-topk", "ifca", "ifca-adam", "superfed", "superfed-eval-lambda"]
 
 
 @pytest.mark.parametrize("overrides", COHORT_CASES, ids=COHORT_IDS)
@@ -323,18 +329,26 @@ def test_batched_evaluation_equals_client_by_client(small_cfg, overrides):
     assert ctx.vmap_ok  # the batched path ran (no fallback)
 
 
-def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch):
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("optimizer=sgd", "optimizer.momentum=0.9"),
+        ("algorithm=superfed", "algorithm.warmup_rounds=0", "optimizer=adam"),  # noise
+    ],
+    ids=["momentum", "superfed-noise"],
+)
+def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch, overrides):
     """Cohorts above ``_CHUNK`` clients run in slices: the same draws, the same models."""
     from fedexp.engine import cohort as cohort_module
 
-    whole, _ = _run(small_cfg, "lockstep", "optimizer=sgd", "optimizer.momentum=0.9")
+    whole, _ = _run(small_cfg, "lockstep", *overrides)
     monkeypatch.setattr(cohort_module, "_CHUNK", 2)
-    sliced = _no_client_hook(
-        build_engine(small_cfg("backend=lockstep", "optimizer=sgd", "optimizer.momentum=0.9"))
-    )
+    sliced = _no_client_hook(build_engine(small_cfg("backend=lockstep", *overrides)))
     sliced.setup()
     for _ in range(3):
         sliced.run_round()
     torch.testing.assert_close(sliced.server["x"], whole.server["x"], rtol=1e-5, atol=1e-6)
     for a, b in zip(whole.client_states, sliced.client_states, strict=True):
-        torch.testing.assert_close(b["opt.momentum"], a["opt.momentum"], rtol=1e-5, atol=1e-6)
+        assert sorted(a) == sorted(b)
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)

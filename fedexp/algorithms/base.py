@@ -103,13 +103,18 @@ class Algorithm(ABC):
         """Local work of one client; ``model_in`` is the decoded downlink message."""
 
     def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+        self,
+        ctx: Context,
+        model_in: torch.Tensor | dict[str, torch.Tensor] | None,
+        states: list[State],
+        cohort: Cohort,
     ) -> CohortResult | None:
         """Optional: every sampled client's :meth:`client_update` as one computation.
 
         Called by the engine with ``backend=lockstep`` (issue 14's cohort path,
-        ``fedexp.engine.cohort``) when the downlink messages are bare tensors, stacked here
-        ``[m, ...]`` in ``cohort.clients`` order (None when nothing is sent). It must give what
+        ``fedexp.engine.cohort``) with the downlink messages stacked ``[m, ...]`` in
+        ``cohort.clients`` order (messages with named parts: a dict of such stacks, part by
+        part; None when nothing is sent). It must give what
         :meth:`client_update` gives each client (up to floating-point summation order: the
         tests compare the two). Return None to run the per-client hooks (the default).
         """

@@ -51,6 +51,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, ClientResult, Message, State, weighted_mean
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 #: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
@@ -168,6 +169,46 @@ class IFCA(Algorithm):
         upload = {"update": theta - local.params, "cluster": chosen}
         metrics = {"train_loss": local.loss, "cluster_loss": float(losses[j])}
         return ClientResult(upload, new_state, metrics)
+
+    def cohort_update(
+        self,
+        ctx: Context,
+        model_in: torch.Tensor | dict[str, torch.Tensor] | None,
+        states: list[State],
+        cohort: Cohort,
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: the local steps one stacked run.
+
+        The cluster choices stay client by client (k forward passes of its training split).
+        """
+        assert isinstance(model_in, dict)
+        clusters = model_in["clusters"]  # [m, k, d]
+        losses = torch.stack(
+            [self.cluster_losses(ctx, c, d) for c, d in zip(clusters, cohort.data, strict=True)]
+        )
+        losses = torch.where(torch.isfinite(losses), losses, torch.full_like(losses, torch.inf))
+        j = torch.argmin(losses, dim=1)  # the first of equal losses
+        rows = torch.arange(len(cohort), device=j.device)
+        theta = clusters[rows, j]
+        opt = ctx.optimizer
+        before = torch.stack([s["cluster"][0] for s in states]).tolist()
+        local = ctx.train_cohort(
+            theta,
+            cohort,
+            objective=ctx.model_objective(),
+            opt_states=[
+                opt.load(s) if b == c else None
+                for s, b, c in zip(states, before, j.tolist(), strict=True)
+            ],
+        )
+        if local is None:
+            return None
+        chosen = j[:, None].to(theta.device)
+        kept = [{k: v for k, v in s.items() if not k.startswith("opt.")} for s in states]
+        new_states = unstack_states(kept, opt, local.opt_state, cluster=chosen)
+        upload = {"update": theta - local.params, "cluster": chosen}
+        metrics = {"train_loss": local.loss, "cluster_loss": losses[rows, j]}
+        return CohortResult(upload, new_states, metrics)
 
     # ----------------------------------------------------------------- server
     def server_update(

@@ -46,6 +46,7 @@ from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.optim import State as OptState
@@ -196,6 +197,54 @@ class SuPerFed(FedAvg):
         metrics = {"train_loss": out.loss, "lam_eval": lam}
         return ClientResult(model_in - g, new_state, metrics)
 
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: the steps on [w_g ; w_l] one stacked run.
+
+        Each client's λ ~ U(0, 1) comes from its own stream; the evaluation λ is chosen client
+        by client.
+        """
+        assert isinstance(model_in, torch.Tensor)
+        opt = ctx.optimizer
+        if ctx.round < self.warmup_rounds:
+            local = ctx.train_cohort(
+                model_in,
+                cohort,
+                objective=ctx.proximal_objective(model_in.detach(), 2 * self.mu),
+                opt_states=[opt.load(s) for s in states],
+            )
+            if local is None:
+                return None
+            new_states = unstack_states(states, opt, local.opt_state)
+            return CohortResult(model_in - local.params, new_states, {"train_loss": local.loss})
+        d = model_in.shape[-1]
+        w_l = torch.stack([s["local"] for s in states])
+        out = ctx.train_cohort(
+            torch.cat([model_in.detach(), w_l], dim=1),
+            cohort,
+            objective=self.objective(ctx, model_in),
+            opt_states=[
+                merge_states(
+                    opt.load(s) or opt.init(model_in[0]),
+                    opt.load(s, "opt_l") or opt.init(s["local"]),
+                )
+                for s in states
+            ],
+        )
+        if out is None:
+            return None
+        g, w_l = out.params[:, :d], out.params[:, d:]
+        lams = [self.eval_lambda] * len(cohort)
+        if self.eval_lambda is None:
+            lams = [select_lambda(ctx, g[i], w_l[i], data) for i, data in enumerate(cohort.data)]
+        halves = [split_state(out.opt_state, d, h, stacked=True) for h in (0, 1)]
+        lam = torch.tensor(lams, dtype=w_l.dtype, device=w_l.device)[:, None]
+        new_states = unstack_states(states, opt, halves[0], local=w_l, lam_eval=lam)
+        new_states = unstack_states(new_states, opt, halves[1], "opt_l")
+        metrics = {"train_loss": out.loss, "lam_eval": lam[:, 0]}
+        return CohortResult(model_in - g, new_states, metrics)
+
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int
     ) -> torch.Tensor:
@@ -214,9 +263,15 @@ def merge_states(g: OptState, local: OptState) -> OptState:
     return {k: torch.cat([g[k], local[k]]) if g[k].dim() else g[k] for k in g}
 
 
-def split_state(state: OptState, d: int, part: int) -> OptState:
-    """The w_g (part 0) or w_l (part 1) half of a joint optimiser state."""
-    return {k: (v[d * part : d * (part + 1)] if v.dim() else v) for k, v in state.items()}
+def split_state(state: OptState, d: int, part: int, stacked: bool = False) -> OptState:
+    """The w_g (part 0) or w_l (part 1) half of a joint optimiser state.
+
+    ``stacked``: of every client's state at once ([m, 2d] vectors, [m] scalars).
+    """
+    vector = 1 + int(stacked)
+    return {
+        k: (v[..., d * part : d * (part + 1)] if v.dim() >= vector else v) for k, v in state.items()
+    }
 
 
 def reinit(ctx: Context, client: int) -> torch.Tensor:

@@ -235,7 +235,7 @@ class LockstepBatcher:
         if first.full_batch:  # equal shapes (the request key): no draws, no padding
             xs = _stack([r.data.x_train for r in reqs])
             ys = _stack([r.data.y_train for r in reqs])
-            return lambda: (xs, ys, _noise(gens, noise, dev))
+            return lambda: (xs, ys, stream_noise(gens, noise, dev))
         size = ctx.batch_size
         rows = None if ctx.pool is None else ctx.pool.rows([r.data for r in reqs])
         if rows is not None and all(isinstance(g, Stream) for g in gens):
@@ -247,7 +247,7 @@ class LockstepBatcher:
                 for g in gens:
                     g.draws += 1
                 idx = batch_indices(keys, draws, size, num)
-                u = _noise(gens, noise, dev)  # after the indices, as ``local_train``
+                u = stream_noise(gens, noise, dev)  # after the indices, as ``local_train``
                 return (*ctx.pool.gather(rows, idx), u)
 
             return pooled
@@ -273,8 +273,11 @@ class LockstepBatcher:
 BatchFn = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _noise(gens: list[torch.Generator], k: int, dev: torch.device) -> torch.Tensor:
-    """Each generator's ``k`` uniforms (none drawn when k = 0), stacked."""
+def stream_noise(gens: list[torch.Generator], k: int, dev: torch.device) -> torch.Tensor:
+    """Each generator's ``k`` uniforms (none drawn when k = 0), stacked ``[m, k]``.
+
+    Shared by the greenlet barrier and the cohort path (``Cohort.noise``).
+    """
     if k == 0:
         return torch.zeros(len(gens), 0, device=dev)
     return torch.stack([torch.rand(k, generator=g) for g in gens]).to(dev)

@@ -23,11 +23,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from fedexp.data.federated import ClientData
-from fedexp.engine.backends import diverged_rows, train_stacked
+from fedexp.engine.backends import diverged_rows, stream_noise, train_stacked
 from fedexp.engine.objective import Objective
 from fedexp.engine.optim import Optimizer
 from fedexp.engine.optim import State as OptState
-from fedexp.engine.rng import batch_indices
+from fedexp.engine.rng import Stream, batch_indices
 from fedexp.errors import DivergenceError
 
 #: bytes of gathered minibatches (inputs and targets) a slice of the cohort takes per step:
@@ -56,6 +56,8 @@ class Cohort:
         keys: int64 [m] their round streams' keys (:func:`fedexp.engine.rng.stream_keys`).
         draws: int64 [m] minibatches each stream has drawn so far this round.
         pool: the run's training data (:class:`fedexp.engine.pool.TrainPool`).
+        streams: the clients' round streams as generators (:class:`fedexp.engine.rng.Stream`,
+            made on the first :meth:`noise` draw): the noise an objective asks for.
     """
 
     clients: list[int]
@@ -64,9 +66,32 @@ class Cohort:
     keys: torch.Tensor
     draws: torch.Tensor
     pool: object
+    streams: list[Stream] | None = None
 
     def __len__(self) -> int:
         return len(self.clients)
+
+    def noise(self, k: int, device: torch.device) -> torch.Tensor:
+        """Each client's next ``k`` uniforms [m, k], from its stream as ``local_train`` draws."""
+        return stream_noise(self.generators(), k, device)
+
+    def generators(self) -> list[Stream]:
+        """The clients' round streams (made once, on the first call)."""
+        if self.streams is None:
+            self.streams = [Stream(key) for key in self.keys.tolist()]
+        return self.streams
+
+    def part(self, rows: slice) -> Cohort:
+        """The clients ``rows`` of this cohort (their streams, if made, shared)."""
+        return Cohort(
+            self.clients[rows],
+            self.data[rows],
+            self.rows[rows],
+            self.keys[rows],
+            self.draws[rows],
+            self.pool,
+            None if self.streams is None else self.streams[rows],
+        )
 
 
 @dataclass
@@ -147,8 +172,8 @@ def train_cohort(
             client id is named, as the per-client path names it).
     """
     m = len(cohort)
-    if objective.noise or objective.frozen is not None:
-        raise ValueError("the cohort path takes objectives without noise or frozen coordinates")
+    if objective.frozen is not None:
+        raise ValueError("the cohort path takes objectives without frozen coordinates")
     aux = {k: v.expand(m) if v.dim() == 0 else v for k, v in objective.aux.items()}
     scale = objective.lr_scale
     if scale is not None:
@@ -157,15 +182,19 @@ def train_cohort(
     empty = torch.zeros(m, 0, device=params.device)
     opt = optimizer or ctx.optimizer
 
+    def noise() -> torch.Tensor:  # after the indices, as ``local_train``
+        return cohort.noise(objective.noise, params.device) if objective.noise else empty
+
     def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (*draw_batch(ctx, cohort), empty)
+        xs, ys = draw_batch(ctx, cohort)
+        return xs, ys, noise()
 
     fixed = batch is not None or size <= 0
     if fixed:  # every step on the same inputs: the given batch or the whole training sets
         xs, ys = batch if batch is not None else draw_batch(ctx, cohort)
 
         def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: F811
-            return xs, ys, empty
+            return xs, ys, noise()
 
     chunk = _slice_rows(cohort.pool, size)
     if m <= chunk or fixed:
@@ -186,16 +215,11 @@ def train_cohort(
     else:  # large cohorts in slices: the per-step minibatch tensors stay small
         # (each slice is checked for divergence in order, so the lowest client is named)
         parts = []
+        if objective.noise:
+            cohort.generators()  # made once, then shared by the slices
         for a in range(0, m, chunk):
             part = slice(a, a + chunk)
-            sub = Cohort(
-                cohort.clients[part],
-                cohort.data[part],
-                cohort.rows[part],
-                cohort.keys[part],
-                cohort.draws[part],
-                cohort.pool,
-            )
+            sub = cohort.part(part)
             parts.append(
                 train_cohort(
                     ctx,

@@ -290,8 +290,8 @@ class Engine:
         ):
             return None
         if stacked is None and any(m is not None for m in inbox.values()):
-            # decoded one by one (a lossy downlink); named parts or other shapes do not stack
-            stacked = _stack_alike([inbox[n] for n in sampled])
+            # decoded one by one (a lossy downlink, named parts): stacked, part by part
+            stacked = _stack_parts([inbox[n] for n in sampled])
             if stacked is None:
                 return None
         clients = torch.tensor(sampled, dtype=torch.int64, device=ctx.device)
@@ -628,6 +628,17 @@ def _stack_alike(msgs: Sequence[Message | None]) -> torch.Tensor | None:
     if all(m is first for m in msgs):
         return first.detach().unsqueeze(0).expand(len(msgs), *first.shape)
     return torch.stack([m.detach() for m in msgs])
+
+
+def _stack_parts(msgs: list) -> torch.Tensor | dict[str, torch.Tensor] | None:
+    """:func:`_stack_alike` of bare tensors, or of each named part of dict messages."""
+    first = msgs[0]
+    if not isinstance(first, dict):
+        return _stack_alike(msgs)
+    if any(not isinstance(m, dict) or m.keys() != first.keys() for m in msgs):
+        return None
+    parts = {name: _stack_alike([m[name] for m in msgs]) for name in first}
+    return None if any(p is None for p in parts.values()) else parts  # type: ignore[return-value]
 
 
 def _row(stacked: torch.Tensor | dict[str, torch.Tensor], i: int) -> Message:
