@@ -96,11 +96,45 @@ COHORT_CASES = [
     # noise: each client's λ ~ U(0, 1) from its own stream; a warm-up round, then mixing
     ("algorithm=superfed", "algorithm.warmup_rounds=1", "optimizer=adam", "participation=0.6"),
     ("algorithm=superfed", "algorithm.warmup_rounds=0", "algorithm.eval_lambda=0.5"),
+    # factorised models: θ-steps and factor steps on one minibatch a local round
+    (
+        "algorithm=tdpfed",
+        "model=mlp",
+        "model.hidden=8",
+        "algorithm.local_rounds=2",
+        "algorithm.personal_steps=2",
+        "algorithm.factor_steps=3",
+        "participation=0.6",
+    ),
+    (
+        "algorithm=tdpfed",
+        "model=mlp",
+        "model.hidden=8",
+        "algorithm.personal_steps=0",
+        "algorithm.factor_steps=2",
+        "algorithm.reset_personal=true",
+    ),
+    # adaptive local aggregation client by client, then the stacked steps
+    ("algorithm=fedala", "model=mlp", "model.hidden=8", "participation=0.6"),
+    # pseudo-gradients of the phase's coordinates; CER transforms the uplink message by message
+    ("algorithm=pfednet", "participation=0.6", "optimizer=sgd", "optimizer.momentum=0.9"),
+    ("algorithm=pfednet", "algorithm.one_gradient=true", "model=mlp", "model.hidden=8"),
+    (
+        "algorithm=pfednet",
+        "algorithm.local_mask=true",
+        "algorithm.x_rounds=1",
+        "algorithm.z_rounds=1",
+        "model=mlp",
+        "model.hidden=8",
+        "compressor=cer_stc",
+    ),
 ]
 COHORT_IDS = ["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc", "fedprox-cnn"]
 COHORT_IDS += ["ditto", "fedavg_ft", "fedprox_ft", "fedamp", "fpfc", "l2gd", "fedper", "fedrep"]
 COHORT_IDS += ["apfl", "fedrod", "pfedsop", "pfedme", "pfedme-full-batch", "feddwa"]
 COHORT_IDS += ["feddwa-model-topk", "ifca", "ifca-adam", "superfed", "superfed-eval-lambda"]
+COHORT_IDS += ["tdpfed", "tdpfed-factors-only", "fedala", "pfednet", "pfednet-one-gradient"]
+COHORT_IDS += ["pfednet-masked-cer"]
 
 
 @pytest.mark.parametrize("overrides", COHORT_CASES, ids=COHORT_IDS)

@@ -61,6 +61,7 @@ from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
+from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 
 #: stream purpose of the ALA data slice (beside ``fedexp.engine.rng``'s)
@@ -210,17 +211,7 @@ class FedALA(FedAvg):
     ) -> ClientResult:
         """ALA → Θ̂; E local steps from Θ̂; send Δ = Θ − θ^E (FedAvg's upload)."""
         assert isinstance(model_in, torch.Tensor)
-        glob, theta, w = model_in.detach(), state["theta"], state["W"]
-        lo, hi = self.top_range(ctx)
-        started = state["started"]
-        metrics = {"ala_epochs": 0.0}
-        if hi > lo and not torch.equal(glob[:hi], theta[:hi]):
-            stream = rng.generator(ctx.seed, ALA_STREAM, ctx.round, int(state["client"][0]))
-            start_phase = not bool(started[0] > 0)
-            w, epochs, _ = self.learn_weights(ctx, glob, theta, w, data, stream, start_phase)
-            started = torch.ones_like(started)
-            metrics = {"ala_epochs": float(epochs)}
-        init = self.mix(ctx, glob, theta, w).detach()
+        init, adapted, epochs = self.adapt(ctx, model_in.detach(), state, data)
         opt = ctx.optimizer
         local = ctx.train(
             init,
@@ -229,15 +220,52 @@ class FedALA(FedAvg):
             objective=self.objective(ctx, init),
             opt_state=opt.load(state),
         )
-        new_state = {
-            **state,
-            "theta": local.params,
-            "W": w,
-            "started": started,
-            **opt.save(local.opt_state),
-        }
-        metrics["train_loss"] = local.loss
+        new_state = {**state, **adapted, "theta": local.params, **opt.save(local.opt_state)}
+        metrics = {"ala_epochs": epochs, "train_loss": local.loss}
         return ClientResult(model_in - local.params, new_state, metrics)
+
+    def adapt(
+        self, ctx: Context, glob: torch.Tensor, state: State, data: ClientData
+    ) -> tuple[torch.Tensor, State, float]:
+        """ALA of one client: (Θ̂, its new ``W`` and ``started``, the ALA epochs taken)."""
+        theta, w, started = state["theta"], state["W"], state["started"]
+        lo, hi = self.top_range(ctx)
+        epochs = 0.0
+        if hi > lo and not torch.equal(glob[:hi], theta[:hi]):
+            stream = rng.generator(ctx.seed, ALA_STREAM, ctx.round, int(state["client"][0]))
+            start_phase = not bool(started[0] > 0)
+            w, taken, _ = self.learn_weights(ctx, glob, theta, w, data, stream, start_phase)
+            started, epochs = torch.ones_like(started), float(taken)
+        return self.mix(ctx, glob, theta, w).detach(), {"W": w, "started": started}, epochs
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: the local steps one stacked run.
+
+        ALA stays client by client (its own stream and stopping rule).
+        """
+        assert isinstance(model_in, torch.Tensor)
+        glob = model_in.detach()
+        done = [
+            self.adapt(ctx, glob[i], s, d)
+            for i, (s, d) in enumerate(zip(states, cohort.data, strict=True))
+        ]
+        init = torch.stack([a[0] for a in done])
+        opt = ctx.optimizer
+        local = ctx.train_cohort(
+            init,
+            cohort,
+            objective=self.objective(ctx, init),
+            opt_states=[opt.load(s) for s in states],
+        )
+        if local is None:
+            return None
+        adapted = [{**s, **a[1]} for s, a in zip(states, done, strict=True)]
+        new_states = unstack_states(adapted, opt, local.opt_state, theta=local.params)
+        epochs = torch.tensor([a[2] for a in done], device=init.device)
+        metrics = {"ala_epochs": epochs, "train_loss": local.loss}
+        return CohortResult(model_in - local.params, new_states, metrics)
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int

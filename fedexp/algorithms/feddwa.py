@@ -168,9 +168,12 @@ class FedDWA(Algorithm):
         )
         if local is None:
             return None
-        rows = [{k: v[i] for k, v in local.opt_state.items()} for i in range(len(cohort))]
         guide = ctx.train_cohort(
-            local.params, cohort, objective=objective, opt_states=rows, steps=self.guide_steps
+            local.params,
+            cohort,
+            objective=objective,
+            opt_states=local.opt_state,
+            steps=self.guide_steps,
         )
         if guide is None:
             return None

@@ -25,6 +25,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
 from fedexp.algorithms.pfednet_admm import ZStepSolver, ZStepState
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, loss_and_grad_cohort
 from fedexp.engine.context import Context
 from fedexp.graph import (
     covariance_sketch,
@@ -135,6 +136,18 @@ class PFedNet(Algorithm):
     def _sent_idx(self, ctx: Context, phase: str) -> torch.Tensor | None:
         return {"x": ctx.shared_idx, "z": ctx.personal_idx}.get(phase)
 
+    def _upload(
+        self, ctx: Context, phase: str, grad: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The upload: the whole pseudo-gradient, or in an x / z round its phase's part.
+
+        The phase's coordinates travel as the part named after the phase, so an error-feedback
+        channel keeps one residual per phase (x and z messages differ in length). ``grad``:
+        [d], or the [m, d] rows of a cohort.
+        """
+        idx = self._sent_idx(ctx, phase)
+        return grad if idx is None else {phase: grad[..., idx]}
+
     def _solver(self, edges: torch.Tensor, num_nodes: int) -> ZStepSolver:
         key = edges.cpu().numpy().tobytes() + num_nodes.to_bytes(8, "little")
         if key not in self._solvers:
@@ -207,8 +220,26 @@ class PFedNet(Algorithm):
                 mask[self._sent_idx(ctx, phase)] = 1.0
             theta, loss = ctx.sgd(model_in, data, generator, mask=mask)
             grad = (model_in - theta) / ctx.lr
-        idx = self._sent_idx(ctx, phase)
-        return ClientResult(grad if idx is None else grad[idx], state, {"train_loss": loss})
+        return ClientResult(self._upload(ctx, phase, grad), state, {"train_loss": loss})
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: one stacked run (or stacked gradient)."""
+        assert model_in is not None
+        phase = self.phase(ctx.round)
+        if self.one_gradient:
+            loss, grad = loss_and_grad_cohort(ctx, model_in, cohort)
+        else:
+            mask = None
+            if self.local_mask and phase != "joint":
+                mask = torch.zeros_like(model_in[0])
+                mask[self._sent_idx(ctx, phase)] = 1.0
+            local = ctx.train_cohort(model_in, cohort, mask=mask)
+            if local is None:
+                return None
+            grad, loss = (model_in - local.params) / ctx.lr, local.loss
+        return CohortResult(self._upload(ctx, phase, grad), states, {"train_loss": loss})
 
     def server_update(
         self,
@@ -223,6 +254,8 @@ class PFedNet(Algorithm):
         phase = self.phase(ctx.round)
         d1, d2 = ctx.shared_idx.numel(), ctx.personal_idx.numel()
         full = phase == "joint"
+        if not full:  # the phase's part of every upload
+            updates = {n: u[phase] for n, u in updates.items()}  # type: ignore[index]
         out = dict(server)
         if phase in ("joint", "x") and d1 > 0:
             g = {n: (u[ctx.shared_idx] if full else u) for n, u in updates.items()}

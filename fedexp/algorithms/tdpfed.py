@@ -42,6 +42,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, ClientResult, Message, State, weighted_mean
 from fedexp.data.federated import ClientData
+from fedexp.engine.cohort import Cohort, CohortResult, draw_batch
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.optim import SGD, Adam
@@ -203,6 +204,74 @@ class TDPFed(Algorithm):
         }
         metrics = {"train_loss": total / max(rounds, 1)}
         return ClientResult(a, new_state, metrics)
+
+    def cohort_update(
+        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
+    ) -> CohortResult | None:
+        """:meth:`client_update` of the whole cohort: each local round stacked.
+
+        Every client's minibatch drawn at once, then the θ-steps and the factor steps one
+        stacked run each on it.
+        """
+        assert isinstance(model_in, torch.Tensor)
+        rounds = ctx.cohort_steps(cohort) if self.local_rounds is None else self.local_rounds
+        if rounds is None or not ctx.cohort_batches(cohort):
+            return None
+        cp = self.cp(ctx)
+        compose_rows = torch.func.vmap(cp.compose)
+        a = model_in.detach().clone()
+        theta = (
+            compose_rows(a) if self.reset_personal else torch.stack([s["theta"] for s in states])
+        )
+        opt_theta = [self.theta_opt.load(s, "opt_theta") for s in states]
+        opt_a = [self.factor_opt.load(s, "opt_a") for s in states]
+        lam = torch.tensor(float(self.lam), device=a.device, dtype=a.dtype)
+        total = torch.zeros(len(cohort), device=a.device)
+        for _ in range(rounds):
+            batch = draw_batch(ctx, cohort)
+            if self.personal_steps > 0:
+                personal = ctx.train_cohort(
+                    theta,
+                    cohort,
+                    objective=ctx.proximal_objective(compose_rows(a), self.lam),
+                    optimizer=self.theta_opt,
+                    opt_states=opt_theta,
+                    steps=self.personal_steps,
+                    lr=self.personal_lr,
+                    batch=batch,
+                )
+                if personal is None:
+                    return None
+                theta, opt_theta = personal.params, personal.opt_state
+                total = total + personal.loss
+            if self.factor_steps > 0:
+                aux = {"theta": theta.detach(), "lam": lam}
+                fit = ctx.train_cohort(
+                    a,
+                    cohort,
+                    objective=Objective(partial(self.factor_loss, cp), aux=aux),
+                    optimizer=self.factor_opt,
+                    opt_states=opt_a,
+                    steps=self.factor_steps,
+                    batch=batch,
+                )
+                if fit is None:
+                    return None
+                a, opt_a = fit.params, fit.opt_state
+        new_states = []
+        for i, state in enumerate(states):
+            new = {**state, "theta": theta[i].clone()}
+            for opt, stack, prefix, like in (
+                (self.theta_opt, opt_theta, "opt_theta", theta[i]),
+                (self.factor_opt, opt_a, "opt_a", a[i]),
+            ):
+                if isinstance(stack, dict):  # stepped this round
+                    row = {k: v[i].clone() for k, v in stack.items()}
+                else:  # no steps of this kind: the loaded (or a fresh) state, as client_update
+                    row = stack[i] or opt.init(like)
+                new.update(opt.save(row, prefix))
+            new_states.append(new)
+        return CohortResult(a, new_states, {"train_loss": total / max(rounds, 1)})
 
     # ------------------------------------------------------------------ server
     def server_update(

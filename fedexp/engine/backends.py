@@ -318,6 +318,18 @@ def _rowwise(ctx, obj: Objective, posts: bool) -> Callable:  # noqa: ANN001 - Co
     return run
 
 
+def stacked_gradients(ctx, obj: Objective, posts: bool) -> Callable:  # noqa: ANN001 - Context
+    """``(params, x, y, aux, u) -> (grads, (losses, posts))`` of m clients' stacked rows.
+
+    One :func:`torch.func.vmap` of the objective's gradient, or client by client
+    (:func:`_rowwise`) for a model whose convolutions run channels-last (see
+    :func:`train_stacked`).
+    """
+    if getattr(ctx.model, "channels_last", False):
+        return _rowwise(ctx, obj, posts=posts)
+    return vmap(grad_and_value(obj.loss, has_aux=True), randomness="different")
+
+
 def train_stacked(
     ctx,  # noqa: ANN001 - Context (import cycle)
     obj: Objective,
@@ -360,10 +372,7 @@ def train_stacked(
     """
     ctx.model.module.train()
     step_lr: float | torch.Tensor = lr if lr_scale is None else lr * lr_scale
-    if getattr(ctx.model, "channels_last", False):
-        grad_fn = _rowwise(ctx, obj, posts=frozen is not None)
-    else:
-        grad_fn = vmap(grad_and_value(obj.loss, has_aux=True), randomness="different")
+    grad_fn = stacked_gradients(ctx, obj, posts=frozen is not None)
     step_fn = vmap(opt.step, in_dims=(0, 0, 0, None if lr_scale is None else 0))
     project = None if obj.project is None else vmap(obj.project)
     total = torch.zeros(params.shape[0], device=params.device)

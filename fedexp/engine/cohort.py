@@ -23,7 +23,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from fedexp.data.federated import ClientData
-from fedexp.engine.backends import diverged_rows, stream_noise, train_stacked
+from fedexp.engine.backends import (
+    diverged_rows,
+    stacked_gradients,
+    stream_noise,
+    train_stacked,
+)
 from fedexp.engine.objective import Objective
 from fedexp.engine.optim import Optimizer
 from fedexp.engine.optim import State as OptState
@@ -259,6 +264,28 @@ def draw_batch(ctx, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:  # noq
     idx = batch_indices(cohort.keys, cohort.draws, size, cohort.pool.size[cohort.rows])
     cohort.draws = cohort.draws + 1
     return cohort.pool.gather(cohort.rows, idx)
+
+
+def loss_and_grad_cohort(
+    ctx,  # noqa: ANN001 - Context (import cycle)
+    params: torch.Tensor,
+    cohort: Cohort,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Context.loss_and_grad`` of the whole cohort, each client on its next minibatch.
+
+    Returns each client's task loss [m] and its gradient [m, d] at its row of ``params``, on
+    the minibatch :func:`draw_batch` gives it (the module's train/eval mode left as it is, as
+    ``Context.loss_and_grad`` leaves it).
+    """
+    objective = ctx.model_objective()
+    if objective.frozen is not None:
+        raise ValueError("the cohort path takes objectives without frozen coordinates")
+    xs, ys = draw_batch(ctx, cohort)
+    empty = torch.zeros(len(cohort), 0, device=params.device)
+    grads, (values, _) = stacked_gradients(ctx, objective, posts=False)(
+        params.detach(), xs, ys, {}, empty
+    )
+    return values.detach(), grads
 
 
 def check_rows(

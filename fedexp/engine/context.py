@@ -227,7 +227,7 @@ class Context:
         cohort: Any,
         *,
         objective: Objective | None = None,
-        opt_states: list[OptState | None] | None = None,
+        opt_states: list[OptState | None] | OptState | None = None,
         steps: int | None = None,
         lr: float | None = None,
         mask: torch.Tensor | None = None,
@@ -244,7 +244,8 @@ class Context:
             cohort: the round's :class:`fedexp.engine.cohort.Cohort`.
             objective: what to minimise, its ``aux`` tensors stacked [m, ...] (0-dim ones
                 shared); default the task loss.
-            opt_states: each client's optimiser state to continue from (None: fresh).
+            opt_states: each client's optimiser state to continue from (None: fresh), or
+                their stack (a previous call's ``CohortLocal.opt_state``).
             steps: local steps (default :meth:`steps_for`, which must then be the same for
                 every client of the cohort).
             lr: step size (default the run's ``lr``).
@@ -268,9 +269,12 @@ class Context:
         if batch is None and not self.cohort_batches(cohort):
             return None
         optimizer = optimizer or self.optimizer
-        stacked = stack_opt_states(optimizer, params, opt_states or [None] * params.shape[0])
-        if stacked is None:
-            return None
+        if isinstance(opt_states, dict):  # already stacked (a previous call's ``opt_state``)
+            stacked = opt_states
+        else:
+            stacked = stack_opt_states(optimizer, params, opt_states or [None] * params.shape[0])
+            if stacked is None:
+                return None
         objective = objective or self.model_objective()
         keep = None if mask is None else (mask == 0).expand(params.shape)
         lr = self.lr if lr is None else lr

@@ -126,3 +126,30 @@ def test_eta_x_zero_freezes_the_shared_part_and_bad_steps_are_refused(small_cfg)
     for kwargs in ({"eta_x": -0.1}, {"eta_z": 0.0}, {"rho": -1.0}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             PFedNet(**kwargs)
+
+
+def test_phased_rounds_keep_one_error_feedback_residual_per_phase(small_cfg):
+    """x and z rounds upload different coordinates (the authors' two-phase image rounds): with
+    an error-feedback channel (CER + STC) each phase's part keeps its own residual, of its own
+    length (a residual shared by both lengths crashed the second round)."""
+    engine = build_engine(
+        small_cfg(
+            "algorithm=pfednet",
+            "algorithm.local_mask=true",
+            "algorithm.x_rounds=1",
+            "algorithm.z_rounds=1",
+            "model=mlp",
+            "model.hidden=8",
+            "compressor=cer_stc",
+        )
+    )
+    assert engine.uplink.error_feedback
+    engine.setup()
+    _rounds(engine, 3)  # x, z, x
+    residuals = engine.residual["up"]
+    ctx = engine.ctx
+    sizes = {"x": ctx.shared_idx.numel(), "z": ctx.personal_idx.numel()}
+    assert sizes["x"] != sizes["z"]
+    assert {name for _, name in residuals} == {"x", "z"}
+    for (_, name), res in residuals.items():
+        assert res.numel() == sizes[name]
