@@ -128,13 +128,14 @@ COHORT_CASES = [
         "model.hidden=8",
         "compressor=cer_stc",
     ),
+    ("algorithm=fedbn", "model=mlp", "model.hidden=8"),  # no BatchNorm layer: FedPer's path
 ]
 COHORT_IDS = ["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc", "fedprox-cnn"]
 COHORT_IDS += ["ditto", "fedavg_ft", "fedprox_ft", "fedamp", "fpfc", "l2gd", "fedper", "fedrep"]
 COHORT_IDS += ["apfl", "fedrod", "pfedsop", "pfedme", "pfedme-full-batch", "feddwa"]
 COHORT_IDS += ["feddwa-model-topk", "ifca", "ifca-adam", "superfed", "superfed-eval-lambda"]
 COHORT_IDS += ["tdpfed", "tdpfed-factors-only", "fedala", "pfednet", "pfednet-one-gradient"]
-COHORT_IDS += ["pfednet-masked-cer"]
+COHORT_IDS += ["pfednet-masked-cer", "fedbn-without-batchnorm"]
 
 
 @pytest.mark.parametrize("overrides", COHORT_CASES, ids=COHORT_IDS)
@@ -164,6 +165,25 @@ def test_cohort_path_equals_the_per_client_hooks(small_cfg, overrides):
             if key.startswith("train/"):
                 assert m_lock[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
     assert lock.ledger.messages == seq.ledger.messages
+
+
+def test_every_algorithm_has_a_cohort_path_and_a_case_above():
+    """Every algorithm config's class offers ``cohort_update``, and the equality test above
+    runs each of them (FedBN's cohort path is FedPer's; with BatchNorm layers the engine runs
+    the per-client hooks)."""
+    from pathlib import Path
+
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "algorithm"
+    names = sorted(p.stem for p in conf.glob("*.yaml"))
+    assert len(names) >= 22
+    for name in names:
+        cls = get_class(OmegaConf.load(conf / f"{name}.yaml")["_target_"])
+        assert offers_cohort(cls), name
+    tested = {o.split("=", 1)[1] for case in COHORT_CASES for o in case if "algorithm=" in o}
+    assert tested == set(names)
 
 
 def test_subclasses_with_their_own_client_hook_do_not_inherit_the_cohort_path():
