@@ -5,9 +5,9 @@ round's clients as stacked computations); the greenlet barrier runs its ``client
 client as greenlets whose ``Context.train`` calls are batched (what every algorithm had before
 it got a cohort path, and what the others still run). Same data, draws and models (the tests
 compare them); only the Python per client differs. Logistic regression on synthetic tabular
-data (20 features, 50 samples per client; FedPer, FedRep and FedRoD an MLP with 16 hidden units,
-whose head is personal), every client every round, E local SGD steps, dense messages, one torch
-thread; medians of interleaved repeats.
+data (20 features, 50 samples per client; FedPer, FedRep, FedRoD, pFedNet and TDPFed an MLP with
+16 hidden units, whose head is personal), every client every round, E local SGD steps, dense
+messages, one torch thread; medians of interleaved repeats.
 
     python scripts/bench_cohort_algorithms.py                       # 1,000 clients
     python scripts/bench_cohort_algorithms.py --clients 100 --algorithms ditto fedrep
@@ -44,6 +44,11 @@ ALGORITHMS = [
     "pfedsop",
     "pfedme",
     "feddwa",
+    "ifca",
+    "superfed",
+    "tdpfed",
+    "fedala",
+    "pfednet",
 ]
 #: a model with a body and a head (logistic regression is all head: nothing would be shared)
 HEADED = ["model=mlp", "model.hidden=16"]
@@ -55,6 +60,9 @@ EXTRA = {
     "fedrep": [*HEADED, "algorithm.head_steps=2"],
     "fedrod": HEADED,
     "l2gd": ["algorithm.p=0.3"],
+    "pfednet": HEADED,
+    "superfed": ["algorithm.warmup_rounds=0"],
+    "tdpfed": HEADED,
 }
 
 
