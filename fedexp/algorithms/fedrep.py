@@ -148,6 +148,5 @@ class FedRep(FedPer):
             new_states = unstack_states(new_states, opt, local.opt_state, f"opt_{name}")
             metrics[f"{name}_loss"] = local.loss
             metrics["train_loss"] = local.loss
-        heads = theta[:, head]
-        new_states = [{**s, "head": h.clone()} for s, h in zip(new_states, heads, strict=True)]
+        new_states = unstack_states(new_states, opt, {}, head=theta[:, head])
         return CohortResult(model_in - theta[:, body], new_states, metrics)
