@@ -38,6 +38,7 @@ Choices where the paper, the authors' code and this engine differ:
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -109,9 +110,10 @@ class SuPerFed(FedAvg):
     def mixture(
         ctx: Context, g: torch.Tensor, local: torch.Tensor, lam: float | torch.Tensor
     ) -> torch.Tensor:
-        """(1 − λ) w_g + λ w_l on the parameters; running statistics from w_g."""
+        """(1 − λ) w_g + λ w_l on the parameters; running statistics from w_g (rows too)."""
         n = ctx.model.layout.num_params
-        return torch.cat([(1 - lam) * g[:n] + lam * local[:n], g[n:]])
+        mixed = (1 - lam) * g[..., :n] + lam * local[..., :n]
+        return torch.cat([mixed, g[..., n:]], dim=-1)
 
     def mix_loss(
         self,
@@ -237,7 +239,7 @@ class SuPerFed(FedAvg):
         g, w_l = out.params[:, :d], out.params[:, d:]
         lams = [self.eval_lambda] * len(cohort)
         if self.eval_lambda is None:
-            lams = [select_lambda(ctx, g[i], w_l[i], data) for i, data in enumerate(cohort.data)]
+            lams = select_lambdas(ctx, g, w_l, cohort.data)
         halves = [split_state(out.opt_state, d, h, stacked=True) for h in (0, 1)]
         lam = torch.tensor(lams, dtype=w_l.dtype, device=w_l.device)[:, None]
         new_states = unstack_states(states, opt, halves[0], local=w_l, lam_eval=lam)
@@ -308,3 +310,48 @@ def select_lambda(ctx: Context, g: torch.Tensor, local: torch.Tensor, data: Clie
         finally:
             ctx.model.module.train()
     return best
+
+
+@torch.no_grad()
+def select_lambdas(
+    ctx: Context, g: torch.Tensor, local: torch.Tensor, data: Sequence[ClientData]
+) -> list[float]:
+    """:func:`select_lambda` of every client of a cohort ([m, d] rows), batched.
+
+    Each grid λ's mixtures go through one vmapped forward pass of the clients' training
+    splits, padded together in chunks of about ``max(eval_batch_size, 8192)`` inputs, and the
+    task's per-client loss (``loss_batch``); the first λ of the lowest loss wins, as in
+    :func:`select_lambda`. Tasks without ``loss_batch`` (segmentation) go client by client.
+    """
+    if not hasattr(ctx.task, "loss_batch"):
+        return [select_lambda(ctx, g[i], local[i], d) for i, d in enumerate(data)]
+    forward = torch.func.vmap(ctx.model)
+    budget = max(ctx.eval_batch_size, 8192)
+    out: list[float] = []
+    start = 0
+    while start < len(data):
+        stop, longest = start, 0
+        while stop < len(data):  # clients while the padded chunk stays in the budget
+            longest = max(longest, data[stop].num_train)
+            if stop > start and longest * (stop + 1 - start) > budget:
+                break
+            stop += 1
+        part = data[start:stop]
+        xs = torch.nn.utils.rnn.pad_sequence([d.x_train for d in part], batch_first=True)
+        ys = torch.nn.utils.rnn.pad_sequence([d.y_train for d in part], batch_first=True)
+        lengths = torch.tensor([d.num_train for d in part], dtype=torch.int64)
+        best = torch.zeros(len(part), dtype=torch.float64)
+        best_loss = torch.full((len(part),), float("inf"), dtype=torch.float64)
+        ctx.model.module.eval()
+        try:
+            for lam in LAMBDA_GRID:
+                params = SuPerFed.mixture(ctx, g[start:stop], local[start:stop], lam)
+                loss = ctx.task.loss_batch(forward(params, xs), ys, lengths).double().cpu()
+                better = loss < best_loss
+                best = torch.where(better, lam, best)
+                best_loss = torch.where(better, loss, best_loss)
+        finally:
+            ctx.model.module.train()
+        out.extend(best.tolist())
+        start = stop
+    return out

@@ -52,6 +52,35 @@ class ClassificationTask:
         """Accuracy, balanced accuracy and AUC on one client's test split."""
         return classification_metrics(logits, y, self.num_classes)
 
+    def loss_batch(
+        self,
+        logits: torch.Tensor,
+        y: torch.Tensor,
+        lengths: torch.Tensor,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """:meth:`loss` of every client of a padded batch: [m] (NaN for a client without rows).
+
+        Client i's rows are the first ``lengths[i]`` of ``logits[i]`` (m, n, C) and ``y[i]``
+        (m, n); the mean of their per-sample losses is summed in ``dtype`` (default the
+        logits').
+        """
+        m, n, c = logits.shape
+        valid = torch.arange(n, device=logits.device) < lengths.to(logits.device)[:, None]
+        y = y.to(logits.device)
+        if c == 1:
+            per_sample = F.binary_cross_entropy_with_logits(
+                logits[..., 0], y.to(logits.dtype), reduction="none"
+            )
+        else:
+            labels = torch.where(valid, y.long(), 0)  # padding's label: anything valid
+            per_sample = F.cross_entropy(
+                logits.reshape(m * n, c), labels.reshape(-1), reduction="none"
+            ).view(m, n)
+        dtype = dtype or logits.dtype
+        total = torch.where(valid, per_sample, 0.0)
+        return total.sum(1, dtype=dtype) / valid.sum(1).to(dtype)
+
     def evaluate_batch(
         self, logits: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor
     ) -> list[dict[str, float]]:
@@ -73,20 +102,7 @@ class ClassificationTask:
         """
         with torch.no_grad():
             table = classification_table(logits, y, lengths, self.num_classes)
-            m, n, c = logits.shape
-            valid = torch.arange(n, device=logits.device) < lengths.to(logits.device)[:, None]
-            y = y.to(logits.device)
-            if c == 1:
-                per_sample = F.binary_cross_entropy_with_logits(
-                    logits[..., 0], y.to(logits.dtype), reduction="none"
-                )
-            else:
-                labels = torch.where(valid, y.long(), 0)  # padding's label: anything valid
-                per_sample = F.cross_entropy(
-                    logits.reshape(m * n, c), labels.reshape(-1), reduction="none"
-                ).view(m, n)
-            total = torch.where(valid, per_sample, 0.0)
-            loss = total.sum(1, dtype=table.dtype) / valid.sum(1).to(table.dtype)
+            loss = self.loss_batch(logits, y, lengths, table.dtype)
             columns = torch.cat([table, loss[:, None]], dim=1).cpu().T.tolist()
         keys = (*CLASSIFICATION_METRICS, "loss")
         # from columns: no list per client alongside the dicts (100,000 clients: -18 MB)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedexp.algorithms.superfed import LAMBDA_GRID, SuPerFed, cos2, select_lambda
+from fedexp.algorithms.superfed import LAMBDA_GRID, SuPerFed, cos2, select_lambda, select_lambdas
 from fedexp.engine.runner import build_engine
 from helpers import assert_client_states_close
 
@@ -182,3 +182,26 @@ def test_runs_and_evaluates(small_cfg, overrides):
         for s in e.client_states:
             params = e.algorithm.eval_params(e.ctx, e.server, s, 0)
             assert torch.equal(params[n:], e.server["x"][n:])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model=logreg",),
+        ("dataset=synthetic", "dataset.num_classes=3", "partition=iid", "model=mlp"),
+    ],
+    ids=["one-logit", "three-classes"],
+)
+def test_the_cohorts_evaluation_lambdas_at_once_equal_client_by_client(small_cfg, overrides):
+    """``select_lambdas`` (padded, vmapped, in chunks) picks each client's ``select_lambda``."""
+    engine = build_engine(small_cfg(*overrides))
+    ctx, data = engine.ctx, engine.clients
+    torch.manual_seed(0)
+    d = ctx.model.layout.numel
+    g = ctx.model.initial().expand(len(data), d) + 0.5 * torch.randn(len(data), d)
+    local = torch.randn(len(data), d)
+    ctx.eval_batch_size = 1  # select_lambda: one input a forward pass
+    alone = [select_lambda(ctx, g[i], local[i], c) for i, c in enumerate(data)]
+    together = select_lambdas(ctx, g, local, data)
+    assert together == alone
+    assert len(set(alone)) > 1  # the clients' choices differ: the comparison can fail
