@@ -406,3 +406,28 @@ def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch, overrides):
         assert sorted(a) == sorted(b)
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+
+
+def test_train_losses_of_a_cohort_equal_client_by_client(small_cfg):
+    """``cohort.train_losses`` (padded, vmapped) gives each client's task loss on its training
+    split; a task without ``loss_batch`` is scored client by client, to the same values."""
+    from types import SimpleNamespace
+
+    from fedexp.engine.cohort import train_losses
+
+    engine = build_engine(small_cfg("model=mlp", "model.hidden=8"))
+    ctx, data = engine.ctx, engine.clients
+    torch.manual_seed(0)
+    d = ctx.model.layout.numel
+    params = ctx.model.initial() + 0.3 * torch.randn(len(data), d)
+    batched = train_losses(ctx, params, data)
+    with torch.no_grad():
+        expected = [
+            float(ctx.task.loss(ctx.model(p, c.x_train), c.y_train))
+            for p, c in zip(params, data, strict=True)
+        ]
+    assert batched.tolist() == pytest.approx(expected, rel=1e-5)
+    assert len(set(expected)) == len(expected)
+    ctx.task = SimpleNamespace(loss=ctx.task.loss)  # no loss_batch
+    torch.testing.assert_close(train_losses(ctx, params, data), batched, rtol=1e-5, atol=1e-7)
+    assert ctx.model.module.training  # the module's mode is restored

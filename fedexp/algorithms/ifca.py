@@ -51,7 +51,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, ClientResult, Message, State, weighted_mean
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
+from fedexp.engine.cohort import Cohort, CohortResult, train_losses, unstack_states
 from fedexp.engine.context import Context
 
 #: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
@@ -120,24 +120,12 @@ class IFCA(Algorithm):
         return {"clusters": server["clusters"]}
 
     # ----------------------------------------------------------------- client
-    @torch.no_grad()
     def cluster_losses(self, ctx: Context, clusters: torch.Tensor, data: ClientData):
-        """F_n(θ_j) for every j: mean task loss on the client's training split (eval mode)."""
-        size = max(1, ctx.eval_batch_size)
-        xs, ys = torch.split(data.x_train, size), torch.split(data.y_train, size)
-        chunks = list(zip(xs, ys, strict=True))
-        losses = []
-        with ctx.model_lock:  # the lockstep backend shares the module between threads
-            module = ctx.model.module
-            was_training = module.training
-            module.eval()
-            try:
-                for theta in clusters:
-                    total = sum(ctx.task.loss(ctx.model(theta, x), y) * len(y) for x, y in chunks)
-                    losses.append(total / data.num_train)
-            finally:
-                module.train(was_training)
-        return torch.stack(losses).float()
+        """F_n(θ_j) for every j: mean task loss on the client's training split (eval mode).
+
+        The k models scored as the cohort path scores them (:func:`train_losses`).
+        """
+        return train_losses(ctx, clusters, [data] * clusters.shape[0]).float()
 
     def client_update(
         self,
@@ -179,13 +167,15 @@ class IFCA(Algorithm):
     ) -> CohortResult | None:
         """:meth:`client_update` of the whole cohort: the local steps one stacked run.
 
-        The cluster choices stay client by client (k forward passes of its training split).
+        Each cluster model is scored on every client's training split at once
+        (:func:`fedexp.engine.cohort.train_losses`).
         """
         assert isinstance(model_in, dict)
         clusters = model_in["clusters"]  # [m, k, d]
         losses = torch.stack(
-            [self.cluster_losses(ctx, c, d) for c, d in zip(clusters, cohort.data, strict=True)]
-        )
+            [train_losses(ctx, clusters[:, j], cohort.data) for j in range(clusters.shape[1])],
+            dim=1,
+        ).float()
         losses = torch.where(torch.isfinite(losses), losses, torch.full_like(losses, torch.inf))
         j = torch.argmin(losses, dim=1)  # the first of equal losses
         rows = torch.arange(len(cohort), device=j.device)

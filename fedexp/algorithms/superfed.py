@@ -47,7 +47,7 @@ from fedexp.algorithms.base import ClientResult, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
+from fedexp.engine.cohort import Cohort, CohortResult, train_losses, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.optim import State as OptState
@@ -312,46 +312,20 @@ def select_lambda(ctx: Context, g: torch.Tensor, local: torch.Tensor, data: Clie
     return best
 
 
-@torch.no_grad()
 def select_lambdas(
     ctx: Context, g: torch.Tensor, local: torch.Tensor, data: Sequence[ClientData]
 ) -> list[float]:
     """:func:`select_lambda` of every client of a cohort ([m, d] rows), batched.
 
-    Each grid λ's mixtures go through one vmapped forward pass of the clients' training
-    splits, padded together in chunks of about ``max(eval_batch_size, 8192)`` inputs, and the
-    task's per-client loss (``loss_batch``); the first λ of the lowest loss wins, as in
-    :func:`select_lambda`. Tasks without ``loss_batch`` (segmentation) go client by client.
+    Each grid λ's mixtures are scored for all clients at once
+    (:func:`fedexp.engine.cohort.train_losses`); the first λ of the lowest loss wins, as in
+    :func:`select_lambda`.
     """
-    if not hasattr(ctx.task, "loss_batch"):
-        return [select_lambda(ctx, g[i], local[i], d) for i, d in enumerate(data)]
-    forward = torch.func.vmap(ctx.model)
-    budget = max(ctx.eval_batch_size, 8192)
-    out: list[float] = []
-    start = 0
-    while start < len(data):
-        stop, longest = start, 0
-        while stop < len(data):  # clients while the padded chunk stays in the budget
-            longest = max(longest, data[stop].num_train)
-            if stop > start and longest * (stop + 1 - start) > budget:
-                break
-            stop += 1
-        part = data[start:stop]
-        xs = torch.nn.utils.rnn.pad_sequence([d.x_train for d in part], batch_first=True)
-        ys = torch.nn.utils.rnn.pad_sequence([d.y_train for d in part], batch_first=True)
-        lengths = torch.tensor([d.num_train for d in part], dtype=torch.int64)
-        best = torch.zeros(len(part), dtype=torch.float64)
-        best_loss = torch.full((len(part),), float("inf"), dtype=torch.float64)
-        ctx.model.module.eval()
-        try:
-            for lam in LAMBDA_GRID:
-                params = SuPerFed.mixture(ctx, g[start:stop], local[start:stop], lam)
-                loss = ctx.task.loss_batch(forward(params, xs), ys, lengths).double().cpu()
-                better = loss < best_loss
-                best = torch.where(better, lam, best)
-                best_loss = torch.where(better, loss, best_loss)
-        finally:
-            ctx.model.module.train()
-        out.extend(best.tolist())
-        start = stop
-    return out
+    best = torch.zeros(len(data), dtype=torch.float64)
+    best_loss = torch.full((len(data),), float("inf"), dtype=torch.float64)
+    for lam in LAMBDA_GRID:
+        loss = train_losses(ctx, SuPerFed.mixture(ctx, g, local, lam), data)
+        better = loss < best_loss
+        best = torch.where(better, lam, best)
+        best_loss = torch.where(better, loss, best_loss)
+    return best.tolist()

@@ -288,6 +288,54 @@ def loss_and_grad_cohort(
     return values.detach(), grads
 
 
+@torch.no_grad()
+def train_losses(ctx, params: torch.Tensor, data: Sequence[ClientData]) -> torch.Tensor:  # noqa: ANN001
+    """Each client's mean task loss of its row of ``params`` on its training split: [m] float64.
+
+    The module in eval mode; the clients' training splits padded together in chunks of about
+    ``max(eval_batch_size, 8192)`` inputs, one vmapped forward pass a chunk and the task's
+    per-client ``loss_batch`` (as ``Engine._evaluate_many`` evaluates). A task without
+    ``loss_batch`` (segmentation) goes client by client.
+    """
+    module = ctx.model.module
+    was_training = module.training
+    module.eval()
+    try:
+        if not hasattr(ctx.task, "loss_batch"):
+            size = max(1, ctx.eval_batch_size)
+            return torch.tensor(
+                [
+                    float(
+                        ctx.task.loss(
+                            torch.cat([ctx.model(p, c) for c in d.x_train.split(size)]), d.y_train
+                        )
+                    )
+                    for p, d in zip(params, data, strict=True)
+                ],
+                dtype=torch.float64,
+            )
+        forward = torch.func.vmap(ctx.model)
+        budget = max(ctx.eval_batch_size, 8192)
+        out, start = [], 0
+        while start < len(data):
+            stop, longest = start, 0
+            while stop < len(data):  # clients while the padded chunk stays in the budget
+                longest = max(longest, data[stop].num_train)
+                if stop > start and longest * (stop + 1 - start) > budget:
+                    break
+                stop += 1
+            part = data[start:stop]
+            xs = torch.nn.utils.rnn.pad_sequence([d.x_train for d in part], batch_first=True)
+            ys = torch.nn.utils.rnn.pad_sequence([d.y_train for d in part], batch_first=True)
+            lengths = torch.tensor([d.num_train for d in part], dtype=torch.int64)
+            logits = forward(params[start:stop], xs)
+            out.append(ctx.task.loss_batch(logits, ys, lengths).double().cpu())
+            start = stop
+        return torch.cat(out)
+    finally:
+        module.train(was_training)
+
+
 def check_rows(
     ctx,  # noqa: ANN001 - Context (import cycle)
     cohort: Cohort,
