@@ -229,6 +229,41 @@ def test_a_cohorts_lossy_messages_coded_in_one_pass_equal_message_by_message(sma
     assert h_batched[-1]["bytes/up"] < h_batched[-1]["bytes/up_dense"]  # really compressed
 
 
+@pytest.mark.parametrize(
+    "algorithm,compressor",
+    [("feddwa", "stc"), ("feddwa", "randk"), ("ifca", "topk"), ("ifca", "none")],
+)
+def test_named_parts_in_one_pass_equal_message_by_message(small_cfg, algorithm, compressor):
+    """Messages with named parts (FedDWA's two models up; IFCA's clusters down, its update and
+    cluster id up) cross their channel part by part in one pass: the same values, residuals,
+    replicas, streams and bytes (per part too) as message by message."""
+    over = ("backend=lockstep", f"algorithm={algorithm}", f"compressor={compressor}")
+    one = _message_by_message(build_engine(small_cfg(*over)))
+    batched = _no_client_hook(build_engine(small_cfg(*over)))
+    parts = []
+    inner = batched._send_part_cohort
+    batched._send_part_cohort = lambda *a: parts.append((a[0], a[2])) or inner(*a)
+    h_one, h_batched = [], []
+    for engine, history in ((one, h_one), (batched, h_batched)):
+        engine.setup()
+        history.extend(engine.run_round() for _ in range(3))
+    assert {name for _, name in parts} >= (
+        {"model", "guide"} if algorithm == "feddwa" else {"clusters", "update", "cluster"}
+    )
+    for key, value in one.server.items():
+        assert torch.equal(batched.server[key], value), key
+    for d in ("up", "down"):
+        for store in ("residual", "replica"):
+            a, b = getattr(one, store)[d], getattr(batched, store)[d]
+            assert a.keys() == b.keys()
+            assert all(torch.equal(b[k], v) for k, v in a.items())
+    for a, b in zip(h_one, h_batched, strict=True):
+        assert {k: v for k, v in a.items() if k.startswith("bytes/")} == {
+            k: v for k, v in b.items() if k.startswith("bytes/")
+        }
+    assert batched.ledger.messages == one.ledger.messages
+
+
 def test_lossy_uplink_of_the_cohort_path_goes_through_the_channel(small_cfg):
     """STC both ways: the cohort trains at once, its updates are coded in one pass."""
     over = ("algorithm=fedavg", "compressor=stc", "model=mlp", "model.hidden=8")

@@ -231,7 +231,8 @@ class Engine:
         updates: dict[int, Message] = {}
         sums: dict[str, float] = {}
         msgs = self.algorithm.downlinks(self.ctx, self.server, sampled)
-        stacked = self._send_cohort("down", sampled, msgs)  # one pass when it can
+        # one pass when it can (messages alike: bare tensors, or named parts part by part)
+        stacked = self._send_cohort("down", sampled, _stack_parts([msgs[n] for n in sampled]))
         inbox: dict[int, Message | None] = {}
         if stacked is None:
             inbox = {
@@ -242,7 +243,7 @@ class Engine:
             updates, sums = cohort
         else:
             if stacked is not None:
-                inbox = dict(zip(sampled, stacked.unbind(0), strict=True))
+                inbox = {n: _row(stacked, i) for i, n in enumerate(sampled)}
             streams = rng.client_streams(self.seed, t, sampled)
 
             def client(n: int) -> ClientResult:
@@ -320,11 +321,11 @@ class Engine:
         sums = {k: float(v.sum()) for k, v in result.metrics.items()}
         updates: dict[int, Message] = {}
         if result.updates is not None:
-            received = None
-            if isinstance(result.updates, torch.Tensor):
-                received = self._send_cohort("up", sampled, result.updates)
-            if received is not None:
+            received = self._send_cohort("up", sampled, result.updates)
+            if isinstance(received, torch.Tensor):
                 updates = StackedUpdates(sampled, received)
+            elif received is not None:  # named parts: each client's row of every part
+                updates = {n: _row(received, i) for i, n in enumerate(sampled)}
             else:  # message by message (named parts: each client's row of every part)
                 for i, n in enumerate(sampled):
                     updates[n], metrics = self._send("up", n, _row(result.updates, i))
@@ -336,58 +337,83 @@ class Engine:
         self,
         direction: str,
         clients: list[int],
-        msgs: dict[int, Message | None] | torch.Tensor,
-    ) -> torch.Tensor | None:
-        """Every client's bare-tensor message through its channel in one pass.
+        stacked: torch.Tensor | dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """Every client's message through its channel in one pass, part by part.
 
-        Returns the decoded messages stacked ``[m, ...]`` (client order), or None when they
-        are not all tensors of one shape, the channel has transforms (they act message by
-        message) or a lossless codec other than dense float32 sends the model itself (the
-        per-client :meth:`_send` then runs). Sent exactly as dense float32, on the CPU the
-        stack is encoded and decoded as one block (each client's message is its 4·numel
-        bytes of it); on an accelerator the bytes are counted from the sizes (dense float32
-        has no header, MATH §8) and the messages stay on the device. Anything else goes
-        through :meth:`_transmit_cohort`.
+        ``stacked``: the clients' messages ``[m, ...]`` in client order, or for messages with
+        named parts a dict of such stacks (:func:`_stack_parts`). Returns the decoded messages
+        in the same form, or None, with nothing sent, when some part cannot go in one pass:
+        the channel has transforms (they act message by message), a lossless codec other
+        than dense float32 sends a model itself, or a part is empty (the per-client
+        :meth:`_send` then runs). A part sent exactly as dense float32 is, on the CPU,
+        encoded and decoded as one block (each client's message is its 4·numel bytes of it);
+        on an accelerator its bytes are counted from the sizes (dense float32 has no header,
+        MATH §8) and it stays on the device. Anything else goes through
+        :meth:`_transmit_cohort`. Parts of different names are independent (their own
+        residuals, replicas and streams), so part by part equals client by client.
         """
+        if stacked is None or not clients:
+            return None
+        parts = {"": stacked} if isinstance(stacked, torch.Tensor) else stacked
         channel = self.uplink if direction == "up" else self.downlink
         kinds = self.algorithm.uplink_parts if direction == "up" else self.algorithm.downlink_parts
-        kind = kinds.get("", "update" if direction == "up" else "model")
-        dense = kind == "exact" or (type(channel.codec) is DenseCodec and _exact(channel))
-        if not clients or (
-            not dense and (channel.transforms or (kind == "model" and _exact(channel)))
-        ):
-            return None
-        if isinstance(msgs, torch.Tensor):  # already stacked (a cohort's uploads)
-            stack, first = msgs.detach(), msgs[0]
-        else:
-            found = _stack_alike([msgs[n] for n in clients])
-            if found is None:
+        default = "update" if direction == "up" else "model"
+        plan = {}
+        for name, stack in parts.items():
+            kind = kinds.get(name, default)
+            dense = kind == "exact" or (type(channel.codec) is DenseCodec and _exact(channel))
+            if stack[0].numel() == 0 or (
+                not dense and (channel.transforms or (kind == "model" and _exact(channel)))
+            ):
                 return None
-            stack, first = found, found[0]
-        numel = first.numel()
-        if numel == 0:
-            return None  # nothing to send: the per-client path counts the empty messages
+            plan[name] = (kind, dense)
+        out = {
+            name: self._send_part_cohort(direction, clients, name, *plan[name], stack.detach())
+            for name, stack in sorted(parts.items())
+        }
+        return out[""] if isinstance(stacked, torch.Tensor) else out
+
+    def _send_part_cohort(
+        self,
+        direction: str,
+        clients: list[int],
+        name: str,
+        kind: str,
+        dense: bool,
+        stack: torch.Tensor,
+    ) -> torch.Tensor:
+        """One part of every client's message in one pass (:meth:`_send_cohort`)."""
+        m, shape = len(clients), stack.shape[1:]
+        numel = stack[0].numel()
         if not dense:
-            flat = stack.reshape(len(clients), numel)
-            received = self._transmit_cohort(direction, clients, kind, channel, flat)
-            return received.reshape(len(clients), *first.shape).to(first.dtype)
+            channel = self.uplink if direction == "up" else self.downlink
+            flat = stack.reshape(m, numel)
+            received = self._transmit_cohort(direction, clients, name, kind, channel, flat)
+            return received.reshape(m, *shape).to(stack.dtype)
         if stack.device.type == "cpu":
             codec = DenseCodec()
             block = stack.reshape(-1).to(torch.float32)
             if stack.stride(0) == 0:  # the same message: encode it once, count it m times
                 block = block[:numel]
             payloads = codec.encode_many(block.view(-1, numel))  # the bytes on the wire
-            received = codec.decode_many(payloads, numel).reshape(-1, *first.shape)
-            received = received.expand(len(clients), *first.shape).to(first.dtype)
+            received = codec.decode_many(payloads, numel).reshape(-1, *shape)
+            received = received.expand(m, *shape).to(stack.dtype)
         else:
-            received = stack.to(torch.float32).to(first.dtype)
-        self.ledger.add_many(direction, len(clients), 4 * numel, numel)
+            received = stack.to(torch.float32).to(stack.dtype)
+        self.ledger.add_many(direction, m, 4 * numel, numel, part=name)
         return received
 
     def _transmit_cohort(
-        self, direction: str, clients: list[int], kind: str, channel: Channel, flat: torch.Tensor
+        self,
+        direction: str,
+        clients: list[int],
+        name: str,
+        kind: str,
+        channel: Channel,
+        flat: torch.Tensor,
     ) -> torch.Tensor:
-        """:meth:`_transmit` of every client's bare-tensor part through a lossy channel at once.
+        """:meth:`_transmit` of every client's part ``name`` through a lossy channel at once.
 
         The same messages, residuals, replicas and bytes as client by client (``update``:
         error-feedback residuals stacked; ``model``: the change against each receiver's
@@ -396,10 +422,12 @@ class Engine:
         decoded messages ``[m, numel]``.
         """
         purpose = _UPLINK if direction == "up" else _DOWNLINK
-        keys = [(n, "") for n in clients]
+        keys = [(n, name) for n in clients]
         gens = None
         if channel.codec.randomised:
-            gens = [rng.generator(self.seed, purpose, self.round, n) for n in clients]
+            gens = [
+                rng.generator(self.seed, purpose, self.round, n, *_part_key(name)) for n in clients
+            ]
         numel, dev = flat.shape[1], flat.device
         if kind == "update":
             store = self.residual[direction]
@@ -417,7 +445,7 @@ class Engine:
                 [
                     h
                     if (h := self.replica[direction].get(k)) is not None
-                    else self._initial_part(direction, n, "", flat[i])
+                    else self._initial_part(direction, n, name, flat[i])
                     for i, (n, k) in enumerate(zip(clients, keys, strict=True))
                 ]
             )
@@ -431,7 +459,7 @@ class Engine:
                 self.replica[direction][k] = received[i].clone()
                 if not channel.error_feedback:
                     self.reference[direction][k] = flat[i].clone()
-        self.ledger.add_sizes(direction, payloads.sizes, numel)
+        self.ledger.add_sizes(direction, payloads.sizes, numel, part=name)
         return received
 
     def _weights(self, updates: dict[int, Message]) -> dict[int, float]:
