@@ -444,8 +444,9 @@ def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch, overrides):
 
 
 def test_train_losses_of_a_cohort_equal_client_by_client(small_cfg):
-    """``cohort.train_losses`` (padded, vmapped) gives each client's task loss on its training
-    split; a task without ``loss_batch`` is scored client by client, to the same values."""
+    """``cohort.train_losses`` (padded, vmapped, in chunks) gives each client's task loss on
+    its training split under each candidate; a task without ``loss_batch`` is scored client
+    by client, to the same values."""
     from types import SimpleNamespace
 
     from fedexp.engine.cohort import train_losses
@@ -454,15 +455,26 @@ def test_train_losses_of_a_cohort_equal_client_by_client(small_cfg):
     ctx, data = engine.ctx, engine.clients
     torch.manual_seed(0)
     d = ctx.model.layout.numel
-    params = ctx.model.initial() + 0.3 * torch.randn(len(data), d)
-    batched = train_losses(ctx, params, data)
+    params = ctx.model.initial() + 0.3 * torch.randn(len(data), 3, d)
+    made = []
+
+    def candidates(j, rows):
+        made.append((j, rows))
+        return params[rows, j]
+
+    batched = train_losses(ctx, candidates, 3, data)
+    assert batched.shape == (len(data), 3)
     with torch.no_grad():
         expected = [
-            float(ctx.task.loss(ctx.model(p, c.x_train), c.y_train))
-            for p, c in zip(params, data, strict=True)
+            [float(ctx.task.loss(ctx.model(params[i, j], c.x_train), c.y_train)) for j in range(3)]
+            for i, c in enumerate(data)
         ]
-    assert batched.tolist() == pytest.approx(expected, rel=1e-5)
-    assert len(set(expected)) == len(expected)
+    torch.testing.assert_close(
+        batched, torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=0
+    )
+    assert len({v for row in expected for v in row}) == 3 * len(data)
+    assert sorted(j for j, _ in made) == [0, 1, 2]  # one chunk: each candidate made once
     ctx.task = SimpleNamespace(loss=ctx.task.loss)  # no loss_batch
-    torch.testing.assert_close(train_losses(ctx, params, data), batched, rtol=1e-5, atol=1e-7)
+    alone = train_losses(ctx, lambda j, rows: params[rows, j], 3, data)
+    torch.testing.assert_close(alone, batched, rtol=1e-5, atol=1e-7)
     assert ctx.model.module.training  # the module's mode is restored

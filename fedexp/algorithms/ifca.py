@@ -125,7 +125,9 @@ class IFCA(Algorithm):
 
         The k models scored as the cohort path scores them (:func:`train_losses`).
         """
-        return train_losses(ctx, clusters, [data] * clusters.shape[0]).float()
+        return train_losses(ctx, lambda j, rows: clusters[j][None], len(clusters), [data])[
+            0
+        ].float()
 
     def client_update(
         self,
@@ -172,9 +174,8 @@ class IFCA(Algorithm):
         """
         assert isinstance(model_in, dict)
         clusters = model_in["clusters"]  # [m, k, d]
-        losses = torch.stack(
-            [train_losses(ctx, clusters[:, j], cohort.data) for j in range(clusters.shape[1])],
-            dim=1,
+        losses = train_losses(
+            ctx, lambda j, rows: clusters[rows, j], clusters.shape[1], cohort.data
         ).float()
         losses = torch.where(torch.isfinite(losses), losses, torch.full_like(losses, torch.inf))
         j = torch.argmin(losses, dim=1)  # the first of equal losses

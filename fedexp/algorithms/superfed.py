@@ -321,11 +321,10 @@ def select_lambdas(
     (:func:`fedexp.engine.cohort.train_losses`); the first λ of the lowest loss wins, as in
     :func:`select_lambda`.
     """
-    best = torch.zeros(len(data), dtype=torch.float64)
-    best_loss = torch.full((len(data),), float("inf"), dtype=torch.float64)
-    for lam in LAMBDA_GRID:
-        loss = train_losses(ctx, SuPerFed.mixture(ctx, g, local, lam), data)
-        better = loss < best_loss
-        best = torch.where(better, lam, best)
-        best_loss = torch.where(better, loss, best_loss)
+
+    def mixtures(j: int, rows: slice) -> torch.Tensor:
+        return SuPerFed.mixture(ctx, g[rows], local[rows], LAMBDA_GRID[j])
+
+    losses = train_losses(ctx, mixtures, len(LAMBDA_GRID), data).nan_to_num(nan=float("inf"))
+    best = torch.tensor(LAMBDA_GRID, dtype=torch.float64)[losses.argmin(dim=1)]  # first lowest
     return best.tolist()

@@ -17,7 +17,7 @@ inside the steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -289,51 +289,70 @@ def loss_and_grad_cohort(
 
 
 @torch.no_grad()
-def train_losses(ctx, params: torch.Tensor, data: Sequence[ClientData]) -> torch.Tensor:  # noqa: ANN001
-    """Each client's mean task loss of its row of ``params`` on its training split: [m] float64.
+def train_losses(
+    ctx,  # noqa: ANN001 - Context (import cycle)
+    candidates: Callable[[int, slice], torch.Tensor],
+    count: int,
+    data: Sequence[ClientData],
+) -> torch.Tensor:
+    """Each client's mean task loss on its training split under ``count`` candidate vectors.
 
-    The module in eval mode; the clients' training splits padded together in chunks of about
-    ``max(eval_batch_size, 8192)`` inputs, one vmapped forward pass a chunk and the task's
-    per-client ``loss_batch`` (as ``Engine._evaluate_many`` evaluates). A task without
-    ``loss_batch`` (segmentation) goes client by client.
+    ``candidates(j, rows)`` gives candidate j's vectors ``[len(rows), d]`` of the clients
+    ``rows`` (a slice of ``data``'s order); made chunk by chunk, so that m · count vectors
+    never exist at once. The module in eval mode; the clients' training splits padded
+    together once a chunk of about ``max(eval_batch_size, 8192)`` inputs, one vmapped
+    forward pass a candidate and the task's per-client ``loss_batch`` (as
+    ``Engine._evaluate_many`` evaluates). A task without ``loss_batch`` (segmentation) goes
+    client by client. Returns ``[m, count]`` float64 on the CPU.
     """
     module = ctx.model.module
     was_training = module.training
     module.eval()
+    out = []
     try:
-        if not hasattr(ctx.task, "loss_batch"):
-            size = max(1, ctx.eval_batch_size)
-            return torch.tensor(
-                [
-                    float(
-                        ctx.task.loss(
-                            torch.cat([ctx.model(p, c) for c in d.x_train.split(size)]), d.y_train
-                        )
-                    )
-                    for p, d in zip(params, data, strict=True)
-                ],
-                dtype=torch.float64,
-            )
-        forward = torch.func.vmap(ctx.model)
-        budget = max(ctx.eval_batch_size, 8192)
-        out, start = [], 0
+        start = 0
         while start < len(data):
             stop, longest = start, 0
             while stop < len(data):  # clients while the padded chunk stays in the budget
                 longest = max(longest, data[stop].num_train)
-                if stop > start and longest * (stop + 1 - start) > budget:
+                if stop > start and longest * (stop + 1 - start) > max(ctx.eval_batch_size, 8192):
                     break
                 stop += 1
-            part = data[start:stop]
-            xs = torch.nn.utils.rnn.pad_sequence([d.x_train for d in part], batch_first=True)
-            ys = torch.nn.utils.rnn.pad_sequence([d.y_train for d in part], batch_first=True)
-            lengths = torch.tensor([d.num_train for d in part], dtype=torch.int64)
-            logits = forward(params[start:stop], xs)
-            out.append(ctx.task.loss_batch(logits, ys, lengths).double().cpu())
+            out.append(_chunk_losses(ctx, candidates, count, data, slice(start, stop)))
             start = stop
-        return torch.cat(out)
     finally:
         module.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, count, dtype=torch.float64)
+
+
+def _chunk_losses(ctx, candidates, count: int, data, rows: slice) -> torch.Tensor:  # noqa: ANN001
+    """:func:`train_losses` of the clients ``rows``: [len, count]."""
+    part = data[rows]
+    if not hasattr(ctx.task, "loss_batch"):  # client by client
+        size = max(1, ctx.eval_batch_size)
+        table = []
+        for j in range(count):
+            vectors = candidates(j, rows)
+            table.append(
+                [
+                    float(
+                        ctx.task.loss(
+                            torch.cat([ctx.model(p, x) for x in d.x_train.split(size)]), d.y_train
+                        )
+                    )
+                    for p, d in zip(vectors, part, strict=True)
+                ]
+            )
+        return torch.tensor(table, dtype=torch.float64).T
+    xs = torch.nn.utils.rnn.pad_sequence([d.x_train for d in part], batch_first=True)
+    ys = torch.nn.utils.rnn.pad_sequence([d.y_train for d in part], batch_first=True)
+    lengths = torch.tensor([d.num_train for d in part], dtype=torch.int64)
+    forward = torch.func.vmap(ctx.model)
+    losses = [
+        ctx.task.loss_batch(forward(candidates(j, rows), xs), ys, lengths).double().cpu()
+        for j in range(count)
+    ]
+    return torch.stack(losses, dim=1)
 
 
 def check_rows(
