@@ -474,6 +474,10 @@ def test_train_losses_of_a_cohort_equal_client_by_client(small_cfg):
     )
     assert len({v for row in expected for v in row}) == 3 * len(data)
     assert sorted(j for j, _ in made) == [0, 1, 2]  # one chunk: each candidate made once
+    ctx.vmap_ok = False  # a model vmap cannot run: client by client
+    unbatched = train_losses(ctx, lambda j, rows: params[rows, j], 3, data)
+    torch.testing.assert_close(unbatched, batched, rtol=1e-5, atol=1e-7)
+    ctx.vmap_ok = True
     ctx.task = SimpleNamespace(loss=ctx.task.loss)  # no loss_batch
     alone = train_losses(ctx, lambda j, rows: params[rows, j], 3, data)
     torch.testing.assert_close(alone, batched, rtol=1e-5, atol=1e-7)

@@ -17,6 +17,7 @@ inside the steps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -34,6 +35,8 @@ from fedexp.engine.optim import Optimizer
 from fedexp.engine.optim import State as OptState
 from fedexp.engine.rng import Stream, batch_indices
 from fedexp.errors import DivergenceError
+
+log = logging.getLogger("fedexp")
 
 #: bytes of gathered minibatches (inputs and targets) a slice of the cohort takes per step:
 #: 8 MiB is 2,048 tabular clients (batch 32 of 30 floats and a label) or 128 CNN clients
@@ -303,7 +306,8 @@ def train_losses(
     together once a chunk of about ``max(eval_batch_size, 8192)`` inputs, one vmapped
     forward pass a candidate and the task's per-client ``loss_batch`` (as
     ``Engine._evaluate_many`` evaluates). A task without ``loss_batch`` (segmentation) goes
-    client by client. Returns ``[m, count]`` float64 on the CPU.
+    client by client, and so does a model vmap cannot run. Returns ``[m, count]`` float64 on
+    the CPU.
     """
     module = ctx.model.module
     was_training = module.training
@@ -318,7 +322,13 @@ def train_losses(
                 if stop > start and longest * (stop + 1 - start) > max(ctx.eval_batch_size, 8192):
                     break
                 stop += 1
-            out.append(_chunk_losses(ctx, candidates, count, data, slice(start, stop)))
+            rows = slice(start, stop)
+            try:
+                out.append(_chunk_losses(ctx, candidates, count, data, rows))
+            except RuntimeError as exc:  # an op vmap refuses: client by client from now on
+                ctx.vmap_ok = False
+                log.warning("batched losses: cannot vmap (%s)", str(exc).splitlines()[0][:160])
+                out.append(_chunk_losses(ctx, candidates, count, data, rows))
             start = stop
     finally:
         module.train(was_training)
@@ -328,7 +338,7 @@ def train_losses(
 def _chunk_losses(ctx, candidates, count: int, data, rows: slice) -> torch.Tensor:  # noqa: ANN001
     """:func:`train_losses` of the clients ``rows``: [len, count]."""
     part = data[rows]
-    if not hasattr(ctx.task, "loss_batch"):  # client by client
+    if not hasattr(ctx.task, "loss_batch") or not ctx.vmap_ok:  # client by client
         size = max(1, ctx.eval_batch_size)
         table = []
         for j in range(count):
