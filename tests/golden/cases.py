@@ -1,0 +1,116 @@
+"""The golden cases: every algorithm config, 3 rounds, at several settings (issue 22).
+
+Recorded once on main before the one-path refactor (``python tests/golden/record.py``) with
+the engine of that day; ``tests/test_golden.py`` reruns each case and compares the server
+state, every client state and the per-round metrics with the recording (rel. 1e-5).
+
+Settings, for each of the 22 algorithm configs:
+
+* ``<case>``: the cases that held the two client paths equal before (a variant of each
+  algorithm's options: momentum, Adam, masks, named parts, noise, full batches, a CNN);
+* ``<alg>-stc-partial``: the first of those with a lossy error-feedback channel both ways
+  (STC) and 60 % participation;
+* ``<alg>-batchnorm``: an MLP with BatchNorm (running statistics in the parameters, which
+  vmap cannot update: the local solver goes client by client);
+* a few runs whose clients differ in their step counts within a round (``local_epochs`` on
+  unequal splits, full batches of unequal sizes): sub-cohorts.
+"""
+
+from __future__ import annotations
+
+ALGORITHMS = [
+    "apfl", "ditto", "fedala", "fedamp", "fedavg", "fedavg_ft", "fedbn", "feddwa", "fedper",
+    "fedprox", "fedprox_ft", "fedrep", "fedrod", "fpfc", "ifca", "l2gd", "local", "pfedme",
+    "pfednet", "pfedsop", "superfed", "tdpfed",
+]  # fmt: skip
+
+#: (id, overrides): options of each algorithm's paper exercised on the default data
+VARIANTS: list[tuple[str, tuple[str, ...]]] = [
+    ("fedavg", ("algorithm=fedavg",)),
+    ("momentum-partial", ("algorithm=fedavg", "participation=0.6", "optimizer=sgd",
+                          "optimizer.momentum=0.9")),
+    ("fedprox-mlp", ("algorithm=fedprox", "algorithm.mu=0.5", "model=mlp", "model.hidden=8")),
+    ("local-adam", ("algorithm=local", "optimizer=adam")),
+    ("mc", ("algorithm=fedavg", "dataset=synthetic", "dataset.num_classes=3", "partition=iid",
+            "num_clients=12", "local_epochs=1")),
+    ("fedprox-cnn", ("algorithm=fedprox", "algorithm.mu=0.1", "dataset=digits", "partition=iid",
+                     "num_clients=4", "model=vgg8", "model.channels=[4,4,4,4,4]",
+                     "model.hidden=8")),
+    ("ditto", ("algorithm=ditto", "algorithm.lam=0.5", "algorithm.personal_steps=3",
+               "optimizer=adam")),
+    ("fedavg_ft", ("algorithm=fedavg_ft", "participation=0.6", "optimizer=sgd",
+                   "optimizer.momentum=0.9")),
+    ("fedprox_ft", ("algorithm=fedprox_ft", "algorithm.mu=0.5", "algorithm.finetune_steps=2")),
+    ("fedamp", ("algorithm=fedamp", "algorithm.heuristic=true", "participation=0.6")),
+    ("fpfc", ("algorithm=fpfc", "algorithm.penalty=mcp", "participation=0.6")),
+    ("l2gd", ("algorithm=l2gd", "algorithm.p=0.6", "algorithm.max_local_steps=4",
+              "optimizer=sgd", "optimizer.momentum=0.5")),
+    ("fedper", ("algorithm=fedper", "model=mlp", "model.hidden=8", "participation=0.6")),
+    ("fedrep", ("algorithm=fedrep", "model=mlp", "model.hidden=8", "algorithm.head_steps=2")),
+    ("apfl", ("algorithm=apfl", "algorithm.alpha_lr=0.5", "optimizer=sgd",
+              "optimizer.momentum=0.9")),
+    ("fedrod", ("algorithm=fedrod", "model=mlp", "model.hidden=8", "participation=0.6")),
+    ("pfedsop", ("algorithm=pfedsop", "participation=0.6", "optimizer=adam")),
+    ("pfedme", ("algorithm=pfedme", "algorithm.personal_steps=3", "algorithm.lam=2")),
+    ("pfedme-full-batch", ("algorithm=pfedme", "batch_size=0", "dataset=synthetic",
+                           "dataset.num_samples=120", "num_clients=4", "partition=iid",
+                           "algorithm.local_rounds=2")),
+    ("feddwa", ("algorithm=feddwa", "algorithm.topk=2", "optimizer=sgd",
+                "optimizer.momentum=0.9")),
+    ("feddwa-model-topk", ("algorithm=feddwa", "algorithm.guide_steps=2",
+                           "algorithm.evaluate=model", "compressor=topk")),
+    ("ifca", ("algorithm=ifca", "algorithm.k=3", "participation=0.6")),
+    ("ifca-adam", ("algorithm=ifca", "algorithm.k=2", "optimizer=adam", "model=mlp",
+                   "model.hidden=8")),
+    ("superfed", ("algorithm=superfed", "algorithm.warmup_rounds=1", "optimizer=adam",
+                  "participation=0.6")),
+    ("superfed-eval-lambda", ("algorithm=superfed", "algorithm.warmup_rounds=0",
+                              "algorithm.eval_lambda=0.5")),
+    ("tdpfed", ("algorithm=tdpfed", "model=mlp", "model.hidden=8", "algorithm.local_rounds=2",
+                "algorithm.personal_steps=2", "algorithm.factor_steps=3", "participation=0.6")),
+    ("tdpfed-factors-only", ("algorithm=tdpfed", "model=mlp", "model.hidden=8",
+                             "algorithm.personal_steps=0", "algorithm.factor_steps=2",
+                             "algorithm.reset_personal=true")),
+    ("fedala", ("algorithm=fedala", "model=mlp", "model.hidden=8", "participation=0.6")),
+    ("pfednet", ("algorithm=pfednet", "participation=0.6", "optimizer=sgd",
+                 "optimizer.momentum=0.9")),
+    ("pfednet-one-gradient", ("algorithm=pfednet", "algorithm.one_gradient=true", "model=mlp",
+                              "model.hidden=8")),
+    ("pfednet-masked-cer", ("algorithm=pfednet", "algorithm.local_mask=true",
+                            "algorithm.x_rounds=1", "algorithm.z_rounds=1", "model=mlp",
+                            "model.hidden=8", "compressor=cer_stc")),
+    ("fedbn-without-batchnorm", ("algorithm=fedbn", "model=mlp", "model.hidden=8")),
+    # clients whose step counts differ within a round (local_epochs on unequal splits; full
+    # batches of unequal sizes): sub-cohorts
+    ("fedavg-epochs", ("algorithm=fedavg", "local_epochs=1")),
+    ("fedrep-epochs", ("algorithm=fedrep", "model=mlp", "model.hidden=8", "local_epochs=1")),
+    ("pfedme-full-batch-unequal", ("algorithm=pfedme", "batch_size=0",
+                                   "algorithm.local_rounds=2")),
+    ("ditto-epochs", ("algorithm=ditto", "local_epochs=0.5", "participation=0.6")),
+]  # fmt: skip
+
+
+def _first_variant(alg: str) -> tuple[str, ...]:
+    return next(o for _, o in VARIANTS if o[0] == f"algorithm={alg}")
+
+
+def _strip_model(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(o for o in overrides if not o.startswith("model"))
+
+
+#: every golden case: id -> overrides of the tests' small config
+CASES: dict[str, tuple[str, ...]] = dict(VARIANTS)
+for _alg in ALGORITHMS:
+    _base = _first_variant(_alg)
+    CASES[f"{_alg}-stc-partial"] = (
+        *(o for o in _base if not o.startswith(("participation", "compressor"))),
+        "participation=0.6",
+        "compressor=stc",
+    )
+    CASES[f"{_alg}-batchnorm"] = (
+        *_strip_model(_base),
+        "model=mlp",
+        "model.hidden=8",
+        "model.norm=batch",
+        *(["algorithm.k=2"] if _alg == "pfednet" else []),
+    )

@@ -1,0 +1,55 @@
+"""Running a golden case: the figures ``record.py`` keeps and ``test_golden.py`` compares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from golden.cases import CASES
+
+HERE = Path(__file__).resolve().parent
+ROUNDS = 3
+#: what a round's figures are compared on: not wall times
+_SKIP = ("time/", "system/")
+
+
+def state_path(name: str) -> Path:
+    """Where case ``name``'s state tree is kept."""
+    return HERE / "states" / f"{name}.safetensors"
+
+
+def metrics_path() -> Path:
+    """The per-round metrics of every case."""
+    return HERE / "metrics.json"
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}/"))
+        else:
+            out[name] = value.detach().cpu()
+    return out
+
+
+def run_case(
+    name: str, out_dir: Path, *extra: str
+) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    """Case ``name`` (and ``extra`` overrides), ``ROUNDS`` rounds: its flat state tree and
+    each round's metrics."""
+    from helpers import SMALL, compose_config
+
+    from fedexp.engine.runner import build_engine
+
+    cfg = compose_config(*SMALL, *CASES[name], *extra, output_dir=out_dir)
+    engine = build_engine(cfg)
+    engine.setup()
+    history = []
+    for _ in range(ROUNDS):
+        metrics = engine.run_round()
+        metrics.update(engine.evaluate()[0])
+        history.append({k: float(v) for k, v in sorted(metrics.items()) if not k.startswith(_SKIP)})
+    return _flatten(engine.state_tree()), history
