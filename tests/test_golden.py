@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-
 from golden.cases import CASES
 from golden.golden import metrics_path, run_case, state_path
 

@@ -40,9 +40,8 @@ def run_case(
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     """Case ``name`` (and ``extra`` overrides), ``ROUNDS`` rounds: its flat state tree and
     each round's metrics."""
-    from helpers import SMALL, compose_config
-
     from fedexp.engine.runner import build_engine
+    from helpers import SMALL, compose_config
 
     cfg = compose_config(*SMALL, *CASES[name], *extra, output_dir=out_dir)
     engine = build_engine(cfg)

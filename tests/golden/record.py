@@ -24,7 +24,6 @@ sys.path[:0] = [str(HERE.parent)]
 from golden.cases import CASES  # noqa: E402
 from golden.golden import metrics_path, run_case, state_path  # noqa: E402
 
-
 #: the engine of the recording: the cohort path where it ran (main at c973b3d)
 RECORDED_WITH = ("backend=lockstep",)
 
