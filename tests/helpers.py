@@ -86,3 +86,43 @@ def assert_client_states_close(seq, lock) -> None:
         assert a.keys() == b.keys()
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+
+
+def cohort_of(engine, clients, round_: int | None = None):  # noqa: ANN001, ANN201
+    """The :class:`fedexp.contract.Cohort` of ``clients`` (ids, ascending) in ``engine``'s
+    round ``round_`` (default: the round about to run): their streams as the engine gives
+    them, no draws yet."""
+    import torch
+
+    from fedexp.contract import Cohort
+    from fedexp.engine import rng
+
+    t = engine.round if round_ is None else round_
+    ids = torch.tensor(list(clients), dtype=torch.int64, device=engine.ctx.device)
+    return Cohort(
+        clients=list(clients),
+        data=[engine.clients[n] for n in clients],
+        rows=ids,
+        keys=rng.stream_keys(engine.seed, rng.CLIENT, t, ids),
+        draws=torch.zeros(len(ids), dtype=torch.int64, device=ids.device),
+        pool=engine.pool,
+    )
+
+
+def solo(data, key: int = 0):  # noqa: ANN001, ANN201
+    """A cohort of one client alone (its data pooled on their own), drawing from stream
+    ``key`` (:class:`fedexp.engine.rng.Stream`)."""
+    import torch
+
+    from fedexp.contract import Cohort
+    from fedexp.engine.pool import TrainPool
+
+    dev = data.x_train.device
+    return Cohort(
+        clients=[0],
+        data=[data],
+        rows=torch.zeros(1, dtype=torch.int64, device=dev),
+        keys=torch.tensor([key], dtype=torch.int64, device=dev),
+        draws=torch.zeros(1, dtype=torch.int64, device=dev),
+        pool=TrainPool.of([data]),
+    )

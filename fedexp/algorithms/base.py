@@ -1,51 +1,52 @@
-"""The algorithm contract: a client hook and a server hook over explicit state.
+"""The algorithm contract: one client hook over the cohort, a server hook, explicit state.
 
 All state is a ``dict[str, Tensor]`` owned by the engine (so a checkpoint is "save the
-state"). A round is, for each sampled client n:
+state"). A round, for the sampled clients (in sub-cohorts of alike work, ``Context.work_key``):
 
-    msg   = downlink(ctx, server, n)                      # None: nothing is sent
-    upd, client_state, metrics = client_update(ctx, msg, client_state, data, generator)
-    server = server_update(ctx, server, {n: decoded upd}, {n: weight})
+    msgs   = downlinks(ctx, server, clients)                    # {n: message | None}
+    result = client_update(ctx, stacked msgs, states, cohort)   # every client of the cohort
+    server = server_update(ctx, server, {n: decoded upload}, {n: weight})
 
-Messages cross the client/server boundary as bytes (``fedexp.comm``); the hooks only ever see
-decoded tensors. Evaluation uses ``eval_params``. Hooks must not keep state on ``self``.
+An algorithm states one client's work once, as its paper writes it, over stacked ``[m, ...]``
+tensors; one client alone is a cohort of one. The local solver (``Context.train``,
+``fedexp.engine.solver``) decides how the steps execute. Messages cross the client/server
+boundary as bytes (``fedexp.comm``); the hooks only see decoded tensors. Evaluation uses
+``eval_params``. Hooks must not keep state on ``self``. The contract's types live in
+``fedexp.contract``.
 """
 
 from __future__ import annotations
 
-import bisect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 
+from fedexp.contract import (
+    PART_KINDS,
+    Cohort,
+    CohortResult,
+    Message,
+    Stacked,
+    StackedUpdates,
+    State,
+    weighted_mean,
+)
 from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult
 from fedexp.engine.context import Context
 
-State = dict[str, torch.Tensor]
-#: What crosses the network: one tensor, or named parts (IFCA: the k cluster models down).
-Message = torch.Tensor | dict[str, torch.Tensor]
-#: How a message part is coded (``fedexp.engine.engine.Engine._transmit``).
-PART_KINDS = ("model", "update", "exact")
-
-
-@dataclass
-class ClientResult:
-    """What a client hook returns.
-
-    Attributes:
-        update: the message for the server: a tensor, a dict of named parts, or None (the
-            client sends nothing).
-        state: the client's new state.
-        metrics: scalars to average over the round's clients (e.g. train loss).
-    """
-
-    update: Message | None
-    state: State
-    metrics: dict[str, float] = field(default_factory=dict)
+__all__ = [
+    "PART_KINDS",
+    "Algorithm",
+    "Cohort",
+    "CohortResult",
+    "Message",
+    "Stacked",
+    "StackedUpdates",
+    "State",
+    "weighted_mean",
+]
 
 
 class Algorithm(ABC):
@@ -93,32 +94,14 @@ class Algorithm(ABC):
 
     @abstractmethod
     def client_update(
-        self,
-        ctx: Context,
-        model_in: Message | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """Local work of one client; ``model_in`` is the decoded downlink message."""
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """Local work of every client of ``cohort``.
 
-    def cohort_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | dict[str, torch.Tensor] | None,
-        states: list[State],
-        cohort: Cohort,
-    ) -> CohortResult | None:
-        """Optional: every sampled client's :meth:`client_update` as one computation.
-
-        Called by the engine with ``backend=lockstep`` (issue 14's cohort path,
-        ``fedexp.engine.cohort``) with the downlink messages stacked ``[m, ...]`` in
-        ``cohort.clients`` order (messages with named parts: a dict of such stacks, part by
-        part; None when nothing is sent). It must give what
-        :meth:`client_update` gives each client (up to floating-point summation order: the
-        tests compare the two). Return None to run the per-client hooks (the default).
+        ``model_in``: the decoded downlink messages stacked ``[m, ...]`` in
+        ``cohort.clients`` order (named parts: a dict of such stacks; None when nothing is
+        sent); ``states``: each client's state, in the same order.
         """
-        return None
 
     @abstractmethod
     def server_update(
@@ -154,47 +137,3 @@ class Algorithm(ABC):
     def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
         """Scalars about the server state to log each round (default: none)."""
         return {}
-
-
-class StackedUpdates(Mapping):
-    """A cohort's received updates as one ``[m, ...]`` tensor, read as ``{client: row}``.
-
-    What the cohort path hands ``server_update`` instead of a dict of m row views (a view
-    costs ~600 bytes: 60 MB a round at 100,000 clients); :func:`weighted_mean` reads the
-    stack directly.
-
-    Args:
-        clients: the senders, ascending (row i is ``clients[i]``'s update).
-        stack: ``[m, ...]`` the decoded updates.
-    """
-
-    def __init__(self, clients: list[int], stack: torch.Tensor) -> None:
-        if len(clients) != stack.shape[0] or any(
-            a >= b for a, b in zip(clients, clients[1:], strict=False)
-        ):
-            raise ValueError("StackedUpdates needs ascending clients, one per row")
-        self.clients, self.stack = clients, stack
-
-    def __getitem__(self, n: int) -> torch.Tensor:
-        i = bisect.bisect_left(self.clients, n)
-        if i == len(self.clients) or self.clients[i] != n:
-            raise KeyError(n)
-        return self.stack[i]
-
-    def __iter__(self):  # noqa: ANN204 - Mapping's
-        return iter(self.clients)
-
-    def __len__(self) -> int:
-        return len(self.clients)
-
-
-def weighted_mean(updates: Mapping[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
-    """Σ_n ω_n u_n over the received updates."""
-    clients = sorted(updates)
-    if isinstance(updates, StackedUpdates):  # rows in ascending client order: one product
-        stack = updates.stack
-        w = torch.tensor([weights[n] for n in clients], dtype=stack.dtype, device=stack.device)
-        return (w @ stack.reshape(len(clients), -1)).reshape(stack.shape[1:])
-    stacked = torch.stack([updates[n] for n in clients])
-    w = torch.tensor([weights[n] for n in clients], dtype=stacked.dtype, device=stacked.device)
-    return (w[:, None] * stacked).sum(dim=0)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Objective
+from fedexp.engine.solver import unstack_states
 
 
 class FedAvg(Algorithm):
@@ -37,40 +36,17 @@ class FedAvg(Algorithm):
         return ctx.model_objective()
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
         """E local steps of the run's optimiser (its state kept); send Δ = x − θ^E."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
         local = ctx.train(
             model_in,
-            data,
-            generator,
-            objective=self.objective(ctx, model_in.detach()),
-            opt_state=opt.load(state),
-        )
-        new_state = {**state, **opt.save(local.opt_state)}
-        return ClientResult(model_in - local.params, new_state, {"train_loss": local.loss})
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: one stacked run of the local steps."""
-        assert isinstance(model_in, torch.Tensor)
-        opt = ctx.optimizer
-        local = ctx.train_cohort(
-            model_in,
             cohort,
             objective=self.objective(ctx, model_in.detach()),
             opt_states=[opt.load(s) for s in states],
         )
-        if local is None:
-            return None
         new_states = unstack_states(states, opt, local.opt_state)
         return CohortResult(model_in - local.params, new_states, {"train_loss": local.loss})
 

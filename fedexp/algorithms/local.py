@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, State
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 
 class LocalOnly(Algorithm):
@@ -30,28 +29,12 @@ class LocalOnly(Algorithm):
         return None
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """E local steps on the client's own model (optimiser state kept); no upload."""
-        opt = ctx.optimizer
-        local = ctx.train(state["theta"], data, generator, opt_state=opt.load(state))
-        new_state = {**state, "theta": local.params, **opt.save(local.opt_state)}
-        return ClientResult(None, new_state, {"train_loss": local.loss})
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: one stacked run of the local steps."""
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """E local steps on each client's own model (optimiser state kept); no upload."""
         opt = ctx.optimizer
         theta = torch.stack([s["theta"] for s in states])
-        local = ctx.train_cohort(theta, cohort, opt_states=[opt.load(s) for s in states])
-        if local is None:
-            return None
+        local = ctx.train(theta, cohort, opt_states=[opt.load(s) for s in states])
         new_states = unstack_states(states, opt, local.opt_state, theta=local.params)
         return CohortResult(None, new_states, {"train_loss": local.loss})
 

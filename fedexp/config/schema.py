@@ -51,10 +51,6 @@ class RunConfig:
         output_dir: where checkpoints and result files go (null: Hydra's run folder).
         eval_participants: evaluate only the round's sampled clients at evaluated rounds
             before the last (pFedSOP's curves); the last round evaluates every client.
-        backend: "sequential" (clients one after another), "lockstep" (the sampled
-            clients' local SGD batched with torch.func.vmap; same results up to rounding) or
-            "auto" (lockstep unless the model has BatchNorm statistics, which lockstep
-            cannot batch: fedexp.engine.backends.choose_backend).
         threads: torch CPU threads of this job; 0 = PyTorch's default for a single run and
             cores / parallel jobs in a parallel sweep (two jobs each using every core stall
             each other's small kernels on a 2-core machine).
@@ -78,7 +74,6 @@ class RunConfig:
     progress: str = "auto"
     output_dir: str | None = None
     threads: int = 0
-    backend: str = "sequential"
     eval_participants: bool = False
     dataset: Any = field(default_factory=dict)
     model: Any = field(default_factory=dict)
@@ -89,12 +84,9 @@ class RunConfig:
     tracker: Any = field(default_factory=dict)
 
 
-#: The allowed values of the string settings. ``backend`` mirrors the keys of
-#: ``fedexp.engine.backends.BACKENDS`` plus "auto" (not imported here: it imports torch; a
-#: test keeps them equal).
+#: The allowed values of the string settings.
 CHOICES: dict[str, tuple[str, ...]] = {
     "progress": ("auto", "bar", "log", "none"),
-    "backend": ("sequential", "lockstep", "auto"),
 }
 
 #: Algorithm keys that count other clients, so must stay below ``num_clients``, by target.

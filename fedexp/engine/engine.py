@@ -2,9 +2,10 @@
 
 The engine owns all state (server, clients, channel residuals and replicas, the byte ledger),
 moves every message through its channel as bytes, and calls the algorithm's hooks. The
-clients' hooks run through an execution backend (``fedexp.engine.backends``: one after another,
-or in lockstep with their local SGD batched); each client draws from its own
-(seed, round, client) stream, so results do not depend on the order.
+round's clients work as one cohort (``Algorithm.client_update`` over stacked tensors; the
+local solver, ``fedexp.engine.solver``, runs their steps together), in sub-cohorts where their
+step counts differ; each client draws from its own (seed, round, client) stream, so results
+do not depend on the grouping or the order.
 """
 
 from __future__ import annotations
@@ -13,24 +14,22 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.func import vmap
 
-from fedexp.algorithms.base import Algorithm, ClientResult, Message, StackedUpdates, State
+from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
+from fedexp.contract import Cohort, CohortResult, Message, Stacked, StackedUpdates, State
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
-from fedexp.engine.backends import BACKENDS, choose_backend
-from fedexp.engine.cohort import Cohort
 from fedexp.engine.context import Context
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.pool import TrainPool
-from fedexp.errors import ConfigError
 from fedexp.metrics import LOWER_IS_BETTER, aggregate
 
 # Stream purposes of the channels and the set-up (beside rng.CLIENT etc.).
@@ -81,8 +80,6 @@ class Engine:
         seed: root of all random streams.
         participation: fraction of clients sampled per round.
         x0: the common initial model.
-        backend: "sequential", "lockstep" or "auto" (``fedexp.engine.backends``;
-            :func:`fedexp.engine.backends.choose_backend` picks for "auto").
     """
 
     ctx: Context
@@ -93,7 +90,6 @@ class Engine:
     seed: int
     participation: float
     x0: torch.Tensor
-    backend: str = "sequential"
     round: int = 0
     ledger: ByteLedger = field(default_factory=ByteLedger)
     server: State = field(default_factory=dict)
@@ -106,16 +102,13 @@ class Engine:
     best: dict[str, torch.Tensor] = field(default_factory=dict)
     #: the clients of the last round run
     last_sampled: list[int] = field(default_factory=list)
+    #: every client's training data in one tensor (``fedexp.engine.pool``)
+    pool: TrainPool | None = field(default=None, repr=False)
     #: the initial server state (derived, not checkpointed), built when a part needs it
     _server0: State | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.backend == "auto":
-            self.backend = choose_backend(self.ctx.model.module, self.ctx.device)
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
-        if self.backend == "lockstep" and self.clients:
-            self.ctx.pool = TrainPool.of(self.clients)
+        self.pool = TrainPool.of(self.clients) if self.clients else None
         self.server = self.algorithm.init_server(self.ctx, self.x0)
         self.client_states = [
             self.algorithm.init_client(self.ctx, self.x0, n) for n in range(len(self.clients))
@@ -228,39 +221,12 @@ class Engine:
         self.ledger.start_round()
         sampled = rng.sample_clients(self.seed, t, len(self.clients), self.participation)
         self.last_sampled = sampled
-        updates: dict[int, Message] = {}
-        sums: dict[str, float] = {}
         msgs = self.algorithm.downlinks(self.ctx, self.server, sampled)
-        # one pass when it can (messages alike: bare tensors, or named parts part by part)
-        stacked = self._send_cohort("down", sampled, _stack_parts([msgs[n] for n in sampled]))
-        inbox: dict[int, Message | None] = {}
-        if stacked is None:
-            inbox = {
-                n: None if msgs[n] is None else self._send("down", n, msgs[n])[0] for n in sampled
-            }
-        cohort = self._cohort_update(sampled, inbox, stacked)
-        if cohort is not None:
-            updates, sums = cohort
-        else:
-            if stacked is not None:
-                inbox = {n: _row(stacked, i) for i, n in enumerate(sampled)}
-            streams = rng.client_streams(self.seed, t, sampled)
-
-            def client(n: int) -> ClientResult:
-                return self.algorithm.client_update(
-                    self.ctx, inbox[n], self.client_states[n], self.clients[n], streams[n]
-                )
-
-            results = BACKENDS[self.backend](sampled, client, self.ctx)
-            for n in sampled:  # uplink, in client order
-                result = results[n]
-                self.client_states[n] = result.state
-                metrics = dict(result.metrics)
-                if result.update is not None:
-                    updates[n], transform_metrics = self._send("up", n, result.update)
-                    metrics.update(transform_metrics)
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
+        inbox = self._downlink(sampled, [msgs[n] for n in sampled])
+        result = self._client_work(sampled, inbox)
+        for n, state in zip(sampled, result.states, strict=True):
+            self.client_states[n] = state
+        updates, sums = self._uplink(sampled, result)
         self.server = self.algorithm.server_update(
             self.ctx, self.server, updates, self._weights(updates)
         )
@@ -272,65 +238,69 @@ class Engine:
         out["time/round_s"] = time.perf_counter() - started
         return out
 
-    def _cohort_update(
-        self, sampled: list[int], inbox: dict[int, Message | None], stacked: torch.Tensor | None
-    ) -> tuple[dict[int, Message], dict[str, float]] | None:
-        """The cohort path (``fedexp.engine.cohort``): every client's work at once.
+    def _downlink(self, sampled: list[int], msgs: list[Message | None]) -> Stacked | None:
+        """The round's downlink messages through their channel; decoded, stacked ``[m, ...]``.
 
-        Runs with ``backend=lockstep`` when the algorithm offers ``cohort_update`` and the
-        model can be vmapped without running statistics; returns the decoded uploads and the
-        summed client metrics, or None (nothing has changed: the per-client path runs).
+        In one pass when it can (:meth:`_send_cohort`), else message by message.
+        """
+        stacked = self._send_cohort("down", sampled, _stack_parts(msgs))
+        if stacked is not None or all(m is None for m in msgs):
+            return stacked
+        if any(m is None for m in msgs):
+            raise ValueError(f"{type(self.algorithm).__name__}: downlinks to some clients only")
+        sent = [self._send("down", n, m)[0] for n, m in zip(sampled, msgs, strict=True)]
+        decoded = _stack_parts(sent)
+        if decoded is None:
+            raise ValueError(f"{type(self.algorithm).__name__}: downlinks of different shapes")
+        return decoded
+
+    def _client_work(self, sampled: list[int], inbox: Stacked | None) -> CohortResult:
+        """Every sampled client's ``client_update``, in sub-cohorts of alike work.
+
+        Clients are grouped by ``Context.work_key`` (their step counts, and with full batches
+        their training sets' shapes); each group is one cohort, and the groups' results are
+        put back in client order. Each client draws from its own stream, so the grouping
+        changes no figure.
         """
         ctx, algo = self.ctx, self.algorithm
-        if (
-            self.backend != "lockstep"
-            or not offers_cohort(type(algo))
-            or not ctx.vmap_ok
-            or ctx.model.has_buffers
-            or ctx.pool is None
-        ):
-            return None
-        if stacked is None and any(m is not None for m in inbox.values()):
-            # decoded one by one (a lossy downlink, named parts): stacked, part by part
-            stacked = _stack_parts([inbox[n] for n in sampled])
-            if stacked is None:
-                return None
-        clients = torch.tensor(sampled, dtype=torch.int64, device=ctx.device)
-        cohort = Cohort(
-            clients=sampled,
-            data=[self.clients[n] for n in sampled],
-            rows=clients,
-            keys=rng.stream_keys(self.seed, rng.CLIENT, self.round, clients),
-            draws=torch.zeros(len(sampled), dtype=torch.int64, device=ctx.device),
-            pool=ctx.pool,
-        )
-        try:
-            result = algo.cohort_update(
-                ctx, stacked, [self.client_states[n] for n in sampled], cohort
+        groups: dict[Hashable, list[int]] = {}
+        for i, n in enumerate(sampled):
+            groups.setdefault(ctx.work_key(self.clients[n]), []).append(i)
+        results = []
+        for rows in groups.values():
+            clients = [sampled[i] for i in rows]
+            ids = torch.tensor(clients, dtype=torch.int64, device=ctx.device)
+            cohort = Cohort(
+                clients=clients,
+                data=[self.clients[n] for n in clients],
+                rows=ids,
+                keys=rng.stream_keys(self.seed, rng.CLIENT, self.round, ids),
+                draws=torch.zeros(len(clients), dtype=torch.int64, device=ctx.device),
+                pool=self.pool,
             )
-        except RuntimeError as exc:  # an op vmap refuses: per client from now on
-            ctx.vmap_ok = False
-            log.warning(
-                "cohort path: cannot vmap this model/loss (%s)", str(exc).splitlines()[0][:160]
-            )
-            return None
-        if result is None:
-            return None
-        for n, state in zip(sampled, result.states, strict=True):
-            self.client_states[n] = state
+            index = None if len(groups) == 1 else torch.tensor(rows, device=ctx.device)
+            model_in = inbox if index is None else _take(inbox, index)
+            states = [self.client_states[n] for n in clients]
+            results.append((rows, algo.client_update(ctx, model_in, states, cohort)))
+        return results[0][1] if len(results) == 1 else _merge(results, len(sampled))
+
+    def _uplink(
+        self, sampled: list[int], result: CohortResult
+    ) -> tuple[Mapping[int, Message], dict[str, float]]:
+        """The clients' uploads through their channel; (decoded uploads, summed metrics)."""
         sums = {k: float(v.sum()) for k, v in result.metrics.items()}
         updates: dict[int, Message] = {}
-        if result.updates is not None:
-            received = self._send_cohort("up", sampled, result.updates)
-            if isinstance(received, torch.Tensor):
-                updates = StackedUpdates(sampled, received)
-            elif received is not None:  # named parts: each client's row of every part
-                updates = {n: _row(received, i) for i, n in enumerate(sampled)}
-            else:  # message by message (named parts: each client's row of every part)
-                for i, n in enumerate(sampled):
-                    updates[n], metrics = self._send("up", n, _row(result.updates, i))
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v
+        if result.updates is None:
+            return updates, sums
+        received = self._send_cohort("up", sampled, result.updates)
+        if isinstance(received, torch.Tensor):
+            return StackedUpdates(sampled, received), sums
+        if received is not None:  # named parts: each client's row of every part
+            return {n: _row(received, i) for i, n in enumerate(sampled)}, sums
+        for i, n in enumerate(sampled):  # message by message (transforms: CER)
+            updates[n], metrics = self._send("up", n, _row(result.updates, i))
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
         return updates, sums
 
     def _send_cohort(
@@ -676,19 +646,37 @@ def _row(stacked: torch.Tensor | dict[str, torch.Tensor], i: int) -> Message:
     return {name: part[i] for name, part in stacked.items()}
 
 
-def offers_cohort(cls: type[Algorithm]) -> bool:
-    """Whether ``cls`` has a cohort path for its own client hook.
+def _take(stacked: Stacked | None, index: torch.Tensor) -> Stacked | None:
+    """Rows ``index`` of a cohort's stacked messages (of each named part)."""
+    if stacked is None:
+        return None
+    if isinstance(stacked, torch.Tensor):
+        return stacked[index]
+    return {name: part[index] for name, part in stacked.items()}
 
-    A subclass that overrides ``client_update`` (Ditto over FedAvg) does not inherit its
-    parent's ``cohort_update``: the cohort path must be defined where, or below where, the
-    client hook it replaces is.
-    """
 
-    def owner(name: str) -> type:
-        return next(c for c in cls.__mro__ if name in vars(c))
+def _merge(results: list[tuple[list[int], CohortResult]], m: int) -> CohortResult:
+    """Sub-cohorts' results (each with its rows of the round's cohort) in client order."""
+    order = torch.tensor([i for rows, _ in results for i in rows])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(m)
 
-    cohort = owner("cohort_update")
-    return cohort is not Algorithm and issubclass(cohort, owner("client_update"))
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts)[inverse.to(parts[0].device)]
+
+    first = results[0][1]
+    updates: Stacked | None = None
+    if isinstance(first.updates, torch.Tensor):
+        updates = cat([r.updates for _, r in results])  # type: ignore[misc]
+    elif isinstance(first.updates, dict):
+        names = first.updates
+        updates = {k: cat([r.updates[k] for _, r in results]) for k in names}  # type: ignore[index]
+    states: list[State] = [{}] * m
+    for rows, r in results:
+        for i, state in zip(rows, r.states, strict=True):
+            states[i] = state
+    metrics = {k: cat([r.metrics[k] for _, r in results]) for k in first.metrics}
+    return CohortResult(updates, states, metrics)
 
 
 RoundCallback = Callable[[Engine, dict[str, float]], None]

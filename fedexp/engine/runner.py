@@ -170,7 +170,6 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
         seed=cfg.seed,
         participation=cfg.participation,
         x0=model.initial(),
-        backend=cfg.backend,
     )
     return engine, data
 

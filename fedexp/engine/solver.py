@@ -1,0 +1,514 @@
+"""The local solver: every client of a cohort trained as one computation (issue 22).
+
+The one place that decides how local steps execute. An algorithm states its client work once,
+over a :class:`fedexp.contract.Cohort` (``Context.train`` and the functions below); the solver
+runs each step for the whole cohort:
+
+* vmapped: :func:`torch.func.vmap` of the objective's gradient over the stacked ``[m, d]``
+  parameters, ``aux`` tensors and optimiser states (the default);
+* row by row (:func:`_rowwise`): each client's gradient by plain autograd while draws, gathers,
+  optimiser steps and messages stay stacked: for models with running statistics (vmap loses
+  BatchNorm's in-place update), models vmap refuses (found at the first step: the cohort is
+  rerun row by row with the same draws, and the run stays row by row), and convolutions that
+  run channels-last on the CPU (vmap would make them grouped convolutions, 1.3-1.9x slower a
+  step on issue 14's CNN).
+
+What makes it cheap: the minibatch indices of every client and step come from one
+counter-based expression (:func:`fedexp.engine.rng.batch_indices`: the draws a client's
+:class:`fedexp.engine.rng.Stream` gives it alone), the data are gathered from the run's
+:class:`fedexp.engine.pool.TrainPool` (concatenated once), and no Python runs per client
+inside the steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch.func import grad_and_value, vmap
+
+from fedexp.contract import Cohort
+from fedexp.engine.objective import Objective
+from fedexp.engine.optim import Optimizer
+from fedexp.engine.optim import State as OptState
+from fedexp.engine.rng import Stream, batch_indices
+from fedexp.errors import DivergenceError
+
+if TYPE_CHECKING:
+    from fedexp.data.federated import ClientData
+    from fedexp.engine.context import Context
+
+log = logging.getLogger("fedexp")
+
+#: bytes of gathered minibatches (inputs and targets) a slice of the cohort takes per step:
+#: 8 MiB is 2,048 tabular clients (batch 32 of 30 floats and a label) or 128 CNN clients
+#: (batch 16 of 1x32x32). The round's transient memory then stays flat in N (issue 14's
+#: 100,000-client run, docs/benchmarks.md), with no loss of speed in our trials.
+_STEP_BYTES = 8 * 2**20
+#: clients of a slice at most (the gathered index and per-client rows stay small too)
+_CHUNK = 16384
+
+#: One step's (inputs [m, B, ...], targets [m, B, ...], noise [m, k]) of a cohort.
+BatchFn = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class CohortLocal:
+    """What :func:`train` returns.
+
+    Attributes:
+        params: [m, d] final parameters.
+        loss: [m] each client's mean training loss over the steps.
+        opt_state: the optimiser's stacked state ``{name: [m, ...]}``.
+    """
+
+    params: torch.Tensor
+    loss: torch.Tensor
+    opt_state: OptState
+
+
+# ------------------------------------------------------------------ draws
+def noise(cohort: Cohort, k: int, device: torch.device) -> torch.Tensor:
+    """Each client's next ``k`` uniforms ``[m, k]`` from its round stream (none when k = 0)."""
+    if k == 0:
+        return torch.zeros(len(cohort), 0, device=device)
+    if cohort.streams is None:
+        cohort.streams = [Stream(key) for key in cohort.keys.tolist()]
+    return torch.stack([torch.rand(k, generator=g) for g in cohort.streams]).to(device)
+
+
+def draw_batch(ctx: Context, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each client's next minibatch, stacked ``[m, B, ...]``: what ``ClientData.batch`` gives it.
+
+    The indices of every client's stream at its draw counter (advanced by one); with
+    ``ctx.batch_size`` ≤ 0 every client's whole training set (equal sizes: the engine's
+    sub-cohorts), no draw.
+    """
+    size = ctx.batch_size
+    if size <= 0:
+        return (
+            torch.stack([d.x_train for d in cohort.data]),
+            torch.stack([d.y_train for d in cohort.data]),
+        )
+    idx = batch_indices(cohort.keys, cohort.draws, size, cohort.pool.size[cohort.rows])
+    cohort.draws = cohort.draws + 1
+    return cohort.pool.gather(cohort.rows, idx)
+
+
+def _snapshot(cohort: Cohort) -> Callable[[], None]:
+    """A function that puts the cohort's draw counters and noise streams back as they are."""
+    draws = cohort.draws.clone()
+    streams = None if cohort.streams is None else [g.get_state() for g in cohort.streams]
+
+    def restore() -> None:
+        cohort.draws = draws
+        if streams is None:
+            cohort.streams = None
+        else:
+            for g, s in zip(cohort.streams, streams, strict=True):
+                g.set_state(s)
+
+    return restore
+
+
+# ------------------------------------------------------------- optimiser state
+def stack_opt_states(
+    opt: Optimizer, params: torch.Tensor, states: Sequence[OptState | None]
+) -> OptState:
+    """The clients' optimiser states stacked per entry (fresh ones from ``opt.init``)."""
+    if all(s is None for s in states):
+        fresh = opt.init(params[0])
+        return {k: torch.stack([opt.init(p)[k] for p in params]) for k in fresh}
+    full = [opt.init(params[i]) if s is None else s for i, s in enumerate(states)]
+    names = sorted(full[0])
+    if any(sorted(s) != names for s in full):
+        raise ValueError(f"optimiser states with different entries in one cohort: {names}")
+    return {k: torch.stack([s[k].detach() for s in full]) for k in names}
+
+
+def unstack_states(
+    states: Sequence[dict[str, torch.Tensor]],
+    opt: Optimizer,
+    opt_state: OptState,
+    prefix: str = "opt",
+    **rows: torch.Tensor,
+) -> list[dict[str, torch.Tensor]]:
+    """Each client's new state, in cohort order.
+
+    Its old state, updated with its row of each ``rows`` entry ([m, ...] tensors) and of the
+    stacked optimiser state (``opt.save(..., prefix)``). Rows are copied: a view would keep
+    the whole cohort's tensor alive in every client's state.
+    """
+    if not opt_state and not rows:
+        return list(states)
+    out = []
+    for i, state in enumerate(states):
+        row_opt = {k: v[i].clone() for k, v in opt_state.items()}
+        new = {k: v[i].clone() for k, v in rows.items()}
+        out.append({**state, **new, **opt.save(row_opt, prefix)})
+    return out
+
+
+# ------------------------------------------------------------------ gradients
+def _rowwise(ctx: Context, obj: Objective, posts: bool) -> Callable:
+    """vmap(grad_and_value(loss, has_aux=True))'s contract, one row at a time.
+
+    Each row's gradient by plain autograd (``Context.loss_grad_post`` with the row's
+    ``aux``); outputs stacked; the loss's ``post`` vectors (running statistics) only if
+    ``posts`` (else None).
+    """
+
+    def run(params, xb, yb, aux, u):  # noqa: ANN001, ANN202 - vmap's signature
+        grads, values, kept = [], [], []
+        for i in range(params.shape[0]):
+            row = replace(obj, aux={k: t[i] for k, t in aux.items()})
+            value, g, post = ctx.loss_grad_post(row, params[i], xb[i], yb[i], u[i])
+            grads.append(g)
+            values.append(value)
+            if posts and post is not None:
+                kept.append(post)
+        post = torch.stack(kept) if kept else None
+        return torch.stack(grads), (torch.stack(values), post)
+
+    return run
+
+
+def rowwise(ctx: Context, obj: Objective) -> bool:
+    """Whether the cohort's gradients go row by row (see the module's docstring)."""
+    return (
+        obj.frozen is not None
+        or not ctx.vmap_ok
+        or bool(getattr(ctx.model, "channels_last", False))
+    )
+
+
+def stacked_gradients(ctx: Context, obj: Objective) -> Callable:
+    """``(params, x, y, aux, u) -> (grads, (losses, posts))`` of m clients' stacked rows."""
+    if rowwise(ctx, obj):
+        return _rowwise(ctx, obj, posts=obj.frozen is not None)
+    return vmap(grad_and_value(obj.loss, has_aux=True), randomness="different")
+
+
+def _refused(ctx: Context, exc: RuntimeError, what: str) -> None:
+    """Note that vmap refused this model or loss: row by row from now on."""
+    ctx.vmap_ok = False
+    log.warning("%s: cannot vmap this model/loss (%s); row by row", what, str(exc)[:160])
+
+
+def train_stacked(
+    ctx: Context,
+    obj: Objective,
+    opt: Optimizer,
+    steps: int,
+    lr: float,
+    params: torch.Tensor,
+    aux: dict[str, torch.Tensor],
+    state: OptState,
+    draw: BatchFn,
+    *,
+    keep: torch.Tensor | None = None,
+    lr_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, OptState, torch.Tensor]:
+    """``steps`` optimiser steps of m clients at once.
+
+    Each step draws (minibatches, then noise), takes every client's gradient
+    (:func:`stacked_gradients`), zeroes the coordinates that stay (``keep``), takes one
+    vmapped optimiser step, writes the frozen coordinates (running statistics) from the
+    forward pass, keeps ``keep``'s and applies the objective's projection.
+
+    Args:
+        ctx: the run's context.
+        obj: the objective (its ``aux`` entries given stacked in ``aux``).
+        opt: the optimiser.
+        steps: local steps.
+        lr: step size (times ``lr_scale`` per client if given).
+        params: ``[m, d]`` starting points.
+        aux: the objective's stacked ``aux`` tensors.
+        state: the optimiser's stacked state.
+        draw: each step's minibatches and noise of the m clients.
+        keep: ``[m, d]`` coordinates that do not move (a 0 of the mask).
+        lr_scale: ``[m, d]`` per-coordinate factors of the step size.
+
+    Returns:
+        (final parameters, final optimiser state, each client's mean loss over the steps).
+    """
+    ctx.model.module.train()
+    step_lr: float | torch.Tensor = lr if lr_scale is None else lr * lr_scale
+    grad_fn = stacked_gradients(ctx, obj)
+    step_fn = vmap(opt.step, in_dims=(0, 0, 0, None if lr_scale is None else 0))
+    project = None if obj.project is None else vmap(obj.project)
+    total = torch.zeros(params.shape[0], device=params.device)
+    for _ in range(steps):
+        xb, yb, u = draw()
+        grads, (values, post) = grad_fn(params, xb, yb, aux, u)
+        if keep is not None:
+            grads = grads.masked_fill(keep, 0.0)
+        new, state = step_fn(params, grads, state, step_lr)
+        if obj.frozen is not None and post is not None:
+            new = torch.where(obj.frozen, post, new)
+        if keep is not None:
+            new = torch.where(keep, params, new)
+        if project is not None:
+            new = project(new, aux)
+        params = new
+        total = total + values.detach()
+    return params.detach(), state, total / max(steps, 1)
+
+
+# ------------------------------------------------------------------ training
+def _slice_rows(pool, size: int) -> int:  # noqa: ANN001 - TrainPool
+    """Clients per slice: ``_STEP_BYTES`` of a step's gathered minibatches, in [1, _CHUNK]."""
+    row = pool.x[0].numel() * pool.x.element_size() + pool.y[0].numel() * pool.y.element_size()
+    return max(1, min(_CHUNK, _STEP_BYTES // max(1, size * row)))
+
+
+def train(
+    ctx: Context,
+    params: torch.Tensor,
+    cohort: Cohort,
+    *,
+    objective: Objective | None = None,
+    opt_states: Sequence[OptState | None] | OptState | None = None,
+    steps: int | None = None,
+    lr: float | None = None,
+    mask: torch.Tensor | None = None,
+    optimizer: Optimizer | None = None,
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> CohortLocal:
+    """Local training of every client of ``cohort``: ``steps`` optimiser steps each.
+
+    Client i's t-th minibatch is the one its stream would give it alone
+    (:meth:`fedexp.engine.rng.Stream.indices` at draw ``cohort.draws[i]``), gathered from the
+    pool; then its ``objective.noise`` uniforms; successive calls continue each client's draws.
+
+    Args:
+        ctx: the run's context.
+        params: [m, d] the clients' starting points, in ``cohort.clients`` order.
+        cohort: the clients.
+        objective: what to minimise, its ``aux`` tensors stacked [m, ...] (0-dim ones
+            shared); default the task loss.
+        opt_states: each client's optimiser state to continue from (None: fresh), or their
+            stack (a previous call's ``CohortLocal.opt_state``).
+        steps: local steps (default ``ctx.cohort_steps(cohort)``).
+        lr: step size (default the run's ``lr``).
+        mask: 0/1, [d] for every client or [m, d]; only coordinates with 1 move.
+        optimizer: the update rule (default: the run's ``optimizer``).
+        batch: inputs and targets [m, B, ...] every step is taken on, instead of drawn
+            minibatches (:func:`draw_batch`).
+
+    Returns:
+        The final parameters, each client's mean loss over the steps, the optimiser state.
+
+    Raises:
+        DivergenceError: a client's loss or parameters became NaN or infinite (the lowest
+            client id is named).
+    """
+    steps = ctx.cohort_steps(cohort) if steps is None else steps
+    opt = optimizer or ctx.optimizer
+    if isinstance(opt_states, dict):  # already stacked (a previous call's ``opt_state``)
+        stacked = opt_states
+    else:
+        stacked = stack_opt_states(opt, params, opt_states or [None] * params.shape[0])
+    objective = objective or ctx.model_objective()
+    keep = None if mask is None else (mask == 0).expand(params.shape)
+    lr = ctx.lr if lr is None else lr
+    args = (ctx, params.detach(), cohort, objective, stacked, steps, lr, keep, opt, batch)
+    if rowwise(ctx, objective):
+        return _train(*args)
+    restore = _snapshot(cohort)
+    try:
+        return _train(*args)
+    except RuntimeError as exc:  # an op vmap refuses: the same draws again, row by row
+        _refused(ctx, exc, "local solver")
+        restore()
+        return _train(*args)
+
+
+def _train(
+    ctx: Context,
+    params: torch.Tensor,
+    cohort: Cohort,
+    objective: Objective,
+    opt_state: OptState,
+    steps: int,
+    lr: float,
+    keep: torch.Tensor | None,
+    opt: Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor] | None,
+) -> CohortLocal:
+    """:func:`train` with its defaults resolved; large cohorts in slices."""
+    m = len(cohort)
+    aux = {k: v.expand(m) if v.dim() == 0 else v for k, v in objective.aux.items()}
+    scale = objective.lr_scale
+    if scale is not None:
+        scale = scale.expand(m, params.shape[1])
+    size = ctx.batch_size
+    fixed = batch is not None or size <= 0
+    if fixed:  # every step on the same inputs: the given batch or the whole training sets
+        xs, ys = batch if batch is not None else draw_batch(ctx, cohort)
+
+        def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return xs, ys, noise(cohort, objective.noise, params.device)
+
+    else:
+
+        def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            xb, yb = draw_batch(ctx, cohort)  # then the noise, as a client alone draws it
+            return xb, yb, noise(cohort, objective.noise, params.device)
+
+    chunk = _slice_rows(cohort.pool, size)
+    if m <= chunk or fixed:
+        out, state, loss = train_stacked(
+            ctx, objective, opt, steps, lr, params, aux, opt_state, draw, keep=keep,
+            lr_scale=scale,
+        )  # fmt: skip
+        check_rows(ctx, cohort, out, loss, lr)
+        return CohortLocal(out, loss, state)
+    # large cohorts in slices: the per-step minibatch tensors stay small (each slice is
+    # checked for divergence in order, so the lowest client is named)
+    if objective.noise and cohort.streams is None:  # made once, then shared by the slices
+        cohort.streams = [Stream(key) for key in cohort.keys.tolist()]
+    parts = []
+    for a in range(0, m, chunk):
+        rows = slice(a, a + chunk)
+        sub = replace(
+            objective,
+            aux={k: v[rows] for k, v in aux.items()},
+            lr_scale=None if scale is None else scale[rows],
+        )
+        part_state = {k: v[rows] for k, v in opt_state.items()}
+        part_keep = None if keep is None else keep[rows]
+        parts.append(
+            _train(ctx, params[rows], cohort.part(rows), sub, part_state, steps, lr, part_keep,
+                   opt, None)
+        )  # fmt: skip
+    cohort.draws = cohort.draws + steps
+    return CohortLocal(
+        torch.cat([p.params for p in parts]),
+        torch.cat([p.loss for p in parts]),
+        {k: torch.cat([p.opt_state[k] for p in parts]) for k in opt_state},
+    )
+
+
+def loss_and_grad(
+    ctx: Context, params: torch.Tensor, cohort: Cohort
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each client's task loss [m] and its gradient [m, d] at its row of ``params``.
+
+    On the minibatch :func:`draw_batch` gives it (the module's train/eval mode left as it is).
+    """
+    objective = ctx.model_objective()
+    xs, ys = draw_batch(ctx, cohort)
+    empty = torch.zeros(len(cohort), 0, device=params.device)
+    if rowwise(ctx, objective):
+        grads, (values, _) = _rowwise(ctx, objective, False)(params.detach(), xs, ys, {}, empty)
+        return values.detach(), grads
+    fn = vmap(grad_and_value(objective.loss, has_aux=True), randomness="different")
+    try:
+        grads, (values, _) = fn(params.detach(), xs, ys, {}, empty)
+    except RuntimeError as exc:
+        _refused(ctx, exc, "gradients")
+        grads, (values, _) = _rowwise(ctx, objective, False)(params.detach(), xs, ys, {}, empty)
+    return values.detach(), grads
+
+
+# ------------------------------------------------------------------ losses
+@torch.no_grad()
+def train_losses(
+    ctx: Context,
+    candidates: Callable[[int, slice], torch.Tensor],
+    count: int,
+    data: Sequence[ClientData],
+) -> torch.Tensor:
+    """Each client's mean task loss on its training split under ``count`` candidate vectors.
+
+    ``candidates(j, rows)`` gives candidate j's vectors ``[len(rows), d]`` of the clients
+    ``rows`` (a slice of ``data``'s order); made chunk by chunk, so that m · count vectors
+    never exist at once. The module in eval mode; the clients' training splits padded
+    together once a chunk of about ``max(eval_batch_size, 8192)`` inputs, one vmapped
+    forward pass a candidate and the task's per-client ``loss_batch`` (as the engine's
+    batched evaluation). A task without ``loss_batch`` (segmentation) goes client by client,
+    and so does a model vmap cannot run. Returns ``[m, count]`` float64 on the CPU.
+    """
+    module = ctx.model.module
+    was_training = module.training
+    module.eval()
+    out = []
+    try:
+        start = 0
+        while start < len(data):
+            stop, longest = start, 0
+            while stop < len(data):  # clients while the padded chunk stays in the budget
+                longest = max(longest, data[stop].num_train)
+                if stop > start and longest * (stop + 1 - start) > max(ctx.eval_batch_size, 8192):
+                    break
+                stop += 1
+            rows = slice(start, stop)
+            try:
+                out.append(_chunk_losses(ctx, candidates, count, data, rows))
+            except RuntimeError as exc:  # an op vmap refuses: client by client from now on
+                _refused(ctx, exc, "batched losses")
+                out.append(_chunk_losses(ctx, candidates, count, data, rows))
+            start = stop
+    finally:
+        module.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, count, dtype=torch.float64)
+
+
+def _chunk_losses(ctx, candidates, count: int, data, rows: slice) -> torch.Tensor:  # noqa: ANN001
+    """:func:`train_losses` of the clients ``rows``: [len, count]."""
+    part = data[rows]
+    if not hasattr(ctx.task, "loss_batch") or not ctx.vmap_ok:  # client by client
+        size = max(1, ctx.eval_batch_size)
+        table = []
+        for j in range(count):
+            vectors = candidates(j, rows)
+            table.append(
+                [
+                    float(
+                        ctx.task.loss(
+                            torch.cat([ctx.model(p, x) for x in d.x_train.split(size)]), d.y_train
+                        )
+                    )
+                    for p, d in zip(vectors, part, strict=True)
+                ]
+            )
+        return torch.tensor(table, dtype=torch.float64).T
+    xs = torch.nn.utils.rnn.pad_sequence([d.x_train for d in part], batch_first=True)
+    ys = torch.nn.utils.rnn.pad_sequence([d.y_train for d in part], batch_first=True)
+    lengths = torch.tensor([d.num_train for d in part], dtype=torch.int64)
+    forward = torch.func.vmap(ctx.model)
+    losses = [
+        ctx.task.loss_batch(forward(candidates(j, rows), xs), ys, lengths).double().cpu()
+        for j in range(count)
+    ]
+    return torch.stack(losses, dim=1)
+
+
+# ------------------------------------------------------------------ divergence
+def diverged_rows(params: torch.Tensor, means: torch.Tensor) -> set[int]:
+    """Rows whose parameters or mean loss are not finite (one reduction for the cohort)."""
+    ok = torch.isfinite(params).all(dim=1) & torch.isfinite(means)
+    if bool(ok.all()):
+        return set()
+    return set(torch.nonzero(~ok).reshape(-1).tolist())
+
+
+def check_rows(
+    ctx: Context, cohort: Cohort, params: torch.Tensor, loss: torch.Tensor, lr: float
+) -> None:
+    """``Context.check_finite`` of every client at once ([m, d] parameters, [m] losses).
+
+    Raises:
+        DivergenceError: for the lowest client whose loss or parameters are not finite.
+    """
+    bad = diverged_rows(params, loss)
+    if bad:
+        i = min(bad)
+        try:
+            ctx.check_finite(params[i], float(loss[i]), lr)
+        except DivergenceError as exc:
+            raise DivergenceError(f"client {cohort.clients[i]}: {exc}") from None
