@@ -1,5 +1,6 @@
-"""The cohort path (issue 14): a round's client work as one computation equals the per-client
-hooks; counter-based minibatch draws; the pooled data; batched evaluation."""
+"""The cohort engine (issues 14, 22): a cohort's messages in one pass equal message by message;
+counter-based minibatch draws; the pooled data; batched evaluation; slices; batched losses.
+(That every algorithm's figures are what they were before the one path: tests/test_golden.py.)"""
 
 from __future__ import annotations
 
@@ -8,191 +9,18 @@ import math
 import pytest
 import torch
 
-from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData, PoolRows
 from fedexp.engine import rng
-from fedexp.engine.engine import offers_cohort
 from fedexp.engine.pool import TrainPool
 from fedexp.engine.runner import build_engine
 from fedexp.errors import DivergenceError
 
 
-def _run(small_cfg, backend, *overrides, rounds=3):
-    engine = build_engine(small_cfg(f"backend={backend}", *overrides))
+def _run(small_cfg, *overrides, rounds=3):
+    engine = build_engine(small_cfg(*overrides))
     engine.setup()
     history = [engine.run_round() for _ in range(rounds)]
     return engine, history
-
-
-def _no_client_hook(engine):
-    """Make the per-client hook fail: a round that still runs took the cohort path."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("client_update called: the cohort path was not taken")
-
-    engine.algorithm.client_update = refuse
-    return engine
-
-
-COHORT_CASES = [
-    ("algorithm=fedavg",),
-    ("algorithm=fedavg", "participation=0.6", "optimizer=sgd", "optimizer.momentum=0.9"),
-    ("algorithm=fedprox", "algorithm.mu=0.5", "model=mlp", "model.hidden=8"),
-    ("algorithm=local", "optimizer=adam"),
-    (
-        "algorithm=fedavg",
-        "dataset=synthetic",
-        "dataset.num_classes=3",
-        "partition=iid",
-        "num_clients=12",
-        "local_epochs=1",
-    ),
-    # a CNN on the CPU: channels-last weights, gradients client by client (backends._rowwise)
-    (
-        "algorithm=fedprox",
-        "algorithm.mu=0.1",
-        "dataset=digits",
-        "partition=iid",
-        "num_clients=4",
-        "model=vgg8",
-        "model.channels=[4,4,4,4,4]",
-        "model.hidden=8",
-    ),
-    # the other algorithms with a cohort path (two runs a round, masks, joint vectors,
-    # per-client anchors, a round-wide schedule, a per-coordinate step size and a projection)
-    ("algorithm=ditto", "algorithm.lam=0.5", "algorithm.personal_steps=3", "optimizer=adam"),
-    ("algorithm=fedavg_ft", "participation=0.6", "optimizer=sgd", "optimizer.momentum=0.9"),
-    ("algorithm=fedprox_ft", "algorithm.mu=0.5", "algorithm.finetune_steps=2"),
-    ("algorithm=fedamp", "algorithm.heuristic=true", "participation=0.6"),
-    ("algorithm=fpfc", "algorithm.penalty=mcp", "participation=0.6"),
-    (
-        "algorithm=l2gd",
-        "algorithm.p=0.6",
-        "algorithm.max_local_steps=4",
-        "optimizer=sgd",
-        "optimizer.momentum=0.5",
-    ),
-    ("algorithm=fedper", "model=mlp", "model.hidden=8", "participation=0.6"),
-    ("algorithm=fedrep", "model=mlp", "model.hidden=8", "algorithm.head_steps=2"),
-    ("algorithm=apfl", "algorithm.alpha_lr=0.5", "optimizer=sgd", "optimizer.momentum=0.9"),
-    ("algorithm=fedrod", "model=mlp", "model.hidden=8", "participation=0.6"),
-    ("algorithm=pfedsop", "participation=0.6", "optimizer=adam"),
-    ("algorithm=pfedme", "algorithm.personal_steps=3", "algorithm.lam=2"),
-    (  # full batches: equal sizes
-        "algorithm=pfedme",
-        "batch_size=0",
-        "dataset=synthetic",
-        "dataset.num_samples=120",
-        "num_clients=4",
-        "partition=iid",
-        "algorithm.local_rounds=2",
-    ),
-    # uploads with named parts: message by message after the stacked training
-    ("algorithm=feddwa", "algorithm.topk=2", "optimizer=sgd", "optimizer.momentum=0.9"),
-    ("algorithm=feddwa", "algorithm.guide_steps=2", "algorithm.evaluate=model", "compressor=topk"),
-    # downlinks with named parts (the k cluster models), stacked part by part
-    ("algorithm=ifca", "algorithm.k=3", "participation=0.6"),
-    ("algorithm=ifca", "algorithm.k=2", "optimizer=adam", "model=mlp", "model.hidden=8"),
-    # noise: each client's λ ~ U(0, 1) from its own stream; a warm-up round, then mixing
-    ("algorithm=superfed", "algorithm.warmup_rounds=1", "optimizer=adam", "participation=0.6"),
-    ("algorithm=superfed", "algorithm.warmup_rounds=0", "algorithm.eval_lambda=0.5"),
-    # factorised models: θ-steps and factor steps on one minibatch a local round
-    (
-        "algorithm=tdpfed",
-        "model=mlp",
-        "model.hidden=8",
-        "algorithm.local_rounds=2",
-        "algorithm.personal_steps=2",
-        "algorithm.factor_steps=3",
-        "participation=0.6",
-    ),
-    (
-        "algorithm=tdpfed",
-        "model=mlp",
-        "model.hidden=8",
-        "algorithm.personal_steps=0",
-        "algorithm.factor_steps=2",
-        "algorithm.reset_personal=true",
-    ),
-    # adaptive local aggregation client by client, then the stacked steps
-    ("algorithm=fedala", "model=mlp", "model.hidden=8", "participation=0.6"),
-    # pseudo-gradients of the phase's coordinates; CER transforms the uplink message by message
-    ("algorithm=pfednet", "participation=0.6", "optimizer=sgd", "optimizer.momentum=0.9"),
-    ("algorithm=pfednet", "algorithm.one_gradient=true", "model=mlp", "model.hidden=8"),
-    (
-        "algorithm=pfednet",
-        "algorithm.local_mask=true",
-        "algorithm.x_rounds=1",
-        "algorithm.z_rounds=1",
-        "model=mlp",
-        "model.hidden=8",
-        "compressor=cer_stc",
-    ),
-    ("algorithm=fedbn", "model=mlp", "model.hidden=8"),  # no BatchNorm layer: FedPer's path
-]
-COHORT_IDS = ["fedavg", "momentum-partial", "fedprox-mlp", "local-adam", "mc", "fedprox-cnn"]
-COHORT_IDS += ["ditto", "fedavg_ft", "fedprox_ft", "fedamp", "fpfc", "l2gd", "fedper", "fedrep"]
-COHORT_IDS += ["apfl", "fedrod", "pfedsop", "pfedme", "pfedme-full-batch", "feddwa"]
-COHORT_IDS += ["feddwa-model-topk", "ifca", "ifca-adam", "superfed", "superfed-eval-lambda"]
-COHORT_IDS += ["tdpfed", "tdpfed-factors-only", "fedala", "pfednet", "pfednet-one-gradient"]
-COHORT_IDS += ["pfednet-masked-cer", "fedbn-without-batchnorm"]
-
-
-@pytest.mark.parametrize("overrides", COHORT_CASES, ids=COHORT_IDS)
-def test_cohort_path_equals_the_per_client_hooks(small_cfg, overrides):
-    seq, h_seq = _run(small_cfg, "sequential", *overrides)
-    lock = _no_client_hook(build_engine(small_cfg("backend=lockstep", *overrides)))
-    assert lock.ctx.model.channels_last == ("model=vgg8" in overrides)
-    lock.setup()
-    h_lock = [lock.run_round() for _ in range(3)]
-    for key in seq.server:
-        torch.testing.assert_close(lock.server[key], seq.server[key], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert sorted(a) == sorted(b)
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
-    for m_seq, m_lock in zip(h_seq, h_lock, strict=True):
-        for key in (
-            "bytes/up",
-            "bytes/down",
-            "bytes/up_cum",
-            "bytes/down_dense",
-            "clients/sampled",
-        ):
-            assert m_lock.get(key) == m_seq.get(key), key
-        assert sorted(m_lock) == sorted(m_seq)
-        for key, value in m_seq.items():
-            if key.startswith("train/"):
-                assert m_lock[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
-    assert lock.ledger.messages == seq.ledger.messages
-
-
-def test_every_algorithm_has_a_cohort_path_and_a_case_above():
-    """Every algorithm config's class offers ``cohort_update``, and the equality test above
-    runs each of them (FedBN's cohort path is FedPer's; with BatchNorm layers the engine runs
-    the per-client hooks)."""
-    from pathlib import Path
-
-    from hydra.utils import get_class
-    from omegaconf import OmegaConf
-
-    conf = Path(__file__).resolve().parents[1] / "conf" / "algorithm"
-    names = sorted(p.stem for p in conf.glob("*.yaml"))
-    assert len(names) >= 22
-    for name in names:
-        cls = get_class(OmegaConf.load(conf / f"{name}.yaml")["_target_"])
-        assert offers_cohort(cls), name
-    tested = {o.split("=", 1)[1] for case in COHORT_CASES for o in case if "algorithm=" in o}
-    assert tested == set(names)
-
-
-def test_subclasses_with_their_own_client_hook_do_not_inherit_the_cohort_path():
-    class Tweaked(FedAvg):
-        def client_update(self, *args, **kwargs):  # noqa: D102
-            return super().client_update(*args, **kwargs)
-
-    assert offers_cohort(FedAvg)
-    assert not offers_cohort(Tweaked)
 
 
 def _message_by_message(engine):
@@ -205,7 +33,7 @@ def _message_by_message(engine):
 def test_a_cohorts_lossy_messages_coded_in_one_pass_equal_message_by_message(small_cfg, compressor):
     """Sparse codecs, error feedback, lossy downlink models, randomised codecs: the batched
     channel (``Engine._transmit_cohort``) sends the same bytes and the same values."""
-    over = ("backend=sequential", "algorithm=fedavg", f"compressor={compressor}", "rounds=3")
+    over = ("algorithm=fedavg", f"compressor={compressor}", "rounds=3")
     one = _message_by_message(build_engine(small_cfg(*over)))
     batched = build_engine(small_cfg(*over))
     calls = []
@@ -213,8 +41,7 @@ def test_a_cohorts_lossy_messages_coded_in_one_pass_equal_message_by_message(sma
     batched._transmit_cohort = lambda *a: calls.append(a[0]) or inner(*a)
     h_one = [one.run_round() for _ in range(3)]
     h_batched = [batched.run_round() for _ in range(3)]
-    assert calls.count("down") == 3  # the downlink in one pass every round (the uplink:
-    # client by client on the sequential backend, in one pass on the cohort path below)
+    assert calls == ["down", "up"] * 3  # both ways in one pass every round
     assert torch.equal(batched.server["x"], one.server["x"])
     for d in ("up", "down"):
         assert batched.residual[d].keys() == one.residual[d].keys()
@@ -237,9 +64,9 @@ def test_named_parts_in_one_pass_equal_message_by_message(small_cfg, algorithm, 
     """Messages with named parts (FedDWA's two models up; IFCA's clusters down, its update and
     cluster id up) cross their channel part by part in one pass: the same values, residuals,
     replicas, streams and bytes (per part too) as message by message."""
-    over = ("backend=lockstep", f"algorithm={algorithm}", f"compressor={compressor}")
+    over = (f"algorithm={algorithm}", f"compressor={compressor}")
     one = _message_by_message(build_engine(small_cfg(*over)))
-    batched = _no_client_hook(build_engine(small_cfg(*over)))
+    batched = build_engine(small_cfg(*over))
     parts = []
     inner = batched._send_part_cohort
     batched._send_part_cohort = lambda *a: parts.append((a[0], a[2])) or inner(*a)
@@ -264,35 +91,11 @@ def test_named_parts_in_one_pass_equal_message_by_message(small_cfg, algorithm, 
     assert batched.ledger.messages == one.ledger.messages
 
 
-def test_lossy_uplink_of_the_cohort_path_goes_through_the_channel(small_cfg):
-    """STC both ways: the cohort trains at once, its updates are coded in one pass."""
-    over = ("algorithm=fedavg", "compressor=stc", "model=mlp", "model.hidden=8")
-    seq, h_seq = _run(small_cfg, "sequential", *over)
-    ref = _message_by_message(build_engine(small_cfg("backend=sequential", *over)))
-    h_ref = [ref.run_round() for _ in range(3)]
-    lock = _no_client_hook(build_engine(small_cfg("backend=lockstep", *over)))
-    calls = []
-    inner = lock._transmit_cohort
-    lock._transmit_cohort = lambda *a: calls.append(a[0]) or inner(*a)
-    h_lock = [lock.run_round() for _ in range(3)]
-    assert calls == ["down", "up"] * 3
-    torch.testing.assert_close(lock.server["x"], seq.server["x"], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(lock.server["x"], ref.server["x"], rtol=1e-4, atol=1e-5)
-    assert [m["bytes/up"] for m in h_lock] == [m["bytes/up"] for m in h_seq]
-    assert [m["bytes/up"] for m in h_lock] == [m["bytes/up"] for m in h_ref]
-    assert h_lock[-1]["bytes/up"] < h_lock[-1]["bytes/up_dense"]  # really compressed
-
-
 def test_cohort_divergence_names_the_lowest_client(small_cfg):
-    seq = build_engine(small_cfg("backend=sequential", "lr=1e38"))
-    lock = build_engine(small_cfg("backend=lockstep", "lr=1e38"))
-    msgs = []
-    for engine in (seq, lock):
-        with pytest.raises(DivergenceError) as info:
-            for _ in range(3):
-                engine.run_round()
-        msgs.append(str(info.value))
-    assert msgs[0].split(":")[0] == msgs[1].split(":")[0] == "client 0"
+    engine = build_engine(small_cfg("lr=1e38"))
+    with pytest.raises(DivergenceError, match=r"^client 0: training loss is (nan|inf)"):
+        for _ in range(3):
+            engine.run_round()
 
 
 # ------------------------------------------------------------------ the streams
@@ -399,7 +202,7 @@ def test_the_pool_adopts_one_buffer_and_shares_a_test_split_that_is_the_training
     ids=["shared", "personal", "fedrod-predict", "multiclass"],
 )
 def test_batched_evaluation_equals_client_by_client(small_cfg, overrides):
-    engine, _ = _run(small_cfg, "lockstep", *overrides, "val_fraction=0.2", rounds=2)
+    engine, _ = _run(small_cfg, *overrides, "val_fraction=0.2", rounds=2)
     out, per_client = engine.evaluate()
     ctx = engine.ctx
     fwd = lambda p, x: engine.algorithm.predict(ctx, p, x)  # noqa: E731
@@ -428,14 +231,11 @@ def test_batched_evaluation_equals_client_by_client(small_cfg, overrides):
 )
 def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch, overrides):
     """Cohorts above ``_CHUNK`` clients run in slices: the same draws, the same models."""
-    from fedexp.engine import cohort as cohort_module
+    from fedexp.engine import solver
 
-    whole, _ = _run(small_cfg, "lockstep", *overrides)
-    monkeypatch.setattr(cohort_module, "_CHUNK", 2)
-    sliced = _no_client_hook(build_engine(small_cfg("backend=lockstep", *overrides)))
-    sliced.setup()
-    for _ in range(3):
-        sliced.run_round()
+    whole, _ = _run(small_cfg, *overrides)
+    monkeypatch.setattr(solver, "_CHUNK", 2)
+    sliced, _ = _run(small_cfg, *overrides)
     torch.testing.assert_close(sliced.server["x"], whole.server["x"], rtol=1e-5, atol=1e-6)
     for a, b in zip(whole.client_states, sliced.client_states, strict=True):
         assert sorted(a) == sorted(b)
@@ -444,12 +244,12 @@ def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch, overrides):
 
 
 def test_train_losses_of_a_cohort_equal_client_by_client(small_cfg):
-    """``cohort.train_losses`` (padded, vmapped, in chunks) gives each client's task loss on
+    """``solver.train_losses`` (padded, vmapped, in chunks) gives each client's task loss on
     its training split under each candidate; a task without ``loss_batch`` is scored client
     by client, to the same values."""
     from types import SimpleNamespace
 
-    from fedexp.engine.cohort import train_losses
+    from fedexp.engine.solver import train_losses
 
     engine = build_engine(small_cfg("model=mlp", "model.hidden=8"))
     ctx, data = engine.ctx, engine.clients

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from omegaconf import open_dict
 
-from fedexp.config.schema import CHOICES, validate
+from fedexp.config.schema import validate
 from fedexp.data import partitions as P
 from fedexp.data.tabular import csv_table
 from fedexp.errors import ConfigError, DataError
@@ -108,7 +108,6 @@ def test_bad_value_is_reported_before_the_heavy_imports(tmp_path):
         ({"test_fraction": 0.0}, "test_fraction=0.0: expected a fraction in (0, 1)"),
         ({"test_fraction": 1.0}, "test_fraction=1.0: expected a fraction in (0, 1)"),
         ({"progress": "fancy"}, "progress='fancy': expected one of auto, bar, log, none"),
-        ({"backend": "gpu"}, "backend='gpu': expected one of sequential, lockstep"),
         ({"threads": -2}, "threads=-2: expected ≥ 0"),
         ({"batch_size": -2}, "batch_size=-2: expected ≥ 1, or 0 / -1"),
     ],
@@ -136,12 +135,6 @@ def test_validate_reports_every_bad_key_in_one_line(base):
     with pytest.raises(ConfigError) as info:
         validate(_with(base, rounds=0, lr=-0.1))
     assert str(info.value) == "rounds=0: expected ≥ 1; lr=-0.1: expected > 0"
-
-
-def test_backend_choices_are_the_engines():
-    from fedexp.engine.backends import BACKENDS
-
-    assert set(CHOICES["backend"]) == {*BACKENDS, "auto"}
 
 
 # ------------------------------------------------------- values that need the data / N

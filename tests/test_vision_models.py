@@ -248,25 +248,29 @@ def test_fedavg_round_on_synthetic_luna16_patches(prepared, small_cfg, model):
     assert math.isfinite(aggregates["acc/mean"])
 
 
-def test_vgg8_vmaps_in_lockstep_and_equals_sequential(prepared, small_cfg):
-    """No BatchNorm: the lockstep backend batches the clients with vmap (no fallback)."""
-    runs = {}
-    for backend in ("sequential", "lockstep"):
-        cfg = small_cfg(
-            f"backend={backend}",
-            "dataset=luna16",
-            f"dataset.path={prepared.luna}",
-            "model=vgg8",
-            "model.channels=[4,4,8,8,8]",
-            "model.hidden=8",
-            "partition=iid",
-            "num_clients=3",
-            "local_steps=2",
-            "batch_size=8",
-            "lr=0.05",
-        )
-        runs[backend], _, _ = _one_round(cfg)
-    assert runs["lockstep"].ctx.vmap_ok
-    torch.testing.assert_close(
-        runs["lockstep"].server["x"], runs["sequential"].server["x"], rtol=1e-4, atol=1e-5
+def test_vgg8_channels_last_row_by_row_equals_vmapped(prepared, small_cfg, monkeypatch):
+    """No BatchNorm: the solver takes channels-last gradients row by row on the CPU; the
+    channels-first vmapped computation gives the same round."""
+    from fedexp.models.flat import FlatModel
+
+    cfg = small_cfg(
+        "dataset=luna16",
+        f"dataset.path={prepared.luna}",
+        "model=vgg8",
+        "model.channels=[4,4,8,8,8]",
+        "model.hidden=8",
+        "partition=iid",
+        "num_clients=3",
+        "local_steps=2",
+        "batch_size=8",
+        "lr=0.05",
     )
+    rows, _, _ = _one_round(cfg)
+    assert rows.ctx.model.channels_last and rows.ctx.vmap_ok
+    original = FlatModel.__init__
+    monkeypatch.setattr(
+        FlatModel, "__init__", lambda self, m, d, c=None: original(self, m, d, channels_last=False)
+    )
+    vmapped, _, _ = _one_round(cfg)
+    assert not vmapped.ctx.model.channels_last and vmapped.ctx.vmap_ok
+    torch.testing.assert_close(rows.server["x"], vmapped.server["x"], rtol=1e-4, atol=1e-5)

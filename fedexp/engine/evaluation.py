@@ -1,0 +1,163 @@
+"""Evaluation of the clients on their own splits: the engine's batched evaluation.
+
+:class:`Evaluation` is the part of :class:`fedexp.engine.engine.Engine` that scores clients:
+each on its test split (and validation split), with the algorithm's ``eval_params`` and
+``predict``, many clients in one vmapped forward pass, the papers' aggregates and each client's
+best value over the evaluated rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch.func import vmap
+
+from fedexp.contract import State
+from fedexp.data.federated import ClientData
+from fedexp.metrics import LOWER_IS_BETTER, aggregate
+
+if TYPE_CHECKING:
+    from fedexp.algorithms.base import Algorithm
+    from fedexp.engine.context import Context
+
+log = logging.getLogger("fedexp")
+
+#: Prefix of the metrics on the clients' validation splits (``val_fraction > 0``).
+_VAL = "val/"
+
+
+class Evaluation:
+    """The engine's evaluation (a mixin of ``Engine``)."""
+
+    ctx: Context
+    algorithm: Algorithm
+    clients: Sequence[ClientData]
+    server: State
+    client_states: list[State]
+    best: dict[str, torch.Tensor]
+
+    def evaluate(
+        self, clients: Sequence[int] | None = None
+    ) -> tuple[dict[str, float], list[dict[str, float]]]:
+        """Clients on their own test split; returns (aggregates, per-client metrics).
+
+        Args:
+            clients: whom to evaluate (default: every client); the per-client list follows it.
+
+        The aggregates are ``<m>/mean`` (the unweighted mean over clients, the papers'
+        headline), ``/weighted`` (by test samples), ``/worst``, ``/std``, and ``<m>/best_mean``:
+        the mean over every client evaluated so far of its best value over evaluated rounds
+        (pFedSOP §VI's protocol). Clients with a validation split (``val_fraction > 0``) are
+        also evaluated on it, with the same parameters: the same aggregates under ``val/``
+        (``val/acc/mean``, ``val/acc/weighted`` by validation samples, ...), for tuning. The
+        per-client metrics are the test split's.
+        """
+        who = list(range(len(self.clients)) if clients is None else clients)
+        params = [
+            self.algorithm.eval_params(self.ctx, self.server, self.client_states[n], n) for n in who
+        ]
+        per_client = self._evaluate_many(params, [self.clients[n] for n in who])
+        for n, m in zip(who, per_client, strict=True):
+            m["num_test"] = float(self.clients[n].num_test)
+        val_who = [i for i, n in enumerate(who) if self.clients[n].num_val]
+        val_rows = self._evaluate_many(
+            [params[i] for i in val_who], [self.clients[who[i]].validation() for i in val_who]
+        )
+        val_weights = [float(self.clients[who[i]].num_val) for i in val_who]
+        weights = [c["num_test"] for c in per_client]
+        keys = [k for k in per_client[0] if k != "num_test"] if per_client else []
+        out = aggregate(per_client, weights, keys) if per_client else {}
+        out.update(self._update_best(who, per_client, keys))
+        if val_rows:
+            out.update({f"{_VAL}{k}": v for k, v in aggregate(val_rows, val_weights).items()})
+            val_scored = [{f"{_VAL}{k}": v for k, v in row.items()} for row in val_rows]
+            out.update(
+                self._update_best([who[i] for i in val_who], val_scored, list(val_scored[0]))
+            )
+        return out, per_client
+
+    def _forward(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.algorithm.predict(self.ctx, params, x)
+
+    @torch.no_grad()
+    def _evaluate_many(
+        self, params: list[torch.Tensor], data: list[ClientData]
+    ) -> list[dict[str, float]]:
+        """Each client's metrics of ``params[i]`` on ``data[i]``'s test split.
+
+        Clients are evaluated together (issue 14): their test inputs padded into one batch,
+        one vmapped forward pass of the algorithm's ``predict`` over the stacked parameters
+        (one plain pass when all share one vector) and the task's batched metrics
+        (``evaluate_batch``), in chunks of about ``max(eval_batch_size, 8192)`` inputs.
+        Equal to :meth:`Context.evaluate` client by client up to floating-point rounding
+        (tested); segmentation tasks, and models vmap cannot run, go client by client.
+        """
+        ctx = self.ctx
+        if not data:
+            return []
+        if not hasattr(ctx.task, "evaluate_batch") or not ctx.vmap_ok or len(data) == 1:
+            return [ctx.evaluate(p, d, self._forward) for p, d in zip(params, data, strict=True)]
+        ctx.model.module.eval()
+        budget = max(ctx.eval_batch_size, 8192)
+        out: list[dict[str, float]] = []
+        start = 0
+        while start < len(data):
+            longest, stop = 0, start
+            while stop < len(data):  # clients while the padded chunk stays in the budget
+                longest = max(longest, data[stop].num_test)
+                if stop > start and longest * (stop + 1 - start) > budget:
+                    break
+                stop += 1
+            try:
+                out.extend(self._evaluate_chunk(params[start:stop], data[start:stop]))
+            except RuntimeError as exc:  # an op vmap refuses: client by client from now on
+                ctx.vmap_ok = False
+                log.warning("batched evaluation: cannot vmap (%s)", str(exc).splitlines()[0][:160])
+                return out + [
+                    ctx.evaluate(p, d, self._forward)
+                    for p, d in zip(params[start:], data[start:], strict=True)
+                ]
+            start = stop
+        return out
+
+    def _evaluate_chunk(
+        self, params: list[torch.Tensor], data: list[ClientData]
+    ) -> list[dict[str, float]]:
+        xs = torch.nn.utils.rnn.pad_sequence([d.x_test for d in data], batch_first=True)
+        ys = torch.nn.utils.rnn.pad_sequence([d.y_test for d in data], batch_first=True)
+        lengths = torch.tensor([d.num_test for d in data], dtype=torch.int64)
+        m, n = ys.shape[:2]
+        if all(p is params[0] for p in params):  # one vector for all: one plain pass
+            flat = xs.reshape(m * n, *xs.shape[2:])
+            # small inputs (tabular rows) go through in passes of up to 8,192
+            per_input = max(1, flat[0].numel()) if flat.numel() else 1
+            size = max(1, self.ctx.eval_batch_size, min(8192, 2**20 // per_input))
+            logits = torch.cat([self._forward(params[0], c) for c in torch.split(flat, size)])
+            logits = logits.reshape(m, n, *logits.shape[1:])
+        else:
+            logits = vmap(self._forward)(torch.stack(params), xs)
+        return self.ctx.task.evaluate_batch(logits, ys, lengths)
+
+    def _update_best(
+        self, who: list[int], scored: list[dict[str, float]], keys: list[str]
+    ) -> dict[str, float]:
+        out = {}
+        for key in keys if scored else ():
+            best = self.best.setdefault(
+                key, torch.full((len(self.clients),), math.nan, dtype=torch.float64)
+            )
+            lower = key.removeprefix(_VAL) in LOWER_IS_BETTER
+            better = torch.minimum if lower else torch.maximum
+            new = torch.tensor([m[key] for m in scored], dtype=torch.float64)
+            idx = torch.tensor(who, dtype=torch.long)
+            old = best[idx]
+            merged = torch.where(torch.isnan(new), old, better(old, new))
+            best[idx] = torch.where(torch.isnan(old), new, merged)
+            seen = best[~torch.isnan(best)]
+            if seen.numel():
+                out[f"{key}/best_mean"] = float(seen.mean())
+        return out
