@@ -1,6 +1,9 @@
 """Record the golden figures of every case in ``cases.py`` (issue 22).
 
-Run once, on the engine whose figures are to be kept, from the repository root::
+The figures in the repository were recorded on main at c973b3d, before the one-path refactor,
+with ``backend=lockstep`` added to every case (its cohort path where an algorithm had one, the
+per-client hooks elsewhere). Run from the repository root, on the engine whose figures are to
+be kept (a new case, or a figure that changes on purpose: say why in the commit)::
 
     .venv/bin/python tests/golden/record.py            # every case
     .venv/bin/python tests/golden/record.py fedavg ifca   # some cases (updates them in place)
@@ -24,10 +27,6 @@ sys.path[:0] = [str(HERE.parent)]
 from golden.cases import CASES  # noqa: E402
 from golden.golden import metrics_path, run_case, state_path  # noqa: E402
 
-#: the engine of the recording: the cohort path where it ran (main at c973b3d)
-RECORDED_WITH = ("backend=lockstep",)
-
-
 def main(names: list[str]) -> None:
     """Record ``names`` (default: every case)."""
     from safetensors.torch import save_file
@@ -36,7 +35,7 @@ def main(names: list[str]) -> None:
     path = metrics_path()
     table = json.loads(path.read_text()) if path.exists() else {}
     for name in names or list(CASES):
-        state, history = run_case(name, HERE / "tmp", *RECORDED_WITH)
+        state, history = run_case(name, HERE / "tmp")
         state_path(name).parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.clone().contiguous() for k, v in state.items()}, state_path(name))
         table[name] = history
