@@ -57,12 +57,12 @@ import statistics
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 #: stream purpose of the ALA data slice (beside ``fedexp.engine.rng``'s)
 ALA_STREAM = 41
@@ -161,11 +161,10 @@ class FedALA(FedAvg):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One minibatch: W ← clip(W − η_W ∇_W L(Θ̂(W); x, y), 0, 1); returns (W, loss)."""
         leaf = w.detach().requires_grad_(True)
-        with ctx.model_lock:  # functional_call swaps the shared module's parameters
-            ctx.model.module.train()
-            logits, _ = ctx.model.forward_train(self.mix(ctx, glob, local, leaf), x)
-            loss = ctx.task.loss(logits, y)
-            (grad,) = torch.autograd.grad(loss, leaf)
+        ctx.model.module.train()
+        logits, _ = ctx.model.forward_train(self.mix(ctx, glob, local, leaf), x)
+        loss = ctx.task.loss(logits, y)
+        (grad,) = torch.autograd.grad(loss, leaf)
         return torch.clamp(leaf.detach() - self.eta * grad, 0.0, 1.0), loss.detach()
 
     def learn_weights(
@@ -201,29 +200,6 @@ class FedALA(FedAvg):
         return w, len(losses), losses[-1]
 
     # ----------------------------------------------------------------- client
-    def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """ALA → Θ̂; E local steps from Θ̂; send Δ = Θ − θ^E (FedAvg's upload)."""
-        assert isinstance(model_in, torch.Tensor)
-        init, adapted, epochs = self.adapt(ctx, model_in.detach(), state, data)
-        opt = ctx.optimizer
-        local = ctx.train(
-            init,
-            data,
-            generator,
-            objective=self.objective(ctx, init),
-            opt_state=opt.load(state),
-        )
-        new_state = {**state, **adapted, "theta": local.params, **opt.save(local.opt_state)}
-        metrics = {"ala_epochs": epochs, "train_loss": local.loss}
-        return ClientResult(model_in - local.params, new_state, metrics)
-
     def adapt(
         self, ctx: Context, glob: torch.Tensor, state: State, data: ClientData
     ) -> tuple[torch.Tensor, State, float]:
@@ -238,12 +214,13 @@ class FedALA(FedAvg):
             started, epochs = torch.ones_like(started), float(taken)
         return self.mix(ctx, glob, theta, w).detach(), {"W": w, "started": started}, epochs
 
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: the local steps one stacked run.
+    def client_update(
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """ALA → Θ̂; E local steps from Θ̂; send Δ = Θ − θ^E (FedAvg's upload).
 
-        ALA stays client by client (its own stream and stopping rule).
+        ALA runs client by client (its own stream and stopping rule); the local steps (the
+        run's optimiser, its state kept) are one run of the whole cohort.
         """
         assert isinstance(model_in, torch.Tensor)
         glob = model_in.detach()
@@ -253,14 +230,12 @@ class FedALA(FedAvg):
         ]
         init = torch.stack([a[0] for a in done])
         opt = ctx.optimizer
-        local = ctx.train_cohort(
+        local = ctx.train(
             init,
             cohort,
             objective=self.objective(ctx, init),
             opt_states=[opt.load(s) for s in states],
         )
-        if local is None:
-            return None
         adapted = [{**s, **a[1]} for s, a in zip(states, done, strict=True)]
         new_states = unstack_states(adapted, opt, local.opt_state, theta=local.params)
         epochs = torch.tensor([a[2] for a in done], device=init.device)

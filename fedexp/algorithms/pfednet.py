@@ -22,11 +22,12 @@ import math
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
 from fedexp.algorithms.pfednet_admm import ZStepSolver, ZStepState
 from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, loss_and_grad_cohort
+from fedexp.engine import solver
 from fedexp.engine.context import Context
+from fedexp.engine.pool import TrainPool
 from fedexp.graph import (
     covariance_sketch,
     kernel_sketch,
@@ -143,7 +144,7 @@ class PFedNet(Algorithm):
 
         The phase's coordinates travel as the part named after the phase, so an error-feedback
         channel keeps one residual per phase (x and z messages differ in length). ``grad``:
-        [d], or the [m, d] rows of a cohort.
+        the cohort's [m, d] rows.
         """
         idx = self._sent_idx(ctx, phase)
         return grad if idx is None else {phase: grad[..., idx]}
@@ -178,8 +179,7 @@ class PFedNet(Algorithm):
             return kernel_sketch(data.x_train, make_rff(dim, self.rff_features, bw, shared))
         per_epoch = 1 if ctx.batch_size <= 0 else math.ceil(data.num_train / ctx.batch_size)
         steps = max(1, math.ceil(self.sketch_epochs * per_epoch))
-        theta, _ = ctx.sgd(ctx.model.initial(), data, generator, steps=steps)
-        return theta
+        return ctx.train(ctx.model.initial()[None], _alone(data, generator), steps=steps).params[0]
 
     def server_setup(self, ctx: Context, server: State, sketches: dict[int, torch.Tensor]) -> State:
         """The k-NN similarity network of the sketches; ADMM variables W = Ω = 0."""
@@ -199,45 +199,24 @@ class PFedNet(Algorithm):
         return self._model_of(ctx, server, client)
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """Pseudo-gradient of E local steps (or one gradient), of the phase's coordinates."""
-        assert model_in is not None
-        phase = self.phase(ctx.round)
-        if self.one_gradient:
-            xb, yb = data.batch(ctx.batch_size, generator)
-            loss, grad = ctx.loss_and_grad(model_in, xb, yb)
-            loss = float(loss)
-        else:
-            mask = None
-            if self.local_mask and phase != "joint":
-                mask = torch.zeros_like(model_in)
-                mask[self._sent_idx(ctx, phase)] = 1.0
-            theta, loss = ctx.sgd(model_in, data, generator, mask=mask)
-            grad = (model_in - theta) / ctx.lr
-        return ClientResult(self._upload(ctx, phase, grad), state, {"train_loss": loss})
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """Pseudo-gradient of E local steps (or one gradient), of the phase's coordinates.
 
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: one stacked run (or stacked gradient)."""
-        assert model_in is not None
+        From y⁽ⁿ⁾, E local steps (under ``local_mask`` only the phase's coordinates move);
+        send ∇⁽ⁿ⁾ = (y⁽ⁿ⁾ − y⁽ⁿ⁾_E)/η_l, or with ``one_gradient`` one minibatch gradient
+        (Algorithm 1).
+        """
+        assert isinstance(model_in, torch.Tensor)
         phase = self.phase(ctx.round)
         if self.one_gradient:
-            loss, grad = loss_and_grad_cohort(ctx, model_in, cohort)
+            loss, grad = solver.loss_and_grad(ctx, model_in, cohort)
         else:
             mask = None
             if self.local_mask and phase != "joint":
                 mask = torch.zeros_like(model_in[0])
                 mask[self._sent_idx(ctx, phase)] = 1.0
-            local = ctx.train_cohort(model_in, cohort, mask=mask)
-            if local is None:
-                return None
+            local = ctx.train(model_in, cohort, mask=mask)
             grad, loss = (model_in - local.params) / ctx.lr, local.loss
         return CohortResult(self._upload(ctx, phase, grad), states, {"train_loss": loss})
 
@@ -304,3 +283,17 @@ class PFedNet(Algorithm):
             if key in server:
                 out[f"pfednet/{key}"] = float(server[key])
         return out
+
+
+def _alone(data: ClientData, generator: torch.Generator) -> Cohort:
+    """A cohort of the one client ``data`` (its model sketch's local steps).
+
+    Its minibatches come from a stream keyed by a draw of ``generator``; its data are its rows
+    of the run's pool (no copy), else a pool of its own.
+    """
+    rows = data.pooled()
+    pool, row = (rows.pool, rows.row) if rows is not None else (TrainPool.of([data]), 0)
+    dev = pool.x.device
+    key = torch.randint(1 << 62, (1,), generator=generator).to(dev)
+    one = torch.full((1,), row, dtype=torch.int64, device=dev)
+    return Cohort([row], [data], one, key, torch.zeros_like(one), pool)

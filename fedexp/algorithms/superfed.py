@@ -43,14 +43,14 @@ from functools import partial
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
-from fedexp.engine.cohort import Cohort, CohortResult, train_losses, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.optim import State as OptState
+from fedexp.engine.solver import train_losses, unstack_states
 from fedexp.models.flat import FlatModel
 
 #: the evaluation grid of the authors' code
@@ -140,6 +140,10 @@ class SuPerFed(FedAvg):
         return loss, post
 
     def objective(self, ctx: Context, anchor: torch.Tensor) -> Objective:
+        """The warm-up's objective of w_g: ℓ + μ‖w_g − w_g^t‖² (FedProx with strength 2μ)."""
+        return ctx.proximal_objective(anchor, 2 * self.mu)
+
+    def mixing_objective(self, ctx: Context, anchor: torch.Tensor) -> Objective:
         """The mixing objective over [w_g ; w_l] (``anchor``: the received w_g^t)."""
         frozen = None
         if ctx.model.has_buffers:
@@ -153,79 +157,24 @@ class SuPerFed(FedAvg):
 
     # ---------------------------------------------------------------------- hooks
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """Warm-up: w_g alone (+ proximal term); then the mixture steps on [w_g ; w_l]."""
-        assert isinstance(model_in, torch.Tensor)
-        opt = ctx.optimizer
-        if ctx.round < self.warmup_rounds:
-            local = ctx.train(
-                model_in,
-                data,
-                generator,
-                objective=ctx.proximal_objective(model_in.detach(), 2 * self.mu),
-                opt_state=opt.load(state),
-            )
-            new_state = {**state, **opt.save(local.opt_state)}
-            return ClientResult(model_in - local.params, new_state, {"train_loss": local.loss})
-        d = model_in.shape[-1]
-        w_l = state["local"]
-        joint = torch.cat([model_in.detach(), w_l])
-        out = ctx.train(
-            joint,
-            data,
-            generator,
-            objective=self.objective(ctx, model_in),
-            opt_state=merge_states(
-                opt.load(state) or opt.init(model_in), opt.load(state, "opt_l") or opt.init(w_l)
-            ),
-        )
-        g, w_l = out.params[:d], out.params[d:]
-        lam = self.eval_lambda
-        if lam is None:
-            lam = select_lambda(ctx, g, w_l, data)
-        new_state = {
-            **state,
-            "local": w_l,
-            "lam_eval": torch.full_like(state["lam_eval"], lam),
-            **opt.save(split_state(out.opt_state, d, 0)),
-            **opt.save(split_state(out.opt_state, d, 1), "opt_l"),
-        }
-        metrics = {"train_loss": out.loss, "lam_eval": lam}
-        return ClientResult(model_in - g, new_state, metrics)
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """Warm-up: w_g alone (+ proximal term); then the mixture steps on [w_g ; w_l].
 
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: the steps on [w_g ; w_l] one stacked run.
-
-        Each client's λ ~ U(0, 1) comes from its own stream; the evaluation λ is chosen client
-        by client.
+        E steps either way; in the mixing rounds each minibatch's λ ~ U(0, 1) comes from the
+        client's own stream, and its evaluation λ is chosen after the steps. Send
+        Δ = w_g^t − w_g^E.
         """
         assert isinstance(model_in, torch.Tensor)
+        if ctx.round < self.warmup_rounds:  # FedAvg's steps on self.objective
+            return super().client_update(ctx, model_in, states, cohort)
         opt = ctx.optimizer
-        if ctx.round < self.warmup_rounds:
-            local = ctx.train_cohort(
-                model_in,
-                cohort,
-                objective=ctx.proximal_objective(model_in.detach(), 2 * self.mu),
-                opt_states=[opt.load(s) for s in states],
-            )
-            if local is None:
-                return None
-            new_states = unstack_states(states, opt, local.opt_state)
-            return CohortResult(model_in - local.params, new_states, {"train_loss": local.loss})
         d = model_in.shape[-1]
         w_l = torch.stack([s["local"] for s in states])
-        out = ctx.train_cohort(
+        out = ctx.train(
             torch.cat([model_in.detach(), w_l], dim=1),
             cohort,
-            objective=self.objective(ctx, model_in),
+            objective=self.mixing_objective(ctx, model_in),
             opt_states=[
                 merge_states(
                     opt.load(s) or opt.init(model_in[0]),
@@ -234,13 +183,11 @@ class SuPerFed(FedAvg):
                 for s in states
             ],
         )
-        if out is None:
-            return None
         g, w_l = out.params[:, :d], out.params[:, d:]
         lams = [self.eval_lambda] * len(cohort)
         if self.eval_lambda is None:
             lams = select_lambdas(ctx, g, w_l, cohort.data)
-        halves = [split_state(out.opt_state, d, h, stacked=True) for h in (0, 1)]
+        halves = [split_state(out.opt_state, d, h) for h in (0, 1)]
         lam = torch.tensor(lams, dtype=w_l.dtype, device=w_l.device)[:, None]
         new_states = unstack_states(states, opt, halves[0], local=w_l, lam_eval=lam)
         new_states = unstack_states(new_states, opt, halves[1], "opt_l")
@@ -265,15 +212,12 @@ def merge_states(g: OptState, local: OptState) -> OptState:
     return {k: torch.cat([g[k], local[k]]) if g[k].dim() else g[k] for k in g}
 
 
-def split_state(state: OptState, d: int, part: int, stacked: bool = False) -> OptState:
-    """The w_g (part 0) or w_l (part 1) half of a joint optimiser state.
+def split_state(state: OptState, d: int, part: int) -> OptState:
+    """The w_g (part 0) or w_l (part 1) half of the cohort's joint optimiser state.
 
-    ``stacked``: of every client's state at once ([m, 2d] vectors, [m] scalars).
+    Of every client's state at once: [m, 2d] vectors halved, [m] scalars (Adam's step) kept.
     """
-    vector = 1 + int(stacked)
-    return {
-        k: (v[..., d * part : d * (part + 1)] if v.dim() >= vector else v) for k, v in state.items()
-    }
+    return {k: (v[..., d * part : d * (part + 1)] if v.dim() >= 2 else v) for k, v in state.items()}
 
 
 def reinit(ctx: Context, client: int) -> torch.Tensor:
@@ -292,34 +236,14 @@ def reinit(ctx: Context, client: int) -> torch.Tensor:
     return FlatModel(module, torch.device("cpu")).initial()
 
 
-@torch.no_grad()
-def select_lambda(ctx: Context, g: torch.Tensor, local: torch.Tensor, data: ClientData) -> float:
-    """The grid λ whose mixture has the lowest loss on the client's training split."""
-    best, best_loss = 0.0, float("inf")
-    size = max(1, ctx.eval_batch_size)
-    with ctx.model_lock:  # a shared module: no other client's forward pass meanwhile
-        ctx.model.module.eval()
-        try:
-            for lam in LAMBDA_GRID:
-                params = SuPerFed.mixture(ctx, g, local, lam)
-                chunks = torch.split(data.x_train, size)
-                logits = torch.cat([ctx.model(params, chunk) for chunk in chunks])
-                loss = float(ctx.task.loss(logits, data.y_train))
-                if loss < best_loss:
-                    best, best_loss = lam, loss
-        finally:
-            ctx.model.module.train()
-    return best
-
-
 def select_lambdas(
     ctx: Context, g: torch.Tensor, local: torch.Tensor, data: Sequence[ClientData]
 ) -> list[float]:
-    """:func:`select_lambda` of every client of a cohort ([m, d] rows), batched.
+    """Each client's grid λ whose mixture has the lowest loss on its training split.
 
-    Each grid λ's mixtures are scored for all clients at once
-    (:func:`fedexp.engine.cohort.train_losses`); the first λ of the lowest loss wins, as in
-    :func:`select_lambda`.
+    ``g``, ``local``: the clients' [m, d] rows. Each grid λ's mixtures are scored for all
+    clients at once (:func:`fedexp.engine.solver.train_losses`, the module in eval mode); the
+    first λ of the lowest loss wins.
     """
 
     def mixtures(j: int, rows: slice) -> torch.Tensor:

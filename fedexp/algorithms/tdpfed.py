@@ -40,12 +40,19 @@ from functools import partial
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, Message, State, weighted_mean
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, draw_batch
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    Message,
+    Stacked,
+    State,
+    weighted_mean,
+)
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.optim import SGD, Adam
+from fedexp.engine.solver import draw_batch, stack_opt_states, unstack_states
 from fedexp.models.cp import CPLayout, als, compose
 from fedexp.models.flat import Layout
 
@@ -145,92 +152,35 @@ class TDPFed(Algorithm):
         return 0.5 * aux["lam"] * (diff * diff).sum(), params.detach()
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: Message | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """τ local rounds of s θ-steps then s′ factor steps on one minibatch; upload A."""
-        assert isinstance(model_in, torch.Tensor)
-        cp = self.cp(ctx)
-        a = model_in.detach().clone()
-        theta = cp.compose(a) if self.reset_personal else state["theta"]
-        opt_theta = self.theta_opt.load(state, "opt_theta") or self.theta_opt.init(theta)
-        opt_a = self.factor_opt.load(state, "opt_a") or self.factor_opt.init(a)
-        buffers = ctx.model.buffer_mask if ctx.model.has_buffers else None
-        frozen_a = None if buffers is None else cp.model_mask(buffers)
-        lam = torch.tensor(float(self.lam), device=a.device, dtype=a.dtype)
-        rounds = ctx.steps_for(data) if self.local_rounds is None else self.local_rounds
-        total = 0.0
-        for _ in range(rounds):
-            xb, yb = data.batch(ctx.batch_size, generator)
-            batch = ClientData(xb, yb, data.x_test, data.y_test)
-            if self.personal_steps > 0:
-                personal = ctx.train(
-                    theta,
-                    batch,
-                    generator,
-                    objective=ctx.proximal_objective(cp.compose(a), self.lam),
-                    optimizer=self.theta_opt,
-                    opt_state=opt_theta,
-                    steps=self.personal_steps,
-                    lr=self.personal_lr,
-                    batch_size=0,
-                )
-                theta, opt_theta, total = personal.params, personal.opt_state, total + personal.loss
-            if frozen_a is not None:  # running statistics travel in A, taken from θ
-                a = torch.where(frozen_a, cp.decompose(theta, start=a, sweeps=0), a)
-            if self.factor_steps > 0:
-                aux = {"theta": theta.detach(), "lam": lam}
-                objective = Objective(partial(self.factor_loss, cp), aux=aux, frozen=frozen_a)
-                fit = ctx.train(
-                    a,
-                    batch,
-                    generator,
-                    objective=objective,
-                    optimizer=self.factor_opt,
-                    opt_state=opt_a,
-                    steps=self.factor_steps,
-                    batch_size=0,
-                )
-                a, opt_a = fit.params, fit.opt_state
-        new_state = {
-            **state,
-            "theta": theta,
-            **self.theta_opt.save(opt_theta, "opt_theta"),
-            **self.factor_opt.save(opt_a, "opt_a"),
-        }
-        metrics = {"train_loss": total / max(rounds, 1)}
-        return ClientResult(a, new_state, metrics)
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """τ local rounds of s θ-steps then s′ factor steps on one minibatch; upload A.
 
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: each local round stacked.
-
-        Every client's minibatch drawn at once, then the θ-steps and the factor steps one
-        stacked run each on it.
+        Each local round draws every client's minibatch at once; the θ-steps and the factor
+        steps are then one run each of the whole cohort on it.
         """
         assert isinstance(model_in, torch.Tensor)
         rounds = ctx.cohort_steps(cohort) if self.local_rounds is None else self.local_rounds
-        if rounds is None or not ctx.cohort_batches(cohort):
-            return None
         cp = self.cp(ctx)
         compose_rows = torch.func.vmap(cp.compose)
         a = model_in.detach().clone()
         theta = (
             compose_rows(a) if self.reset_personal else torch.stack([s["theta"] for s in states])
         )
-        opt_theta = [self.theta_opt.load(s, "opt_theta") for s in states]
-        opt_a = [self.factor_opt.load(s, "opt_a") for s in states]
+        opt_theta = stack_opt_states(
+            self.theta_opt, theta, [self.theta_opt.load(s, "opt_theta") for s in states]
+        )
+        opt_a = stack_opt_states(
+            self.factor_opt, a, [self.factor_opt.load(s, "opt_a") for s in states]
+        )
+        buffers = ctx.model.buffer_mask if ctx.model.has_buffers else None
+        frozen_a = None if buffers is None else cp.model_mask(buffers)
         lam = torch.tensor(float(self.lam), device=a.device, dtype=a.dtype)
         total = torch.zeros(len(cohort), device=a.device)
         for _ in range(rounds):
             batch = draw_batch(ctx, cohort)
             if self.personal_steps > 0:
-                personal = ctx.train_cohort(
+                personal = ctx.train(
                     theta,
                     cohort,
                     objective=ctx.proximal_objective(compose_rows(a), self.lam),
@@ -240,37 +190,25 @@ class TDPFed(Algorithm):
                     lr=self.personal_lr,
                     batch=batch,
                 )
-                if personal is None:
-                    return None
                 theta, opt_theta = personal.params, personal.opt_state
                 total = total + personal.loss
+            if frozen_a is not None:  # running statistics travel in A, taken from θ
+                fitted = [cp.decompose(t, start=r, sweeps=0) for t, r in zip(theta, a, strict=True)]
+                a = torch.where(frozen_a, torch.stack(fitted), a)
             if self.factor_steps > 0:
                 aux = {"theta": theta.detach(), "lam": lam}
-                fit = ctx.train_cohort(
+                fit = ctx.train(
                     a,
                     cohort,
-                    objective=Objective(partial(self.factor_loss, cp), aux=aux),
+                    objective=Objective(partial(self.factor_loss, cp), aux=aux, frozen=frozen_a),
                     optimizer=self.factor_opt,
                     opt_states=opt_a,
                     steps=self.factor_steps,
                     batch=batch,
                 )
-                if fit is None:
-                    return None
                 a, opt_a = fit.params, fit.opt_state
-        new_states = []
-        for i, state in enumerate(states):
-            new = {**state, "theta": theta[i].clone()}
-            for opt, stack, prefix, like in (
-                (self.theta_opt, opt_theta, "opt_theta", theta[i]),
-                (self.factor_opt, opt_a, "opt_a", a[i]),
-            ):
-                if isinstance(stack, dict):  # stepped this round
-                    row = {k: v[i].clone() for k, v in stack.items()}
-                else:  # no steps of this kind: the loaded (or a fresh) state, as client_update
-                    row = stack[i] or opt.init(like)
-                new.update(opt.save(row, prefix))
-            new_states.append(new)
+        new_states = unstack_states(states, self.theta_opt, opt_theta, "opt_theta", theta=theta)
+        new_states = unstack_states(new_states, self.factor_opt, opt_a, "opt_a")
         return CohortResult(a, new_states, {"train_loss": total / max(rounds, 1)})
 
     # ------------------------------------------------------------------ server

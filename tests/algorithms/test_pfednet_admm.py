@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.algorithms.pfednet_admm import (
-    ZStepSolver,
+from fedexp.algorithms.pfednet_admm import ZStepSolver, zstep_objective
+from fedexp.algorithms.pfednet_prox import (
     parse_p,
     project_l1_ball_columns,
     prox_columns,
     prox_l1_columns,
     prox_l2_columns,
     prox_linf_columns,
-    zstep_objective,
 )
 from fedexp.graph import Graph, incidence_matrix, knn_edges, laplacian, sketch_distances
 
