@@ -3,10 +3,11 @@
 An :class:`Objective` is what :meth:`fedexp.engine.context.Context.train` minimises: a loss
 over a flat vector (the model's, or an algorithm's joint vector such as APFL's (w, v, α) or
 FedRoD's (model, personal head)), with everything that differs between clients in ``aux``
-tensors. Because the loss function itself is shared, the lockstep backend stacks the clients'
-parameters, ``aux``, masks and optimiser states and runs the steps of a whole round's cohort
-as one :func:`torch.func.vmap`; a loss that vmap cannot run falls back to one client at a
-time with the same random draws.
+tensors. Because the loss function itself is shared, the local solver
+(:mod:`fedexp.engine.solver`) stacks a cohort's parameters, ``aux`` tensors, masks and
+optimiser states and takes each step of the whole cohort as one :func:`torch.func.vmap`; a
+loss that vmap cannot run is rerun row by row (each client's gradient by plain autograd) with
+the same random draws.
 
 The loss returns ``(loss, post)``: ``post`` is the vector with its non-gradient coordinates
 (BatchNorm running statistics, ``frozen``) updated by the forward pass. With nothing frozen
@@ -15,9 +16,8 @@ return ``params.detach()`` (vmap needs a tensor there; ``post`` is then ignored)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -40,7 +40,8 @@ class Objective:
         loss: a module-level function, a bound method, or ``functools.partial`` of one over
             objects every client shares (``partial(self.loss, ctx)``: the run's model and
             task), so that clients can be batched; per-client data goes in ``aux``.
-        aux: per-client tensors the loss reads (anchors, class priors, ...).
+        aux: per-client tensors the loss reads (anchors, class priors, ...); for a cohort
+            stacked ``[m, ...]`` in cohort order (0-dim tensors are shared by every client).
         frozen: boolean mask of coordinates that take ``post``'s value instead of a step.
         lr_scale: per-coordinate multiplier of the step size (e.g. APFL's η_α / η).
         noise: uniform draws per step passed to the loss as ``u`` (SuPerFed's λ ~ U(0, 1)),
@@ -54,24 +55,3 @@ class Objective:
     lr_scale: torch.Tensor | None = None
     noise: int = 0
     project: ProjectFn | None = None
-
-    def batch_key(self) -> Hashable:
-        """Clients whose objectives share this key can be stepped as one vmap."""
-
-        def fn_key(fn: Callable | None) -> Hashable:
-            if fn is None:
-                return None
-            if isinstance(fn, partial):  # partial(bound method, ctx): shared arguments by id
-                bound = tuple(id(a) for a in fn.args)
-                return (fn_key(fn.func), bound, tuple(sorted(fn.keywords)))
-            owner = getattr(fn, "__self__", None)
-            return (getattr(fn, "__func__", fn), id(owner))
-
-        return (
-            fn_key(self.loss),
-            fn_key(self.project),
-            tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in self.aux.items())),
-            self.frozen is None,
-            self.lr_scale is None,
-            self.noise,
-        )

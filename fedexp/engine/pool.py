@@ -1,7 +1,7 @@
 """Every client's training data in one tensor, for gathering a cohort's minibatches at once.
 
-Issue 14: the lockstep backend padded the cohort's training sets into one ``[m, n_max, ...]``
-tensor at every call. The pool concatenates the clients' training inputs and targets once per
+Before issue 14 a cohort's training sets were padded into one ``[m, n_max, ...]`` tensor at
+every call. The pool concatenates the clients' training inputs and targets once per
 run and the clients' training fields then hold their rows of it (:class:`PoolRows`, read as
 views: no second copy and no view object stays alive); a cohort's step gathers its ``m × B``
 minibatch rows with one index: ``offset[client] + index``.
@@ -119,7 +119,7 @@ class TrainPool:
         """The pool rows (client ids) of ``data``, or None if one is not a pooled client.
 
         A client's data count as pooled while their training fields still hold the pool's
-        rows (an algorithm may hand ``Context.train`` other data, e.g. a drawn minibatch).
+        rows (data built from other tensors, e.g. a drawn minibatch, do not).
         """
         rows = []
         for d in data:

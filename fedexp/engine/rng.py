@@ -1,9 +1,10 @@
 """Random streams keyed by (seed, purpose, round, client).
 
 Each stream is derived from its key alone (NumPy's SeedSequence hashing), so a client's batches
-do not depend on which other clients ran before it, nor on the execution order or backend,
-and a resumed run draws exactly what an uninterrupted one would: the streams need no state in
-the checkpoint beyond the seed and the round.
+do not depend on which other clients ran before it, nor on the order the clients run in or
+how the engine groups them into cohorts, and a resumed run draws exactly what an
+uninterrupted one would: the streams need no state in the checkpoint beyond the seed and the
+round.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ class Stream(torch.Generator):
     A CPU ``torch.Generator`` seeded by the stream's key (every draw an algorithm makes with
     it: noise, permutations), which also numbers the client's minibatch draws:
     :meth:`fedexp.data.federated.ClientData.batch` takes its indices from
-    :func:`batch_indices` at the stream's draw counter, so the execution backends draw a
-    whole cohort's minibatches of a step at once and get every client's sequential draws.
+    :func:`batch_indices` at the stream's draw counter, so the local solver draws a whole
+    cohort's minibatches of a step at once (:func:`fedexp.engine.solver.draw_batch`) and each
+    client gets what its stream gives it alone.
 
     Args:
         key: the stream's 63-bit key (:func:`stream_keys`).
@@ -138,5 +140,5 @@ def client_streams(seed: int, round_: int, clients: list[int]) -> dict[int, Stre
 
 
 def client_stream(seed: int, round_: int, client: int) -> Stream:
-    """The :class:`Stream` of one client in ``round_`` (what the engine hands its hook)."""
+    """The :class:`Stream` of one client in ``round_`` (its row of a cohort draws the same)."""
     return client_streams(seed, round_, [client])[client]

@@ -127,9 +127,9 @@ class FlatModel:
     2-conv CNN (one thread, batch 16, forward and backward): 1.3-1.9x a step, the gradient
     equal to the NCHW one up to rounding. The copy per call is the size of the weights; its
     backward puts the gradient back in the vector's order. Under :func:`torch.func.vmap`
-    the convolutions of stacked weights become grouped ones that do not gain from it, so
-    stacked training computes such a model's gradients client by client
-    (:func:`fedexp.engine.backends.train_stacked`).
+    the convolutions of stacked weights become grouped ones that do not gain from it, so the
+    local solver computes such a model's gradients row by row, client by client
+    (:func:`fedexp.engine.solver.rowwise`).
 
     Args:
         module: the network (its own parameters and buffers are only the initial point).
