@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 
 class Ditto(FedAvg):
@@ -48,49 +47,23 @@ class Ditto(FedAvg):
         return {"v": x0.clone()}
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """Global part as FedAvg, then the personal steps pulled towards the received w."""
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """Global part as FedAvg, then the personal steps pulled towards the received w.
+
+        E local steps from w, sending Δ = w − θ^E; then ``personal_steps`` steps from v_n on
+        f_n(v) + (λ/2)‖v − w‖².
+        """
         assert isinstance(model_in, torch.Tensor)
-        result = super().client_update(ctx, model_in, state, data, generator)
+        result = super().client_update(ctx, model_in, states, cohort)
         opt = ctx.optimizer
         personal = ctx.train(
-            state["v"],
-            data,
-            generator,
-            objective=ctx.proximal_objective(model_in.detach(), self.lam),
-            opt_state=opt.load(state, "opt_v"),
-            steps=self.personal_steps,
-        )
-        new_state = {**result.state, "v": personal.params, **opt.save(personal.opt_state, "opt_v")}
-        metrics = {**result.metrics, "personal_loss": personal.loss}
-        return ClientResult(result.update, new_state, metrics)
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: the global, then the personal steps."""
-        assert isinstance(model_in, torch.Tensor)
-        if self.personal_steps is None and ctx.cohort_steps(cohort) is None:
-            return None
-        result = super().cohort_update(ctx, model_in, states, cohort)
-        if result is None:
-            return None
-        opt = ctx.optimizer
-        personal = ctx.train_cohort(
             torch.stack([s["v"] for s in states]),
             cohort,
             objective=ctx.proximal_objective(model_in.detach(), self.lam),
             opt_states=[opt.load(s, "opt_v") for s in states],
             steps=self.personal_steps,
         )
-        if personal is None:
-            return None
         new_states = unstack_states(
             result.states, opt, personal.opt_state, "opt_v", v=personal.params
         )

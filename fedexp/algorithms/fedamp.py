@@ -37,10 +37,9 @@ from types import MappingProxyType
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, State
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 #: σ of FedAMP's A(x) = 1 − e^{−x/σ} when none is given (with α_k = 1e3: ξ_ij ≈ 0.01).
 FEDAMP_SIGMA = 1e5
@@ -161,42 +160,18 @@ class FedAMP(Algorithm):
         return dict(zip(clients, u.unbind(0), strict=True))
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
         """Local steps on f_i(w) + (λ/(2α_k))‖w − u_i‖² from u_i; upload the new w_i."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
         anchor = model_in.detach()
         local = ctx.train(
             anchor,
-            data,
-            generator,
-            objective=ctx.proximal_objective(anchor, self.lam / self.alpha_k),
-            opt_state=opt.load(state),
-        )
-        new_state = {**state, **opt.save(local.opt_state)}
-        return ClientResult(local.params, new_state, {"train_loss": local.loss})
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: each client's steps from its own u_i."""
-        assert isinstance(model_in, torch.Tensor)
-        opt = ctx.optimizer
-        anchor = model_in.detach()
-        local = ctx.train_cohort(
-            anchor,
             cohort,
             objective=ctx.proximal_objective(anchor, self.lam / self.alpha_k),
             opt_states=[opt.load(s) for s in states],
         )
-        if local is None:
-            return None
         new_states = unstack_states(states, opt, local.opt_state)
         return CohortResult(local.params, new_states, {"train_loss": local.loss})
 

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.algorithms.fedprox import FedProx
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 
 class _FineTune:
@@ -42,54 +41,21 @@ class _FineTune:
         self.finetune_steps = finetune_steps
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
         """Fine-tune x → x^FT (kept as ``ft``), E local steps from x^FT; send x − θ^E."""
         assert isinstance(model_in, torch.Tensor)
-        steps = ctx.steps_for(data) if self.finetune_steps is None else self.finetune_steps
+        steps = ctx.cohort_steps(cohort) if self.finetune_steps is None else self.finetune_steps
         if steps == 0:
-            return super().client_update(ctx, model_in, state, data, generator)  # type: ignore[misc]
-        ft = ctx.train(model_in, data, generator, steps=steps)
+            return super().client_update(ctx, model_in, states, cohort)  # type: ignore[misc]
+        ft = ctx.train(model_in, cohort, steps=steps)
         opt = ctx.optimizer
         local = ctx.train(
-            ft.params,
-            data,
-            generator,
-            objective=self.objective(ctx, model_in.detach()),  # type: ignore[attr-defined]
-            opt_state=opt.load(state),
-        )
-        new_state = {**state, "ft": ft.params, **opt.save(local.opt_state)}
-        metrics = {"train_loss": local.loss, "finetune_loss": ft.loss}
-        return ClientResult(model_in - local.params, new_state, metrics)
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: fine-tuning, then the local steps."""
-        assert isinstance(model_in, torch.Tensor)
-        default = ctx.cohort_steps(cohort)
-        steps = default if self.finetune_steps is None else self.finetune_steps
-        if steps is None or default is None:
-            return None
-        if steps == 0:
-            return super().cohort_update(ctx, model_in, states, cohort)  # type: ignore[misc]
-        ft = ctx.train_cohort(model_in, cohort, steps=steps)
-        if ft is None:
-            return None
-        opt = ctx.optimizer
-        local = ctx.train_cohort(
             ft.params,
             cohort,
             objective=self.objective(ctx, model_in.detach()),  # type: ignore[attr-defined]
             opt_states=[opt.load(s) for s in states],
         )
-        if local is None:
-            return None
         new_states = unstack_states(states, opt, local.opt_state, ft=ft.params)
         metrics = {"train_loss": local.loss, "finetune_loss": ft.loss}
         return CohortResult(model_in - local.params, new_states, metrics)

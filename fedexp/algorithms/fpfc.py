@@ -46,11 +46,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, State
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.group_prox import check_penalty, prox_rows
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 from fedexp.graph.incidence import q_rows, qt_rows
 
 
@@ -110,42 +109,18 @@ class FPFC(Algorithm):
         return server["centre"][client]
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
         """E local steps from θ_i on f_i + (ρ(N−1)/2)‖θ − c_i‖²; upload θ_i."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
         mu = self.rho * max(ctx.num_clients - 1, 1)
         local = ctx.train(
-            state["theta"],
-            data,
-            generator,
-            objective=ctx.proximal_objective(model_in.detach(), mu),
-            opt_state=opt.load(state),
-        )
-        new_state = {**state, "theta": local.params, **opt.save(local.opt_state)}
-        return ClientResult(local.params, new_state, {"train_loss": local.loss})
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: each θ_i pulled to its own c_i."""
-        assert isinstance(model_in, torch.Tensor)
-        opt = ctx.optimizer
-        mu = self.rho * max(ctx.num_clients - 1, 1)
-        local = ctx.train_cohort(
             torch.stack([s["theta"] for s in states]),
             cohort,
             objective=ctx.proximal_objective(model_in.detach(), mu),
             opt_states=[opt.load(s) for s in states],
         )
-        if local is None:
-            return None
         new_states = unstack_states(states, opt, local.opt_state, theta=local.params)
         return CohortResult(local.params, new_states, {"train_loss": local.loss})
 
@@ -174,13 +149,8 @@ class FPFC(Algorithm):
         )
         zeta = torch.where(active, zeta_new, server["zeta"])
         dual = torch.where(active, server["dual"] + rho * (diff - zeta), server["dual"])
-        return {
-            **server,
-            "theta": theta,
-            "zeta": zeta,
-            "dual": dual,
-            **self._centres(theta, zeta, dual),
-        }
+        new = {"theta": theta, "zeta": zeta, "dual": dual}
+        return {**server, **new, **self._centres(theta, zeta, dual)}
 
     def _centres(self, theta: torch.Tensor, zeta: torch.Tensor, dual: torch.Tensor) -> State:
         """c_i = (Σ_{j≠i} θ_j + Σ_m ±(ζ_m − v_m/ρ)) / (N − 1), one scatter over the edges."""

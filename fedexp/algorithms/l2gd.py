@@ -22,7 +22,7 @@ local steps, and upload. So k_0 ~ Geometric on {0, 1, ...} with success probabil
 Geometric on {1, 2, ...} for t ≥ 1 (a run of zeros between two maximal runs of ones is not
 empty), and m ~ Geometric on {1, 2, ...} with success probability 1 − p. Round t's draws
 (m_{t−1}, k_t) come from the stream ``rng.generator(seed, COINS, t)`` that every party can
-derive, so every client, both backends and a resumed run take the same steps; full
+derive, so every client, every sub-cohort and a resumed run take the same steps; full
 participation makes this Algorithm 1 exactly (tested step by step), up to the cap below.
 
 Choices the paper leaves open (written here, on purpose):
@@ -46,11 +46,10 @@ import math
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
-from fedexp.data.federated import ClientData
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
 from fedexp.engine import rng
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 from fedexp.errors import ConfigError
 
 #: Purpose of the shared coin stream (beside ``fedexp.engine.rng``'s purposes).
@@ -136,48 +135,21 @@ class L2GD(Algorithm):
         return server["xbar"]
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """Take m_{t−1} averaging steps towards the received x̄, k_t local steps; send x̄ − x_i."""
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """Take m_{t−1} averaging steps towards the received x̄, k_t local steps; send x̄ − x_i.
+
+        One schedule for the whole cohort: it is the round's.
+        """
         assert isinstance(model_in, torch.Tensor)
         ones, zeros = self.schedule(ctx, ctx.round)
-        x = state["x"]
+        x = torch.stack([s["x"] for s in states])
         if ones > 0:  # lerp is exact at both ends: weight 0 keeps x, weight 1 gives x̄
             x = torch.lerp(x, model_in, 1.0 - (1.0 - self.averaging_rate(ctx)) ** ones)
         opt = ctx.optimizer
         local = ctx.train(
-            x, data, generator, opt_state=opt.load(state), steps=zeros, lr=self.local_lr(ctx)
+            x, cohort, opt_states=[opt.load(s) for s in states], steps=zeros, lr=self.local_lr(ctx)
         )
-        new_state = {**state, "x": local.params, **opt.save(local.opt_state)}
-        metrics = {"local_steps": float(zeros), "averaging_steps": float(ones)}
-        if zeros > 0:
-            metrics["train_loss"] = local.loss
-        return ClientResult(model_in - local.params, new_state, metrics)
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort (one schedule for all: it is the round's)."""
-        assert isinstance(model_in, torch.Tensor)
-        ones, zeros = self.schedule(ctx, ctx.round)
-        x = torch.stack([s["x"] for s in states])
-        if ones > 0:
-            x = torch.lerp(x, model_in, 1.0 - (1.0 - self.averaging_rate(ctx)) ** ones)
-        opt = ctx.optimizer
-        local = ctx.train_cohort(
-            x,
-            cohort,
-            opt_states=[opt.load(s) for s in states],
-            steps=zeros,
-            lr=self.local_lr(ctx),
-        )
-        if local is None:
-            return None
         new_states = unstack_states(states, opt, local.opt_state, x=local.params)
         full = torch.ones(len(cohort), device=x.device)
         metrics = {"local_steps": full * zeros, "averaging_steps": full * ones}

@@ -101,28 +101,6 @@ def test_server_writes_only_the_clients_that_reported(small_cfg):
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [
-        ("participation=0.6",),
-        ("algorithm.heuristic=true",),
-        ("model=mlp", "model.hidden=8", "algorithm.alpha_k=5e4"),
-    ],
-    ids=["fedamp", "heurfedamp", "mlp"],
-)
-def test_lockstep_equals_sequential(small_cfg, overrides):
-    seq, m_seq = _rounds(build_engine(small_cfg("algorithm=fedamp", *overrides)), 2)
-    lock, m_lock = _rounds(
-        build_engine(small_cfg("algorithm=fedamp", "backend=lockstep", *overrides)), 2
-    )
-    torch.testing.assert_close(lock.server["W"], seq.server["W"], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
-    assert m_lock["bytes/up"] == m_seq["bytes/up"]
-    assert m_lock["bytes/down"] == m_seq["bytes/down"]
-
-
-@pytest.mark.parametrize(
     "overrides", [(), ("model=mlp", "model.hidden=8", "algorithm.heuristic=true")]
 )
 def test_runs(small_cfg, overrides):
