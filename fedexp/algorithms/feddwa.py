@@ -49,10 +49,9 @@ from types import MappingProxyType
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, Message, State
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Message, Stacked, State
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 
 def dwa_weights(
@@ -127,56 +126,13 @@ class FedDWA(Algorithm):
 
     # ----------------------------------------------------------------- client
     def client_update(
-        self,
-        ctx: Context,
-        model_in: Message | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
         """E local steps → θ_i; one more pass → θ̂_i; send both."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
-        objective = ctx.model_objective()
-        local = ctx.train(model_in, data, generator, objective=objective, opt_state=opt.load(state))
-        guide = ctx.train(
-            local.params,
-            data,
-            generator,
-            objective=objective,
-            opt_state=local.opt_state,
-            steps=self.guide_steps,
-        )
-        new_state = {**state, **opt.save(local.opt_state)}
-        if self.evaluate != "personal":
-            new_state[self.evaluate] = guide.params if self.evaluate == "guide" else local.params
-        upload = {"model": local.params, "guide": guide.params}
-        metrics = {"train_loss": local.loss, "guide_loss": guide.loss}
-        return ClientResult(upload, new_state, metrics)
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: the E steps, then the guide pass."""
-        assert isinstance(model_in, torch.Tensor)
-        if self.guide_steps is None and ctx.cohort_steps(cohort) is None:
-            return None
-        opt = ctx.optimizer
-        objective = ctx.model_objective()
-        local = ctx.train_cohort(
-            model_in, cohort, objective=objective, opt_states=[opt.load(s) for s in states]
-        )
-        if local is None:
-            return None
-        guide = ctx.train_cohort(
-            local.params,
-            cohort,
-            objective=objective,
-            opt_states=local.opt_state,
-            steps=self.guide_steps,
-        )
-        if guide is None:
-            return None
+        local = ctx.train(model_in, cohort, opt_states=[opt.load(s) for s in states])
+        guide = ctx.train(local.params, cohort, opt_states=local.opt_state, steps=self.guide_steps)
         kept = {}
         if self.evaluate != "personal":
             kept[self.evaluate] = guide.params if self.evaluate == "guide" else local.params

@@ -26,9 +26,9 @@ Differences from the paper and the authors' code (github.com/jichan3751/ifca), a
   several runs) and the FEMNIST warm start (a pretrained FedAvg model, 20 rounds of random
   forced assignments) are left to the experiment.
 * The loss estimate runs the model in evaluation mode without gradients (no dropout; BatchNorm
-  with the cluster model's running statistics), in chunks of ``ctx.eval_batch_size``; it
-  draws nothing from the client's stream, so the minibatches are FedAvg's. Ties go to the
-  lowest index; a non-finite loss never wins.
+  with the cluster model's running statistics), in chunks
+  (:func:`fedexp.engine.solver.train_losses`); it draws nothing from the client's stream, so
+  the minibatches are FedAvg's. Ties go to the lowest index; a non-finite loss never wins.
 * Optimiser state (momentum, Adam moments): kept between rounds while the client stays in the
   same cluster, restarted fresh when ĵ changes (the old state belongs to another model).
 * Evaluation: ``eval_params`` gets no data, so a client is evaluated with the cluster it chose
@@ -48,11 +48,19 @@ from types import MappingProxyType
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, Message, State, weighted_mean
-from fedexp.data.federated import ClientData
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    Message,
+    Stacked,
+    StackedUpdates,
+    State,
+    weighted_mean,
+)
 from fedexp.engine import rng
-from fedexp.engine.cohort import Cohort, CohortResult, train_losses, unstack_states
 from fedexp.engine.context import Context
+from fedexp.engine.solver import train_losses, unstack_states
 
 #: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
 CLUSTER_INIT = 31
@@ -106,10 +114,7 @@ class IFCA(Algorithm):
                 perm = torch.randperm(size, generator=gen).to(x0.device)
                 drawn[off : off + size] = x0[off : off + size][perm]
             clusters.append(torch.lerp(x0, drawn, self.init_scale))
-        return {
-            "clusters": torch.stack(clusters),
-            "counts": torch.zeros(self.k, device=x0.device),
-        }
+        return {"clusters": torch.stack(clusters), "counts": torch.zeros(self.k, device=x0.device)}
 
     def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
         """No cluster chosen yet (−1)."""
@@ -120,57 +125,13 @@ class IFCA(Algorithm):
         return {"clusters": server["clusters"]}
 
     # ----------------------------------------------------------------- client
-    def cluster_losses(self, ctx: Context, clusters: torch.Tensor, data: ClientData):
-        """F_n(θ_j) for every j: mean task loss on the client's training split (eval mode).
-
-        The k models scored as the cohort path scores them (:func:`train_losses`).
-        """
-        return train_losses(ctx, lambda j, rows: clusters[j][None], len(clusters), [data])[
-            0
-        ].float()
-
     def client_update(
-        self,
-        ctx: Context,
-        model_in: Message | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """ĵ = argmin_j F_n(θ_j); E local steps from θ_ĵ; send Δ = θ_ĵ − θ^E and ĵ."""
-        assert isinstance(model_in, dict)
-        clusters = model_in["clusters"]
-        losses = self.cluster_losses(ctx, clusters, data)
-        losses = torch.where(torch.isfinite(losses), losses, torch.full_like(losses, torch.inf))
-        j = int(torch.argmin(losses))  # the first of equal losses
-        theta = clusters[j]
-        opt = ctx.optimizer
-        same = int(state["cluster"][0]) == j
-        local = ctx.train(
-            theta,
-            data,
-            generator,
-            objective=ctx.model_objective(),
-            opt_state=opt.load(state) if same else None,
-        )
-        chosen = torch.full((1,), j, dtype=torch.long, device=theta.device)
-        kept = {key: v for key, v in state.items() if not key.startswith("opt.")}
-        new_state = {**kept, "cluster": chosen, **opt.save(local.opt_state)}
-        upload = {"update": theta - local.params, "cluster": chosen}
-        metrics = {"train_loss": local.loss, "cluster_loss": float(losses[j])}
-        return ClientResult(upload, new_state, metrics)
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """ĵ = argmin_j F_n(θ_j); E local steps from θ_ĵ; send Δ = θ_ĵ − θ^E and ĵ.
 
-    def cohort_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | dict[str, torch.Tensor] | None,
-        states: list[State],
-        cohort: Cohort,
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: the local steps one stacked run.
-
-        Each cluster model is scored on every client's training split at once
-        (:func:`fedexp.engine.cohort.train_losses`).
+        F_n(θ_j): the mean task loss on the client's training split (eval mode), each cluster
+        model scored on every client's split at once (:func:`train_losses`).
         """
         assert isinstance(model_in, dict)
         clusters = model_in["clusters"]  # [m, k, d]
@@ -183,17 +144,14 @@ class IFCA(Algorithm):
         theta = clusters[rows, j]
         opt = ctx.optimizer
         before = torch.stack([s["cluster"][0] for s in states]).tolist()
-        local = ctx.train_cohort(
+        local = ctx.train(
             theta,
             cohort,
-            objective=ctx.model_objective(),
-            opt_states=[
+            opt_states=[  # kept in the same cluster, fresh when ĵ changed
                 opt.load(s) if b == c else None
                 for s, b, c in zip(states, before, j.tolist(), strict=True)
             ],
         )
-        if local is None:
-            return None
         chosen = j[:, None].to(theta.device)
         kept = [{k: v for k, v in s.items() if not k.startswith("opt.")} for s in states]
         new_states = unstack_states(kept, opt, local.opt_state, cluster=chosen)
@@ -228,8 +186,9 @@ class IFCA(Algorithm):
             if len(members) < len(updates):  # all of them: the weights already sum to one
                 total = sum(w.values())
                 w = {n: v / total for n, v in w.items()}
-            deltas = {n: updates[n]["update"] for n in members}  # type: ignore[index]
-            new[j] = clusters[j] - self.server_lr * weighted_mean(deltas, w)
+            rows = torch.stack([updates[n]["update"] for n in members])  # type: ignore[index]
+            stack = StackedUpdates(members, rows)  # read as FedAvg's (k = 1: the same sums)
+            new[j] = clusters[j] - self.server_lr * weighted_mean(stack, w)
             counts[j] = len(members)
         return {**server, "clusters": new, "counts": counts}
 

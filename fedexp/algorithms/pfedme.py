@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, check_rows, draw_batch, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.optim import SGD
+from fedexp.engine.solver import check_rows, draw_batch, unstack_states
 
 
 class PFedMe(FedAvg):
@@ -79,56 +78,20 @@ class PFedMe(FedAvg):
         return {"theta": x0.clone()}
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """R local rounds: one minibatch, K inner steps giving θ̃, one envelope step on w."""
-        assert isinstance(model_in, torch.Tensor)
-        w = model_in.detach().clone()
-        theta = w
-        rounds = ctx.steps_for(data) if self.local_rounds is None else self.local_rounds
-        frozen = ctx.model.buffer_mask if ctx.model.has_buffers else None
-        total = 0.0
-        for _ in range(rounds):
-            xb, yb = data.batch(ctx.batch_size, generator)
-            inner = ctx.train(
-                theta,
-                ClientData(xb, yb, data.x_test, data.y_test),
-                generator,
-                objective=ctx.proximal_objective(w, self.lam),
-                optimizer=self.inner,
-                steps=self.personal_steps,
-                lr=self.personal_lr,
-                batch_size=0,
-            )
-            theta = inner.params
-            total += inner.loss
-            new_w = w - ctx.lr * self.lam * (w - theta)
-            w = new_w if frozen is None else torch.where(frozen, theta, new_w)
-        ctx.check_finite(w, total, ctx.lr)
-        metrics = {"train_loss": total / max(rounds, 1)}
-        return ClientResult(model_in - w, {**state, "theta": theta}, metrics)
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """R local rounds: one minibatch, K inner steps giving θ̃, one envelope step on w.
 
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: each local round stacked.
-
-        Every client's minibatch drawn at once, the K inner steps one stacked run on them, the
-        envelope step on the stacked w.
+        Each local round draws every client's minibatch at once and runs the K inner steps as
+        one stacked run on them; running statistics of w are θ̃'s.
         """
         assert isinstance(model_in, torch.Tensor)
         rounds = ctx.cohort_steps(cohort) if self.local_rounds is None else self.local_rounds
-        if rounds is None or not ctx.cohort_batches(cohort):
-            return None
+        frozen = ctx.model.buffer_mask if ctx.model.has_buffers else None
         w = model_in.detach().clone()
         theta, total = w, torch.zeros(len(cohort), device=w.device)
         for _ in range(rounds):
-            inner = ctx.train_cohort(
+            inner = ctx.train(
                 theta,
                 cohort,
                 objective=ctx.proximal_objective(w, self.lam),
@@ -138,7 +101,8 @@ class PFedMe(FedAvg):
                 batch=draw_batch(ctx, cohort),
             )
             theta, total = inner.params, total + inner.loss
-            w = w - ctx.lr * self.lam * (w - theta)
+            new_w = w - ctx.lr * self.lam * (w - theta)
+            w = new_w if frozen is None else torch.where(frozen, theta, new_w)
         check_rows(ctx, cohort, w, total, ctx.lr)
         new_states = unstack_states(states, self.inner, {}, theta=theta)
         return CohortResult(model_in - w, new_states, {"train_loss": total / max(rounds, 1)})

@@ -40,15 +40,13 @@ Choices where the paper is silent, and differences from ALGORITHMS.md:
 
 from __future__ import annotations
 
-from functools import partial
 from types import MappingProxyType
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 
 def gompertz(theta: torch.Tensor, lam: float) -> torch.Tensor:
@@ -114,11 +112,7 @@ class PFedSOP(Algorithm):
 
     def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
         """x_i = the common initial model; no Δ_i yet."""
-        return {
-            "x": x0.clone(),
-            "delta": torch.zeros_like(x0),
-            "seen": torch.zeros(1, dtype=x0.dtype, device=x0.device),
-        }
+        return {"x": x0.clone(), "delta": torch.zeros_like(x0), "seen": x0.new_zeros(1)}
 
     def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
         """The global gradient update Δ_{t−1} (coded as an update)."""
@@ -131,67 +125,36 @@ class PFedSOP(Algorithm):
         beta = gompertz(angle(local, glob), self.lam)
         return (1 - beta) * local + beta * glob
 
-    def start(
-        self,
-        ctx: Context,
-        x: torch.Tensor,
-        delta: torch.Tensor,
-        glob: torch.Tensor,
-        seen: torch.Tensor,
-    ) -> torch.Tensor:
-        """The local steps' start: x − η₁ (Δp Δpᵀ + ρI)⁻¹ Δp for a returning client, else x."""
-        eta1 = ctx.lr if self.personal_lr is None else self.personal_lr
-        stepped = x - eta1 * sop_direction(self.personalized_update(delta, glob), self.rho)
-        return torch.where(seen > 0, stepped, x)
-
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """Newton step (returning clients), T local steps from it, send Δ_i = (x⁰ − x^T)/η₂."""
-        assert isinstance(model_in, torch.Tensor)
-        x = state["x"]
-        x_start = self.start(ctx, x, state["delta"], model_in.to(x), state["seen"])
-        opt = ctx.optimizer
-        local = ctx.train(x_start, data, generator, opt_state=opt.load(state))
-        delta = (x_start - local.params) / ctx.lr
-        n = ctx.model.layout.num_params
-        if ctx.model.has_buffers:  # running statistics: no gradient, taken from x^T
-            delta = ctx.model.with_buffers(delta, torch.zeros_like(delta[n:]))
-        x_new = local.params if self.keep_trained else x_start
-        x_new = ctx.model.with_buffers(x_new, local.params[n:] if ctx.model.has_buffers else None)
-        new_state = {
-            **state,
-            "x": x_new,
-            "delta": delta,
-            "seen": torch.ones_like(state["seen"]),
-            **opt.save(local.opt_state),
-        }
-        return ClientResult(delta, new_state, {"train_loss": local.loss})
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """Newton step (returning clients), T local steps from it, send Δ_i = (x⁰ − x^T)/η₂.
 
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: Newton steps vmapped, local steps stacked.
-
-        (No running statistics here: the engine's condition for the cohort path.)
+        The local steps start at x_i − η₁ (Δp Δpᵀ + ρI)⁻¹ Δp for a returning client, at x_i for
+        a new one. Running statistics: Δ_i is zero there and x_i takes them from x^T.
         """
         assert isinstance(model_in, torch.Tensor)
-        x, delta, seen = (torch.stack([s[k] for s in states]) for k in ("x", "delta", "seen"))
-        x_start = torch.func.vmap(partial(self.start, ctx))(x, delta, model_in.to(x), seen)
+        glob = model_in.to(states[0]["x"])
+        eta1 = ctx.lr if self.personal_lr is None else self.personal_lr
+        # client by client on its own x_i and Δ_i: on rows of a stack the dot products round
+        # differently, which Adam amplifies on BatchNorm models (the bias before a BatchNorm
+        # gets a gradient of rounding noise); golden figures recorded client by client
+        starts = []
+        for s, g in zip(states, glob, strict=True):
+            dp = self.personalized_update(s["delta"], g)
+            stepped = s["x"] - eta1 * sop_direction(dp, self.rho)
+            starts.append(torch.where(s["seen"] > 0, stepped, s["x"]))
+        x_start = torch.stack(starts)
         opt = ctx.optimizer
-        local = ctx.train_cohort(x_start, cohort, opt_states=[opt.load(s) for s in states])
-        if local is None:
-            return None
+        local = ctx.train(x_start, cohort, opt_states=[opt.load(s) for s in states])
         delta = (x_start - local.params) / ctx.lr
         x_new = local.params if self.keep_trained else x_start
-        new_states = unstack_states(
-            states, opt, local.opt_state, x=x_new, delta=delta, seen=torch.ones_like(seen)
-        )
+        if ctx.model.has_buffers:  # running statistics: no gradient, taken from x^T
+            stats = ctx.model.buffer_mask
+            delta = delta.masked_fill(stats, 0.0)
+            x_new = torch.where(stats, local.params, x_new)
+        seen = torch.ones_like(x_new[:, :1])
+        new_states = unstack_states(states, opt, local.opt_state, x=x_new, delta=delta, seen=seen)
         return CohortResult(delta, new_states, {"train_loss": local.loss})
 
     def server_update(

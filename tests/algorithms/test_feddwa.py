@@ -10,7 +10,7 @@ import torch
 
 from fedexp.algorithms.feddwa import FedDWA, dwa_weights
 from fedexp.engine.runner import build_engine
-from helpers import assert_resume_exact
+from helpers import assert_resume_exact, solo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,11 +93,11 @@ def test_guide_is_one_more_step_and_the_downlink_is_the_personal_row(small_cfg):
     )
     ctx, alg, x0 = engine.ctx, engine.algorithm, engine.x0
     data = engine.clients[1]
-    out = alg.client_update(ctx, x0, {"guide": x0}, data, torch.Generator().manual_seed(0))
-    theta = out.update["model"]
-    _, grad = ctx.loss_and_grad(theta, data.x_train, data.y_train)
-    torch.testing.assert_close(out.update["guide"], theta - ctx.lr * grad)
-    assert torch.equal(out.state["guide"], out.update["guide"])  # evaluated: the guide
+    out = alg.client_update(ctx, x0[None], [{"guide": x0}], solo(data))
+    theta, guide = out.updates["model"][0], out.updates["guide"][0]
+    _, grad, _ = ctx.loss_grad_post(ctx.model_objective(), theta, data.x_train, data.y_train, None)
+    torch.testing.assert_close(guide, theta - ctx.lr * grad)
+    assert torch.equal(out.states[0]["guide"], guide)  # evaluated: the guide
 
     metrics = engine.run_round()
     assert metrics["bytes/up"] == 2 * metrics["bytes/down"]  # two models up, one down
@@ -114,28 +114,6 @@ def test_guide_is_one_more_step_and_the_downlink_is_the_personal_row(small_cfg):
 def test_resume_is_exact(small_cfg, tmp_path):
     cfg = small_cfg("algorithm=feddwa", "rounds=4", "checkpoint_every=2", "participation=0.6")
     assert_resume_exact(cfg, tmp_path)
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [("participation=0.6", "algorithm.topk=2"), MLP],
-    ids=["logreg-partial-top2", "mlp"],
-)
-def test_lockstep_equals_sequential(small_cfg, overrides):
-    def go(backend):
-        engine = build_engine(small_cfg("algorithm=feddwa", f"backend={backend}", *overrides))
-        return engine, _rounds(engine, 3)
-
-    seq, m_seq = go("sequential")
-    lock, m_lock = go("lockstep")
-    torch.testing.assert_close(
-        lock.server["personal"], seq.server["personal"], rtol=1e-4, atol=1e-5
-    )
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
-    assert m_lock["bytes/up"] == m_seq["bytes/up"]
-    assert m_lock["bytes/down"] == m_seq["bytes/down"]
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,9 @@ import torch
 
 from fedexp.algorithms.ifca import IFCA
 from fedexp.engine.optim import SGD
+from fedexp.engine.pool import TrainPool
 from fedexp.engine.runner import build_engine
-from helpers import assert_client_states_close
+from helpers import solo
 
 MLP = ("model=mlp", "model.hidden=8")
 
@@ -107,16 +108,14 @@ def test_clients_choose_their_lowest_loss_cluster_and_bytes_are_k_models(small_c
 
     # The momentum is kept while the client stays in its cluster, restarted when it moves.
     ctx = dataclasses.replace(engine.ctx, optimizer=SGD(momentum=0.9))
-    msg, data = {"clusters": engine.server["clusters"]}, engine.clients[0]
-    j = int(torch.argmin(_losses(engine, msg["clusters"], data)))
+    clusters, data = engine.server["clusters"], engine.clients[0]
+    j = int(torch.argmin(_losses(engine, clusters, data)))
     junk = {"opt.momentum": torch.full_like(engine.x0, 5.0)}
 
     def update(prev, extra):
         state = {"cluster": torch.tensor([prev]), **extra}
-        out = engine.algorithm.client_update(
-            ctx, msg, state, data, torch.Generator().manual_seed(0)
-        )
-        return out.update["update"]
+        out = engine.algorithm.client_update(ctx, {"clusters": clusters[None]}, [state], solo(data))
+        return out.updates["update"][0]
 
     fresh = update(-1, {})
     assert torch.equal(update((j + 1) % k, junk), fresh)
@@ -167,6 +166,7 @@ def test_ifca_separates_two_groups_with_opposite_labels(small_cfg):
         for n in range(0, 6, 2):
             c = engine.clients[n]
             engine.clients[n] = dataclasses.replace(c, y_train=1 - c.y_train, y_test=1 - c.y_test)
+        engine.pool = TrainPool.of(engine.clients)  # minibatches come from the pool
         _rounds(engine, 3)
         return engine
 
@@ -177,25 +177,6 @@ def test_ifca_separates_two_groups_with_opposite_labels(small_cfg):
     acc_ifca = ifca.evaluate()[0]["acc/mean"]
     acc_avg = avg.evaluate()[0]["acc/mean"]
     assert acc_ifca > acc_avg + 0.1
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [(*MLP, "optimizer.momentum=0.9", "participation=0.6", "algorithm.k=3")],
-    ids=["mlp-momentum-partial"],
-)
-def test_lockstep_equals_sequential(small_cfg, overrides):
-    runs = {}
-    for backend in ("sequential", "lockstep"):
-        engine = build_engine(small_cfg("algorithm=ifca", f"backend={backend}", *overrides))
-        runs[backend] = (engine, _rounds(engine, 3))
-    (seq, m_seq), (lock, m_lock) = runs["sequential"], runs["lockstep"]
-    for key in seq.server:
-        torch.testing.assert_close(lock.server[key], seq.server[key], rtol=1e-4, atol=1e-5)
-    assert_client_states_close(seq, lock)
-    for key in ("bytes/up", "bytes/down", "bytes/up/cluster"):
-        assert m_lock[key] == m_seq[key]
-    assert m_lock["train/train_loss"] == pytest.approx(m_seq["train/train_loss"], rel=1e-4)
 
 
 def test_runs_and_evaluates_with_batchnorm(small_cfg):
