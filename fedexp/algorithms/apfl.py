@@ -39,12 +39,11 @@ from functools import partial
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
+from fedexp.engine.solver import unstack_states
 
 
 class APFL(FedAvg):
@@ -134,48 +133,20 @@ class APFL(FedAvg):
 
     # ---------------------------------------------------------------------- hooks
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
         """E joint steps on [w ; v ; α] from w = the received model; send Δ = w_in − w^E."""
-        assert isinstance(model_in, torch.Tensor)
-        d = model_in.shape[-1]
-        alpha = state["alpha"].to(model_in)
-        joint = torch.cat([model_in.detach(), state["v"], alpha])
-        opt = ctx.optimizer
-        local = ctx.train(
-            joint,
-            data,
-            generator,
-            objective=self.objective(ctx, model_in.detach()),
-            opt_state=opt.load(state),
-        )
-        w, v, alpha = local.params[:d], local.params[d : 2 * d], local.params[2 * d :]
-        new_state = {**state, "v": v, "alpha": alpha, **opt.save(local.opt_state)}
-        metrics = {"train_loss": local.loss, "alpha": float(alpha[0])}
-        return ClientResult(model_in - w, new_state, metrics)
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: the joint steps as one stacked run."""
         assert isinstance(model_in, torch.Tensor)
         d = model_in.shape[-1]
         v = torch.stack([s["v"] for s in states])
         alpha = torch.stack([s["alpha"] for s in states]).to(model_in)
         opt = ctx.optimizer
-        local = ctx.train_cohort(
+        local = ctx.train(
             torch.cat([model_in.detach(), v, alpha], dim=1),
             cohort,
             objective=self.objective(ctx, model_in.detach()),
             opt_states=[opt.load(s) for s in states],
         )
-        if local is None:
-            return None
         w, v, alpha = local.params[:, :d], local.params[:, d : 2 * d], local.params[:, 2 * d :]
         new_states = unstack_states(states, opt, local.opt_state, v=v, alpha=alpha)
         metrics = {"train_loss": local.loss, "alpha": alpha[:, 0]}

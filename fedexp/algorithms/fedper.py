@@ -20,13 +20,13 @@ from collections.abc import Sequence
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, ClientResult, State, weighted_mean
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.algorithms.fedavg import FedAvg
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 
-class FedPer(Algorithm):
+class FedPer(FedAvg):
     """FedPer. Persists: each client's head ``head`` and its optimiser state ``opt.*``.
 
     The server holds the full vector ``x``; only its body coordinates are used (its head
@@ -45,13 +45,10 @@ class FedPer(Algorithm):
         server_lr: float = 1.0,
         weighting: str = "samples",
     ) -> None:
-        if weighting not in ("samples", "uniform"):
-            raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")
         if isinstance(head, str):
             raise ValueError(f"head={head!r}: expected a list of glob patterns")
+        super().__init__(server_lr, weighting)
         self.head = None if head is None else [str(p) for p in head]
-        self.server_lr = server_lr
-        self.weighting = weighting
 
     # ------------------------------------------------------------------ the split
     def personal_idx(self, ctx: Context) -> torch.Tensor:
@@ -84,45 +81,17 @@ class FedPer(Algorithm):
         return server["x"][self.body_idx(ctx)]
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
         """E local steps on (received body, own head); keep the head, send Δ of the body."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
         local = ctx.train(
-            self.assemble(ctx, model_in, state["head"]),
-            data,
-            generator,
-            objective=ctx.model_objective(),
-            opt_state=opt.load(state),
-        )
-        new_state = {
-            **state,
-            "head": local.params[self.personal_idx(ctx)],
-            **opt.save(local.opt_state),
-        }
-        update = model_in - local.params[self.body_idx(ctx)]
-        return ClientResult(update, new_state, {"train_loss": local.loss})
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: one stacked run of the local steps."""
-        assert isinstance(model_in, torch.Tensor)
-        opt = ctx.optimizer
-        local = ctx.train_cohort(
             self.assemble(ctx, model_in, torch.stack([s["head"] for s in states])),
             cohort,
             objective=ctx.model_objective(),
             opt_states=[opt.load(s) for s in states],
         )
-        if local is None:
-            return None
         head = local.params[:, self.personal_idx(ctx)]
         new_states = unstack_states(states, opt, local.opt_state, head=head)
         update = model_in - local.params[:, self.body_idx(ctx)]

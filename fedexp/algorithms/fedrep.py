@@ -27,11 +27,11 @@ from collections.abc import Sequence
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedper import FedPer
 from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
+from fedexp.engine.solver import unstack_states
 
 
 class FedRep(FedPer):
@@ -71,7 +71,7 @@ class FedRep(FedPer):
         self.head_steps, self.body_steps, self.head_ratio = head_steps, body_steps, head_ratio
 
     def phase_steps(self, ctx: Context, data: ClientData) -> tuple[int, int]:
-        """(τ_h, τ_φ) of this client this round."""
+        """(τ_h, τ_φ) of this client this round (a function of ``ctx.steps_for(data)``)."""
         local = ctx.steps_for(data)
         body = local if self.body_steps is None else self.body_steps
         if self.head_steps is not None:
@@ -87,54 +87,21 @@ class FedRep(FedPer):
         return mask
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
-        """τ_h head steps (body frozen), τ_φ body steps (head frozen); send Δ of the body."""
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
+        """τ_h head steps (body frozen), τ_φ body steps (head frozen); send Δ of the body.
+
+        The phase lengths depend on the step count only, which a cohort's clients share.
+        """
         assert isinstance(model_in, torch.Tensor)
         opt, body, head = ctx.optimizer, self.body_idx(ctx), self.personal_idx(ctx)
-        theta = self.assemble(ctx, model_in, state["head"])
-        new_state, metrics = dict(state), {}
-        head_steps, body_steps = self.phase_steps(ctx, data)
+        theta = self.assemble(ctx, model_in, torch.stack([s["head"] for s in states]))
+        new_states, metrics = list(states), {}
+        head_steps, body_steps = self.phase_steps(ctx, cohort.data[0])
         for name, idx, steps in (("head", head, head_steps), ("body", body, body_steps)):
             if steps == 0:
                 continue
             local = ctx.train(
-                theta,
-                data,
-                generator,
-                objective=ctx.model_objective(),
-                opt_state=opt.load(state, f"opt_{name}"),
-                steps=steps,
-                mask=self.phase_mask(ctx, idx, theta),
-            )
-            theta = local.params
-            new_state.update(opt.save(local.opt_state, f"opt_{name}"))
-            metrics[f"{name}_loss"] = local.loss
-            metrics["train_loss"] = local.loss
-        new_state["head"] = theta[head]
-        return ClientResult(model_in - theta[body], new_state, metrics)
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: each phase one stacked run."""
-        assert isinstance(model_in, torch.Tensor)
-        phases = {self.phase_steps(ctx, d) for d in cohort.data}
-        if len(phases) != 1:
-            return None
-        head_steps, body_steps = phases.pop()
-        opt, body, head = ctx.optimizer, self.body_idx(ctx), self.personal_idx(ctx)
-        theta = self.assemble(ctx, model_in, torch.stack([s["head"] for s in states]))
-        new_states, metrics = list(states), {}
-        for name, idx, steps in (("head", head, head_steps), ("body", body, body_steps)):
-            if steps == 0:
-                continue
-            local = ctx.train_cohort(
                 theta,
                 cohort,
                 objective=ctx.model_objective(),
@@ -142,8 +109,6 @@ class FedRep(FedPer):
                 steps=steps,
                 mask=self.phase_mask(ctx, idx, theta[0]),
             )
-            if local is None:
-                return None
             theta = local.params
             new_states = unstack_states(new_states, opt, local.opt_state, f"opt_{name}")
             metrics[f"{name}_loss"] = local.loss

@@ -58,12 +58,11 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import ClientResult, State
+from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.data.federated import ClientData
-from fedexp.engine.cohort import Cohort, CohortResult, unstack_states
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
+from fedexp.engine.solver import unstack_states
 
 
 def class_counts(y: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -156,7 +155,7 @@ class FedRoD(FedAvg):
         self._losses: dict[int, _JointLoss] = {}  # a cache per run, not state
 
     def _joint(self, ctx: Context) -> _JointLoss:
-        """The run's joint loss (the same bound method for every client: lockstep batches it)."""
+        """The run's joint loss (one object for every client and round: built once)."""
         joint = self._losses.get(id(ctx))
         if joint is None:
             layout = ctx.model.layout
@@ -177,58 +176,31 @@ class FedRoD(FedAvg):
         return {"p": p}
 
     def client_update(
-        self,
-        ctx: Context,
-        model_in: torch.Tensor | None,
-        state: State,
-        data: ClientData,
-        generator: torch.Generator,
-    ) -> ClientResult:
+        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+    ) -> CohortResult:
         """E joint steps on [θ ; p] (BSM for θ, personal loss for p); send Δ = θ_in − θ_out."""
         assert isinstance(model_in, torch.Tensor)
-        joint, opt = self._joint(ctx), ctx.optimizer
-        counts = state.get("counts")
-        if counts is None:
-            counts = class_counts(data.y_train, ctx.task.num_classes).to(model_in.device)
-        frozen = None
-        if ctx.model.has_buffers:
-            keep = torch.zeros(state["p"].numel(), dtype=torch.bool, device=model_in.device)
-            frozen = torch.cat([ctx.model.buffer_mask, keep])
-        aux = {"log_prior": log_priors(counts, self.count_floor).to(model_in.dtype)}
-        local = ctx.train(
-            torch.cat([model_in, state["p"]]),
-            data,
-            generator,
-            objective=Objective(joint.loss, aux=aux, frozen=frozen),
-            opt_state=opt.load(state),
-        )
-        theta, p = local.params[: joint.d], local.params[joint.d :]
-        new_state = {**state, "p": p, "counts": counts, **opt.save(local.opt_state)}
-        return ClientResult(model_in - theta, new_state, {"train_loss": local.loss})
-
-    def cohort_update(
-        self, ctx: Context, model_in: torch.Tensor | None, states: list[State], cohort: Cohort
-    ) -> CohortResult | None:
-        """:meth:`client_update` of the whole cohort: the joint steps as one stacked run."""
-        assert isinstance(model_in, torch.Tensor)
-        joint, opt = self._joint(ctx), ctx.optimizer
+        joint, opt, dev = self._joint(ctx), ctx.optimizer, model_in.device
         counts = torch.stack(
-            [
+            [  # from the training labels at the first participation, then kept
                 s["counts"]
                 if "counts" in s
-                else class_counts(d.y_train, ctx.task.num_classes).to(model_in.device)
+                else class_counts(d.y_train, ctx.task.num_classes).to(dev)
                 for s, d in zip(states, cohort.data, strict=True)
             ]
         )
+        p = torch.stack([s["p"] for s in states])
+        frozen = None
+        if ctx.model.has_buffers:  # running statistics follow the generic forward; p has none
+            keep = torch.zeros(p.shape[1], dtype=torch.bool, device=dev)
+            frozen = torch.cat([ctx.model.buffer_mask, keep])
         aux = {"log_prior": log_priors(counts, self.count_floor).to(model_in.dtype)}
-        local = ctx.train_cohort(
-            torch.cat([model_in, torch.stack([s["p"] for s in states])], dim=1),
+        local = ctx.train(
+            torch.cat([model_in, p], dim=1),
             cohort,
-            objective=Objective(joint.loss, aux=aux),
+            objective=Objective(joint.loss, aux=aux, frozen=frozen),
             opt_states=[opt.load(s) for s in states],
         )
-        if local is None:
-            return None
         theta, p = local.params[:, : joint.d], local.params[:, joint.d :]
         new_states = unstack_states(states, opt, local.opt_state, p=p, counts=counts)
         return CohortResult(model_in - theta, new_states, {"train_loss": local.loss})

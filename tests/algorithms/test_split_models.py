@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fedexp.algorithms.fedrep import FedRep
-from fedexp.engine import rng
 from fedexp.engine.runner import build_engine
+from helpers import cohort_of
 
 MLP = ("model=mlp", "model.hidden=8")
 BN = (*MLP, "model.norm=batch")
@@ -123,9 +123,8 @@ def test_fedbn_keeps_batchnorm_local(small_cfg):
 
     sizes = torch.tensor([float(c.num_train) for c in engine.clients], dtype=torch.float64)
     omega = sizes / sizes.sum()
-    thetas = [
-        ctx.train(x0, data, rng.client_stream(engine.seed, 0, n)).params
-        for n, data in enumerate(engine.clients)
+    thetas = [  # each client alone on its stream of round 0
+        ctx.train(x0[None], cohort_of(engine, [n], 0)).params[0] for n in range(len(engine.clients))
     ]
     for n, theta in enumerate(thetas):  # each client's BN part is its own local result
         assert torch.equal(engine.client_states[n]["head"], theta[bn])
@@ -213,38 +212,3 @@ def test_fedrep_defaults_are_the_papers_and_run_on_the_default_data(small_cfg):
     assert {"train/head_loss", "train/body_loss", "train/train_loss"} <= set(metrics)
     assert math.isfinite(metrics["train/train_loss"])
     assert math.isfinite(engine.evaluate()[0]["acc/mean"])
-
-
-# --------------------------------------------------------------------- all three
-CASES = [
-    ("algorithm=fedper", "participation=0.6", *MLP),
-    ("algorithm=fedbn", "optimizer=adam", "lr=0.01", *BN),
-    ("algorithm=fedrep", "algorithm.head_steps=2", "algorithm.body_steps=3", *MLP),
-    (
-        "algorithm=fedrep",
-        "algorithm.head_ratio=2",
-        "local_epochs=0.5",
-        "optimizer.momentum=0.5",
-        *BN,
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    CASES,
-    ids=["fedper", "fedbn-bn-adam", "fedrep-steps", "fedrep-bn-epochs"],
-)
-def test_lockstep_equals_sequential(small_cfg, overrides):
-    seq, m_seq = _rounds(build_engine(small_cfg("backend=sequential", *overrides)), 2)
-    lock, m_lock = _rounds(build_engine(small_cfg("backend=lockstep", *overrides)), 2)
-    for key in seq.server:
-        torch.testing.assert_close(lock.server[key], seq.server[key], rtol=1e-4, atol=1e-5)
-    for a, b in zip(seq.client_states, lock.client_states, strict=True):
-        assert set(a) == set(b)
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
-    assert m_lock["bytes/up"] == m_seq["bytes/up"]
-    assert m_lock["bytes/down"] == m_seq["bytes/down"]
-    aggregates, per_client = lock.evaluate()
-    assert len(per_client) == 5 and math.isfinite(aggregates["loss/mean"])
