@@ -2,7 +2,7 @@
 
 Paper: "Clustered Federated Learning based on Nonconvex Pairwise Fusion", arXiv:2211.04218;
 code github.com/xueyu-ubc/FPFC. Objective ``Σ_i f_i(θ_i) + Σ_{i<j} P_{λ,a}(‖θ_i − θ_j‖)`` (SCAD or
-MCP, :mod:`fedexp.algorithms.group_prox`), solved by ADMM on the split ``ζ_ij = θ_i − θ_j`` with
+MCP, :mod:`fedexp.graph.fusion`), solved by ADMM on the split ``ζ_ij = θ_i − θ_j`` with
 duals ``v_ij`` over the complete graph's edges (i, j), i < j. Everything is batched over edges
 with :mod:`fedexp.graph.incidence`: ``qt_rows`` gathers θ_i − θ_j per edge, ``q_rows`` scatters
 row m to node i (+) and node j (−); no dense Q, no loop over pairs. A round:
@@ -47,9 +47,9 @@ import numpy as np
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
-from fedexp.algorithms.group_prox import check_penalty, prox_rows
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
+from fedexp.graph.fusion import check_penalty, prox_rows
 from fedexp.graph.incidence import q_rows, qt_rows
 
 

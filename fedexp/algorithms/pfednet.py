@@ -23,7 +23,6 @@ import math
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
-from fedexp.algorithms.pfednet_admm import ZStepSolver, ZStepState
 from fedexp.data.federated import ClientData
 from fedexp.engine import solver
 from fedexp.engine.context import Context
@@ -36,6 +35,7 @@ from fedexp.graph import (
     make_rff,
     sketch_distances,
 )
+from fedexp.graph.admm import ZStepSolver, ZStepState
 
 _SKETCHES = ("label", "covariance", "kernel", "model")
 _RFF_STREAM = 0x5EED

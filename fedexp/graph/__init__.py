@@ -1,6 +1,7 @@
-"""Similarity network of pFedNet: client sketches, k-NN graph, incidence operations.
-
-See ``MATH.md`` §2-§3 and ``docs/pfednet_math.md``.
+"""Graphs over the clients: pFedNet's similarity network (sketches, k-NN graph, incidence
+operations), the server-side solvers of its sum-of-norms penalty (``admm``: the z-step ADMM;
+``prox``: column proxes) and FPFC's pairwise fusion penalties (``fusion``: SCAD / MCP group
+proxes). See ``docs/pfednet_math.md``.
 """
 
 from fedexp.graph.incidence import apply_Q, apply_Qt, as_edge_tensor, incidence_matrix

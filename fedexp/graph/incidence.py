@@ -17,7 +17,7 @@ Weights convention. The optional ``weights`` argument scales the columns of ``Q`
 ``apply_Q(Z, edges, w) = Z Q diag(w)`` and ``apply_Qt(W, edges, N, w) = W diag(w) Qᵀ``, so that
 ``apply_Qt(apply_Q(Z, edges), edges, N, w) = Z Q diag(w) Qᵀ = Z L_w`` with ``L_w`` the weighted
 Laplacian of :func:`fedexp.graph.knn.laplacian`. The pFedNet ADMM
-(:mod:`fedexp.algorithms.pfednet_admm`) does **not** use weighted incidence operations: it keeps
+(:mod:`fedexp.graph.admm`) does **not** use weighted incidence operations: it keeps
 the unweighted split ``W = Z Q`` and puts edge weights into the penalty
 ``λ Σ_m w_m ‖W[:, m]‖_p`` (per-column prox thresholds ``λ w_m / ρ``).
 """
@@ -131,7 +131,7 @@ def qt_rows(
 
     The same operation as :func:`apply_Q` on ``Xᵀ``, with nodes along rows so that every
     gather moves a contiguous row (the layout the ADMM of
-    :mod:`fedexp.algorithms.pfednet_admm` iterates in).
+    :mod:`fedexp.graph.admm` iterates in).
 
     Args:
         X: ``(N, d)`` matrix, one row per node.

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from fedexp.algorithms.fpfc import FPFC, complete_edges, count_clusters
-from fedexp.algorithms.group_prox import (
+from fedexp.engine.runner import build_engine
+from fedexp.graph.fusion import (
     check_penalty,
     penalty_derivative,
     penalty_value,
     prox_norm,
     prox_rows,
 )
-from fedexp.engine.runner import build_engine
 from helpers import assert_resume_exact
 
 MLP = ("model=mlp", "model.hidden=8")

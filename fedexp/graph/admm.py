@@ -16,7 +16,7 @@ The authors' released code anchored the Z-update on ``Z^k`` instead of ``Z_t``; 
 different problem. ``ZQ``/``WQᵀ`` are gather/scatter operations (:mod:`fedexp.graph.incidence`)
 and ``(I + ηρL)⁻¹`` comes from one eigendecomposition of ``L`` per graph (or a sparse
 factorisation for large ``N``). The column proxes of the W-update are
-:mod:`fedexp.algorithms.pfednet_prox`'s. See ``docs/pfednet_math.md`` for the derivation.
+:mod:`fedexp.graph.prox`'s. See ``docs/pfednet_math.md`` for the derivation.
 
 References:
     Boyd, Parikh, Chu, Peleato, Eckstein (2011). Distributed optimization and statistical
@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedexp.algorithms.pfednet_prox import PNorm, parse_p, prox_columns
 from fedexp.graph.incidence import apply_Q, as_edge_tensor, q_rows, qt_rows
 from fedexp.graph.knn import Graph, laplacian
+from fedexp.graph.prox import PNorm, parse_p, prox_columns
 
 __all__ = ["ZStepSolver", "ZStepState", "zstep_objective"]
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.algorithms.pfednet_admm import ZStepSolver, zstep_objective
-from fedexp.algorithms.pfednet_prox import (
+from fedexp.graph import Graph, incidence_matrix, knn_edges, laplacian, sketch_distances
+from fedexp.graph.admm import ZStepSolver, zstep_objective
+from fedexp.graph.prox import (
     parse_p,
     project_l1_ball_columns,
     prox_columns,
@@ -18,7 +19,6 @@ from fedexp.algorithms.pfednet_prox import (
     prox_l2_columns,
     prox_linf_columns,
 )
-from fedexp.graph import Graph, incidence_matrix, knn_edges, laplacian, sketch_distances
 
 P_VALUES = [1, 2, "inf"]
 CP_NORM = {"1": 1, "2": 2, "inf": "inf"}

@@ -1,6 +1,6 @@
 """Column proxes of pFedNet's Z-step penalty (MATH.md §5): ℓ1, ℓ2 and ℓ∞, column by column.
 
-The W-update of the Z-step's ADMM (:mod:`fedexp.algorithms.pfednet_admm`) is the prox of
+The W-update of the Z-step's ADMM (:mod:`fedexp.graph.admm`) is the prox of
 ``Σ_m τ_m ‖V[:, m]‖_p`` (``τ_m = λ w_m / ρ``), which separates over the columns of ``V``:
 soft-thresholding for ``p = 1``, block soft-thresholding for ``p = 2`` and, by Moreau's
 decomposition, the residual of the projection onto the ℓ1-ball for ``p = ∞``; every column at
