@@ -27,6 +27,7 @@ sys.path[:0] = [str(HERE.parent)]
 from golden.cases import CASES  # noqa: E402
 from golden.golden import metrics_path, run_case, state_path  # noqa: E402
 
+
 def main(names: list[str]) -> None:
     """Record ``names`` (default: every case)."""
     from safetensors.torch import save_file
