@@ -4,10 +4,11 @@
   parameters): a plain ``nn.Module`` in PyTorch's default NCHW layout (what the peers run), the
   same module converted to channels-last, and fedexp's ``FlatModel`` (a flat parameter
   vector through ``functional_call``) with and without its channels-last weights, its
-  gradient by plain autograd (as ``backends._rowwise`` and ``Context.local_train`` take it) and
-  by ``torch.func.grad`` (what the vmapped path uses).
+  gradient by plain autograd (a loop written here, as ``fedexp.engine.solver._rowwise`` takes
+  it through ``Context.loss_grad_post``: the row-by-row path channels-last CNNs run on the CPU)
+  and by ``torch.func.grad`` (what the solver's vmapped path uses).
 * ``codecs``: a cohort's messages through a lossy channel with error feedback: message by
-  message (``Channel.send`` + ``receive``, the per-client path) against one pass
+  message (``Channel.send`` + ``receive``, the engine's fallback path) against one pass
   (``Channel.send_many`` + ``receive_many``), for STC (q = 0.01) and top-k (q = 0.1).
 
 The variants are interleaved, ``--repeats`` times; the table gives each one's median and its

@@ -18,7 +18,7 @@ with every client evaluated after it, fedexp against that limit (issue 14: withi
     python scripts/bench_peers.py --setup            # first use: create .venv-peers (PyPI)
     python scripts/bench_peers.py --quick            # N = 10 only, 1 repeat
     python scripts/bench_peers.py                    # N = 10 ... 10000, 3 repeats
-    python scripts/bench_peers.py --frameworks fedexp-lockstep pfl --sizes 100 1000
+    python scripts/bench_peers.py --frameworks fedexp pfl --sizes 100 1000
 
 Exit status 1 when a run failed or the final accuracies of a row disagree by more than
 ``--acc-tol``.
@@ -51,8 +51,7 @@ PINS = ("torch==2.13.0", "flwr[simulation]==1.41.0", "pfl[pytorch]==0.6.0")
 
 #: name -> (column title, worker script, runs in the peers' venv)
 FRAMEWORKS: dict[str, tuple[str, str, bool]] = {
-    "fedexp-lockstep": ("fedexp lockstep", "fedexp_worker.py", False),
-    "fedexp-sequential": ("fedexp sequential", "fedexp_worker.py", False),
+    "fedexp": ("fedexp", "fedexp_worker.py", False),
     "plain": ("plain PyTorch", "plain_worker.py", False),
     "pfl": ("pfl-research", "pfl_worker.py", True),
     "flower": ("Flower", "flower_worker.py", True),
@@ -143,8 +142,6 @@ def worker_command(
         f"--threads={args.threads}",
         f"--seed={args.seed}",
     ]
-    if framework.startswith("fedexp-"):
-        cmd.append(f"--backend={framework.removeprefix('fedexp-')}")
     if framework == "flower":
         cmd.append(f"--actors={args.flower_actors}")
         if args.netns:
@@ -390,18 +387,8 @@ def table(
         row = [cells[workload, n, fw] for fw in args.frameworks]
         texts = [cell_text(c, fw) for c, fw in zip(row, args.frameworks, strict=True)]
         rates = {fw: c.median("updates_per_s") for c, fw in zip(row, args.frameworks, strict=True)}
-        best_fw = max(
-            (fw for fw in args.frameworks if fw.startswith("fedexp-") and rates[fw]),
-            key=lambda fw: rates[fw],
-            default=None,
-        )
-        ratios = []
-        for fw in ratio_to:
-            if best_fw is None or not rates[fw]:
-                ratios.append("n/a")
-            else:
-                backend = best_fw.removeprefix("fedexp-")
-                ratios.append(f"{rates[best_fw] / rates[fw]:.2f}x ({backend})")
+        ours = rates.get("fedexp")
+        ratios = [f"{ours / rates[fw]:.2f}x" if ours and rates[fw] else "n/a" for fw in ratio_to]
         accs = [a for a in (c.median("accuracy") for c in row) if a is not None]
         if accs:
             spread = max(accs) - min(accs)
@@ -422,22 +409,15 @@ def limit_table(cells: dict[tuple[str, int, str], Cell], args: argparse.Namespac
     Issue 14's goal: a round of 1,000 tabular clients, evaluation included, within 10x of the
     hand-batched limit (``scripts/peers/limit_worker.py``) measured in the same run.
     """
-    if "limit" not in args.frameworks or "tabular" not in args.workloads:
+    if not {"limit", "fedexp"} <= set(args.frameworks) or "tabular" not in args.workloads:
         return ""
-    ours = [fw for fw in args.frameworks if fw.startswith("fedexp-")]
-    head = ["N", *(f"{FRAMEWORKS[fw][0]} (s)" for fw in ours), "limit (s)", "fedexp / limit"]
-    lines = ["| " + " | ".join(head) + " |", "|---:|" + "---:|" * (len(head) - 1)]
+    lines = ["| N | fedexp (s) | limit (s) | fedexp / limit |", "|---:|---:|---:|---:|"]
     for n in sorted(args.sizes):
-        limit = cells.get(("tabular", n, "limit"))
-        lim = limit.median("round_eval_s") if limit else None
-        mine = {fw: cells["tabular", n, fw].median("round_eval_s") for fw in ours}
-        found = [v for v in mine.values() if v]
-        best = min(found) if found else None
-        ratio = f"{best / lim:.1f}x" if best and lim else "n/a"
-        texts = [f"{mine[fw]:.4f}" if mine[fw] else "n/a" for fw in ours]
-        lines.append(
-            "| " + " | ".join([f"{n:,}", *texts, f"{lim:.4f}" if lim else "n/a", ratio]) + " |"
-        )
+        lim = cells["tabular", n, "limit"].median("round_eval_s")
+        mine = cells["tabular", n, "fedexp"].median("round_eval_s")
+        ratio = f"{mine / lim:.1f}x" if mine and lim else "n/a"
+        texts = [f"{v:.4f}" if v else "n/a" for v in (mine, lim)]
+        lines.append("| " + " | ".join([f"{n:,}", *texts, ratio]) + " |")
     return (
         "\nA tabular round with every client evaluated after it (median of 3 such rounds a "
         "run, then of the repeats): fedexp's `Engine.run_round()` + `Engine.evaluate()` "
@@ -470,7 +450,8 @@ def notes(
         "- Cells: client updates/s (clients × timed rounds / their wall time) · peak RSS of "
         "the subprocess (wait4 max RSS: its largest process); Flower's Σ: the peak of the "
         "RSS summed over its processes (driver and Ray's), sampled every 0.2 s.",
-        "- fedexp / X: the faster fedexp backend of the row (named) over X. Accuracy: the "
+        "- fedexp / X: fedexp's updates/s over X's (the round's clients as one cohort, "
+        "fedexp.engine.solver). Accuracy: the "
         "final global model on all the clients' data; the row agrees when the frameworks' "
         f"medians are within {args.acc_tol}.",
         f"- {args.threads} torch thread(s) in every process; Flower: {args.flower_actors} Ray "

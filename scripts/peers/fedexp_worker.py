@@ -2,14 +2,15 @@
 
 The run settings come from the composed config, as ``fedexp run`` would compose them
 (``algorithm=fedavg compressor=none optimizer=sgd``, the workload's ``lr``, ``local_steps``,
-``batch_size``, ``backend``); the engine is then built as ``fedexp.engine.runner.build_engine``
+``batch_size``); the engine is then built as ``fedexp.engine.runner.build_engine``
 builds it, with the benchmark's clients (every sample trains and is evaluated) and model in
 place of the config's dataset and model. Dense float32 messages are encoded, counted and
-decoded as in every run. One warm-up round, then ``--rounds`` timed rounds; then
+decoded as in every run. The round's clients train as one cohort (fedexp's one path,
+``fedexp.engine.solver``). One warm-up round, then ``--rounds`` timed rounds; then
 ``--eval-rounds`` rounds each followed by the evaluation of every client (``Engine.evaluate``:
 accuracy, balanced accuracy, AUC and loss per client), whose median is ``round_eval_s``.
 
-    python scripts/peers/fedexp_worker.py --workload tabular --clients 10 --backend lockstep
+    python scripts/peers/fedexp_worker.py --workload tabular --clients 10
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def build(args, data: list):
         f"local_steps={spec.steps}",
         f"batch_size={spec.batch}",
         f"lr={spec.lr}",
-        f"backend={args.backend}",
         f"seed={args.seed}",
     )
     device = torch.device("cpu")
@@ -74,7 +74,6 @@ def build(args, data: list):
         seed=cfg.seed,
         participation=cfg.participation,
         x0=model.initial(),
-        backend=cfg.backend,
     )
 
 
@@ -104,7 +103,6 @@ def one_buffer(workload: str, num_clients: int, seed: int) -> tuple[torch.Tensor
 def main() -> None:
     """Run the engine and print the result line."""
     parser = common.base_args(__doc__.split("\n")[0])
-    parser.add_argument("--backend", choices=["sequential", "lockstep"], required=True)
     parser.add_argument("--eval-rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -134,7 +132,7 @@ def main() -> None:
 
     common.report(
         {
-            "framework": f"fedexp-{args.backend}",
+            "framework": "fedexp",
             "workload": args.workload,
             "clients": args.clients,
             # every client's data pooled, in slices of 100,000 samples
