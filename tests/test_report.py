@@ -155,7 +155,7 @@ def test_paper_table_order_labels_and_missing_rank_row():
 
 def _fake_store(monkeypatch, groups):
     """``fedexp report`` reads these groups as runs (row = algorithm, column = δ, by seed)."""
-    from fedexp.report import cli
+    from fedexp.report import cli, pipeline
     from fedexp.report.collect import Run
 
     runs = [
@@ -170,7 +170,7 @@ def _fake_store(monkeypatch, groups):
         for seed, value in enumerate(values)
     ]
     monkeypatch.setattr(cli, "client_for", lambda uri: None)
-    monkeypatch.setattr(cli, "fetch", lambda client, experiments: runs)
+    monkeypatch.setattr(pipeline, "fetch", lambda client, experiments: runs)
 
 
 def test_report_command_paper_flags(monkeypatch, capsys):

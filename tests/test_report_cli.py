@@ -299,7 +299,7 @@ def test_select_by_validation_reports_the_chosen_configurations_test_metric(stor
 
 
 def test_help_explains_every_option_with_its_default():
-    from fedexp.report.cli import _Formatter, parser
+    from fedexp.report.options import _Formatter, parser
 
     p = parser()
     fmt = _Formatter("fedexp report")

@@ -44,9 +44,9 @@ from fedexp.comm.golomb import (
     expected_position_bits,
     gaps_to_positions,
     positions_to_gaps,
-    positions_to_gaps_many,
     rice_bits,
 )
+from fedexp.comm.golomb_cohort import positions_to_gaps_many
 from fedexp.comm.topk import (
     check_fraction,
     flat_cpu_float32,

@@ -15,7 +15,7 @@ that are exactly zero are not sent (a kept entry whose value is 0 costs nothing)
 
 Cohorts (``compress_many`` / ``encode_many`` / ``decode_many``): one ``torch.topk`` over the
 rows, then the payloads of all rows written (read) in one pass of numpy and one numba kernel
-(:func:`fedexp.comm.golomb.write_rice_many`); each payload is byte for byte the row's own.
+(:func:`fedexp.comm.golomb_cohort.write_rice_many`); each payload is byte for byte the row's own.
 """
 
 from __future__ import annotations
@@ -35,14 +35,16 @@ from fedexp.comm.golomb import (
     BitReader,
     BitWriter,
     best_rice_parameter,
-    best_rice_parameters,
     check_padding,
     gaps_to_positions,
     golomb_parameter,
     positions_to_gaps,
+    rice_bits,
+)
+from fedexp.comm.golomb_cohort import (
+    best_rice_parameters,
     positions_to_gaps_many,
     read_rice_many,
-    rice_bits,
     rice_bits_many,
     rice_status_message,
     write_rice_many,

@@ -1,8 +1,11 @@
-"""Build a run from its config and drive the round loop: tracking, checkpoints, artifacts."""
+"""Build a run from its config and drive the round loop: tracking, checkpoints, artifacts.
+
+The run's settings compared on resume and recorded when changed: :mod:`fedexp.engine.resume`;
+the files it leaves: :mod:`fedexp.engine.outputs`.
+"""
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 import time
@@ -23,7 +26,9 @@ from fedexp.engine import checkpoint, rng
 from fedexp.engine.context import Context
 from fedexp.engine.engine import Engine, RoundCallback
 from fedexp.engine.ledger import ByteLedger
+from fedexp.engine.outputs import CLIENT_TABLE, _table_rows, _write_outputs
 from fedexp.engine.progress import RoundProgress
+from fedexp.engine.resume import _change_tags, _check_resume, _resume_changes, flatten_config
 from fedexp.errors import ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
@@ -38,40 +43,6 @@ log = logging.getLogger("fedexp")
 #: training round is timed (``time/round_s``). A resumed run asks the tracker for their last
 #: step to know what it already holds (``round`` itself is the step, never a metric).
 _STEP_KEYS = ("time/round_s", "time/eval_s")
-
-#: Settings that must not change when a run is resumed (they define the experiment and the
-#: shape of its state). Everything else may: rounds, eval/checkpoint frequency, device,
-#: progress, tracker, divergence_factor, and what rescuing a diverged run needs: lr,
-#: local_steps / local_epochs. A change is recorded (:func:`_resume_changes`).
-_RESUME_KEYS = (
-    "dataset",
-    "model",
-    "partition",
-    "algorithm",
-    "compressor",
-    "optimizer",
-    "seed",
-    "num_clients",
-    "participation",
-    "batch_size",
-    "test_fraction",
-    "val_fraction",
-)
-
-#: Defaults of resume keys added after checkpoints were first written (older ones lack them).
-_RESUME_DEFAULTS = {"val_fraction": 0.0}
-
-#: Keys whose change on resume is not recorded (they name where this attempt writes).
-_UNRECORDED = ("resume", "output_dir")
-
-
-#: The per-client table's artifact name (MLflow's table API wants .json or .parquet).
-CLIENT_TABLE = "clients_rounds.json"
-
-
-def _table_rows(client_history: list[dict[str, float]]) -> list[dict[str, Any]]:
-    """clients_rounds.csv's rows with ``round`` and ``client`` as integers."""
-    return [{**r, "round": int(r["round"]), "client": int(r["client"])} for r in client_history]
 
 
 @dataclass
@@ -174,65 +145,6 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
     return engine, data
 
 
-def flatten_config(cfg: DictConfig) -> dict[str, str]:
-    """The resolved config as ``{"algorithm.lam": "0.1", ...}`` (MLflow params)."""
-    out: dict[str, str] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}{k}.")
-        elif isinstance(node, list) and any(isinstance(v, dict) for v in node):
-            for i, v in enumerate(node):
-                walk(v, f"{prefix}{i}.")
-        else:
-            out[prefix[:-1]] = str(node)
-
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
-    return out
-
-
-def _check_resume(cfg: DictConfig, saved_yaml: str) -> None:
-    saved = OmegaConf.create(saved_yaml)
-    now = OmegaConf.to_container(cfg, resolve=True)
-    before = OmegaConf.to_container(saved, resolve=True)
-    diff = [
-        k
-        for k in _RESUME_KEYS
-        if now.get(k, _RESUME_DEFAULTS.get(k)) != before.get(k, _RESUME_DEFAULTS.get(k))
-    ]
-    if diff:
-        raise ConfigError(
-            f"resume={cfg.resume}: the checkpoint was made with different {', '.join(diff)}; "
-            "resume with the same settings (only rounds, eval/checkpoint frequency, device, "
-            "progress, tracker, divergence_factor, lr and local_steps/local_epochs may change)"
-        )
-
-
-def _resume_changes(cfg: DictConfig, saved_yaml: str, round_: int) -> list[dict[str, Any]]:
-    """The settings that differ from the checkpoint's config (a rescue's smaller lr, ...).
-
-    Returns ``[{"round": r, "key": "lr", "from": "0.1", "to": "0.01"}, ...]``: ``r`` is the
-    checkpoint's round, the new value holds from round r + 1 on.
-    """
-    before = flatten_config(OmegaConf.create(saved_yaml))
-    now = flatten_config(cfg)
-    keys = [k for k in dict.fromkeys([*before, *now]) if k.split(".")[0] not in _UNRECORDED]
-    return [
-        {"round": round_, "key": k, "from": before.get(k, "(unset)"), "to": now.get(k, "(unset)")}
-        for k in keys
-        if before.get(k) != now.get(k)
-    ]
-
-
-def _change_tags(changes: list[dict[str, Any]]) -> dict[str, str]:
-    """MLflow tags of resume changes: ``fedexp.resume.<round>.<key>`` = ``"old -> new"``.
-
-    Tags, not params: MLflow params cannot change once logged (``lr`` keeps the first value).
-    """
-    return {f"fedexp.resume.{c['round']}.{c['key']}": f"{c['from']} -> {c['to']}" for c in changes}
-
-
 def _reference_loss(history: list[dict[str, float]]) -> float | None:
     """The loss a blow-up is measured against.
 
@@ -299,83 +211,6 @@ def _last_logged(tracker: Tracker) -> int | None:
     return max(steps, default=None)
 
 
-def _write_outputs(
-    out: Path,
-    cfg: DictConfig,
-    per_client: list[dict[str, float]],
-    history: list[dict[str, float]],
-    engine: Engine,
-    client_history: list[dict[str, float]],
-) -> list[Path]:
-    """Write a run's result files into ``out``; returns those the tracker uploads.
-
-    - ``config.yaml``: the resolved config.
-    - ``clients.csv``: one row per client: its number of training samples, its final test
-      metrics and its best value of each over the evaluated rounds (``best_<metric>``).
-    - ``rounds.csv``: one row per round, every metric (``round`` included; a round without
-      evaluation has empty test columns).
-    - ``clients_rounds.csv``: one row per client and evaluated round: its test metrics.
-    - ``curves.png``: the test metric across clients, mean training loss and cumulative bytes
-      per round.
-    - ``clients.png``: each client's test metric over rounds (:func:`~fedexp.plots.plot_clients`).
-    - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients).
-    - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / "config.yaml", out / "clients.csv", out / "rounds.csv"]
-    if client_history:
-        files.append(out / "clients_rounds.csv")
-        keys = list(dict.fromkeys(k for row in client_history for k in row))
-        with open(files[-1], "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(client_history)
-    OmegaConf.save(cfg, files[0], resolve=True)
-    with open(files[1], "w", newline="") as fh:
-        keys = list(per_client[0])
-        writer = csv.writer(fh)
-        best = sorted(engine.best)
-        writer.writerow(["client", "num_train", *keys, *(f"best_{k}" for k in best)])
-        for n, row in enumerate(per_client):
-            writer.writerow(
-                [
-                    n,
-                    engine.clients[n].num_train,
-                    *(row[k] for k in keys),
-                    *(float(engine.best[k][n]) for k in best),
-                ]
-            )
-    keys = sorted({k for row in history for k in row}, key=lambda k: (k != "round", k))
-    with open(files[2], "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(history)
-    from fedexp.plots import plot_client_models, plot_clients, plot_rounds
-
-    edges = engine.server.get("edges")
-    if edges is not None:
-        files.append(out / "graph_edges.csv")
-        with open(files[-1], "w", newline="") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(["i", "j"])
-            writer.writerows(edges.cpu().tolist())
-    models = torch.stack(
-        [
-            engine.algorithm.eval_params(engine.ctx, engine.server, engine.client_states[n], n)
-            for n in range(len(engine.clients))
-        ]
-    )
-    headline = next(iter(per_client[0]))
-    for png in (
-        plot_rounds(history, out / "curves.png", headline),
-        plot_clients(client_history, out / "clients.png", headline),
-        plot_client_models(models, out / "client_models_pca.png", edges),
-    ):
-        if png is not None:
-            files.append(png)
-    return files
-
-
 def run(
     cfg: DictConfig,
     *,
@@ -390,8 +225,9 @@ def run(
     package versions, device, host: :mod:`fedexp.tracking.provenance`) under ``tags``; the
     data set as an input (:mod:`fedexp.tracking.dataset_input`); each round's metrics at step
     = round (:func:`loggable`: ``round`` is the step, constant byte counts are logged when
-    they change); at the end the files of :func:`_write_outputs` as artifacts and the
-    per-client table as ``clients_rounds.json`` (:data:`CLIENT_TABLE`).
+    they change); at the end the files of :func:`~fedexp.engine.outputs._write_outputs` as
+    artifacts and the per-client table as ``clients_rounds.json``
+    (:data:`~fedexp.engine.outputs.CLIENT_TABLE`).
 
     Args:
         cfg: the composed run config.

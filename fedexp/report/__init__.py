@@ -15,9 +15,11 @@ docs/report.md.
 Modules: :mod:`~fedexp.report.collect` (runs from MLflow, filters, names, the latest run per
 configuration, aggregation over rounds), :mod:`~fedexp.report.stats` (sample std, pooling
 conflicts, paired differences, selection), :mod:`~fedexp.report.render` (Markdown, LaTeX,
-CSV, labels), :mod:`~fedexp.report.reach` (bytes to reach a target), :mod:`~fedexp.report.cli`
-(the command). None imports numpy, mlflow or torch at import time: ``fedexp report --help``
-stays light.
+CSV, labels), :mod:`~fedexp.report.reach` (bytes to reach a target),
+:mod:`~fedexp.report.options` (the argument parser), :mod:`~fedexp.report.pipeline` (runs to
+the cells of a table), :mod:`~fedexp.report.output` (a report as Markdown, LaTeX or CSV),
+:mod:`~fedexp.report.cli` (the command). None imports numpy, mlflow or torch at import time:
+``fedexp report --help`` stays light.
 """
 
 from __future__ import annotations

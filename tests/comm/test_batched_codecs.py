@@ -16,14 +16,16 @@ from fedexp.comm.codec import Codec, DenseCodec, Payloads
 from fedexp.comm.entropy import EntropyCodec
 from fedexp.comm.golomb import (
     MAX_RICE_PARAMETER,
-    OUT_OF_RANGE,
     BitWriter,
     best_rice_parameter,
-    best_rice_parameters,
     positions_to_gaps,
+    rice_bits,
+)
+from fedexp.comm.golomb_cohort import (
+    OUT_OF_RANGE,
+    best_rice_parameters,
     positions_to_gaps_many,
     read_rice_many,
-    rice_bits,
     rice_bits_many,
     write_rice_many,
 )

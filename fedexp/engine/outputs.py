@@ -1,0 +1,102 @@
+"""The files a finished run leaves in its output folder, and its per-client table's rows.
+
+:func:`_write_outputs` writes the config, the per-client and per-round CSV files, the plots
+and the graph's edges; :data:`CLIENT_TABLE` is the artifact name of the per-client table
+(:func:`_table_rows`) that the tracker logs as a table.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fedexp.engine.engine import Engine
+
+#: The per-client table's artifact name (MLflow's table API wants .json or .parquet).
+CLIENT_TABLE = "clients_rounds.json"
+
+
+def _table_rows(client_history: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """clients_rounds.csv's rows with ``round`` and ``client`` as integers."""
+    return [{**r, "round": int(r["round"]), "client": int(r["client"])} for r in client_history]
+
+
+def _write_outputs(
+    out: Path,
+    cfg: DictConfig,
+    per_client: list[dict[str, float]],
+    history: list[dict[str, float]],
+    engine: Engine,
+    client_history: list[dict[str, float]],
+) -> list[Path]:
+    """Write a run's result files into ``out``; returns those the tracker uploads.
+
+    - ``config.yaml``: the resolved config.
+    - ``clients.csv``: one row per client: its number of training samples, its final test
+      metrics and its best value of each over the evaluated rounds (``best_<metric>``).
+    - ``rounds.csv``: one row per round, every metric (``round`` included; a round without
+      evaluation has empty test columns).
+    - ``clients_rounds.csv``: one row per client and evaluated round: its test metrics.
+    - ``curves.png``: the test metric across clients, mean training loss and cumulative bytes
+      per round.
+    - ``clients.png``: each client's test metric over rounds (:func:`~fedexp.plots.plot_clients`).
+    - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients).
+    - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "config.yaml", out / "clients.csv", out / "rounds.csv"]
+    if client_history:
+        files.append(out / "clients_rounds.csv")
+        keys = list(dict.fromkeys(k for row in client_history for k in row))
+        with open(files[-1], "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(client_history)
+    OmegaConf.save(cfg, files[0], resolve=True)
+    with open(files[1], "w", newline="") as fh:
+        keys = list(per_client[0])
+        writer = csv.writer(fh)
+        best = sorted(engine.best)
+        writer.writerow(["client", "num_train", *keys, *(f"best_{k}" for k in best)])
+        for n, row in enumerate(per_client):
+            writer.writerow(
+                [
+                    n,
+                    engine.clients[n].num_train,
+                    *(row[k] for k in keys),
+                    *(float(engine.best[k][n]) for k in best),
+                ]
+            )
+    keys = sorted({k for row in history for k in row}, key=lambda k: (k != "round", k))
+    with open(files[2], "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(history)
+    from fedexp.plots import plot_client_models, plot_clients, plot_rounds
+
+    edges = engine.server.get("edges")
+    if edges is not None:
+        files.append(out / "graph_edges.csv")
+        with open(files[-1], "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["i", "j"])
+            writer.writerows(edges.cpu().tolist())
+    models = torch.stack(
+        [
+            engine.algorithm.eval_params(engine.ctx, engine.server, engine.client_states[n], n)
+            for n in range(len(engine.clients))
+        ]
+    )
+    headline = next(iter(per_client[0]))
+    for png in (
+        plot_rounds(history, out / "curves.png", headline),
+        plot_clients(client_history, out / "clients.png", headline),
+        plot_client_models(models, out / "client_models_pca.png", edges),
+    ):
+        if png is not None:
+            files.append(png)
+    return files

@@ -1,0 +1,97 @@
+"""Resuming a run: the settings that must not change, and those that did (recorded as tags).
+
+:func:`flatten_config` is the resolved config as ``{"algorithm.lam": "0.1", ...}``: the run's
+MLflow params, and the form in which a resume compares its settings with the checkpoint's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from fedexp.errors import ConfigError
+
+#: Settings that must not change when a run is resumed (they define the experiment and the
+#: shape of its state). Everything else may: rounds, eval/checkpoint frequency, device,
+#: progress, tracker, divergence_factor, and what rescuing a diverged run needs: lr,
+#: local_steps / local_epochs. A change is recorded (:func:`_resume_changes`).
+_RESUME_KEYS = (
+    "dataset",
+    "model",
+    "partition",
+    "algorithm",
+    "compressor",
+    "optimizer",
+    "seed",
+    "num_clients",
+    "participation",
+    "batch_size",
+    "test_fraction",
+    "val_fraction",
+)
+
+#: Defaults of resume keys added after checkpoints were first written (older ones lack them).
+_RESUME_DEFAULTS = {"val_fraction": 0.0}
+
+#: Keys whose change on resume is not recorded (they name where this attempt writes).
+_UNRECORDED = ("resume", "output_dir")
+
+
+def flatten_config(cfg: DictConfig) -> dict[str, str]:
+    """The resolved config as ``{"algorithm.lam": "0.1", ...}`` (MLflow params)."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list) and any(isinstance(v, dict) for v in node):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}{i}.")
+        else:
+            out[prefix[:-1]] = str(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def _check_resume(cfg: DictConfig, saved_yaml: str) -> None:
+    saved = OmegaConf.create(saved_yaml)
+    now = OmegaConf.to_container(cfg, resolve=True)
+    before = OmegaConf.to_container(saved, resolve=True)
+    diff = [
+        k
+        for k in _RESUME_KEYS
+        if now.get(k, _RESUME_DEFAULTS.get(k)) != before.get(k, _RESUME_DEFAULTS.get(k))
+    ]
+    if diff:
+        raise ConfigError(
+            f"resume={cfg.resume}: the checkpoint was made with different {', '.join(diff)}; "
+            "resume with the same settings (only rounds, eval/checkpoint frequency, device, "
+            "progress, tracker, divergence_factor, lr and local_steps/local_epochs may change)"
+        )
+
+
+def _resume_changes(cfg: DictConfig, saved_yaml: str, round_: int) -> list[dict[str, Any]]:
+    """The settings that differ from the checkpoint's config (a rescue's smaller lr, ...).
+
+    Returns ``[{"round": r, "key": "lr", "from": "0.1", "to": "0.01"}, ...]``: ``r`` is the
+    checkpoint's round, the new value holds from round r + 1 on.
+    """
+    before = flatten_config(OmegaConf.create(saved_yaml))
+    now = flatten_config(cfg)
+    keys = [k for k in dict.fromkeys([*before, *now]) if k.split(".")[0] not in _UNRECORDED]
+    return [
+        {"round": round_, "key": k, "from": before.get(k, "(unset)"), "to": now.get(k, "(unset)")}
+        for k in keys
+        if before.get(k) != now.get(k)
+    ]
+
+
+def _change_tags(changes: list[dict[str, Any]]) -> dict[str, str]:
+    """MLflow tags of resume changes: ``fedexp.resume.<round>.<key>`` = ``"old -> new"``.
+
+    Tags, not params: MLflow params cannot change once logged (``lr`` keeps the first value).
+    """
+    return {f"fedexp.resume.{c['round']}.{c['key']}": f"{c['from']} -> {c['to']}" for c in changes}

@@ -1,0 +1,150 @@
+"""The output of ``fedexp report``: a :class:`~fedexp.report.pipeline.Report` as text or CSV.
+
+Markdown or LaTeX (:func:`write_text`): the statement line, the table, the paired differences
+and the chosen configurations, each table under a line saying what it shows; CSV
+(:func:`write_csv`): a row per cell with the runs' values, seeds and ids.
+"""
+
+from __future__ import annotations
+
+from fedexp.report import render
+from fedexp.report.options import _direction, _order
+from fedexp.report.pipeline import Key, Report
+from fedexp.report.stats import summary
+
+
+def groups_of(rep: Report) -> dict[Key, list[float]]:
+    """The values of each cell's runs."""
+    return {k: [rep.values[r.run_id] for r in v] for k, v in rep.cells.items()}
+
+
+def statement(rep: Report) -> str:
+    """The header line: metric, aggregation, scale, the statistics and where the runs are."""
+    a = rep.args
+    agg = a.agg.describe(a.lower_is_better)
+    chosen = (
+        f" of the configuration chosen on {a.select_by} in each cell (see below)"
+        if a.select_by
+        else ""
+    )
+    return (
+        f"{a.metric}{chosen}: {agg}, × {rep.scale:g}; each cell: mean ± sample std "
+        f"(ddof = 1) over n runs (n=… in the cell); from {len(rep.runs)} runs of "
+        f"{', '.join(a.experiment)}"
+        + (f", sweep {a.sweep}" if a.sweep else "")
+        + (f", where {' '.join(a.where)}" if a.where else "")
+    )
+
+
+def paired_statement(rep: Report) -> str:
+    """The line above the paired differences."""
+    ref = render.label_of(rep.ref, rep.labels)
+    return (
+        f"Paired differences (row − {ref}) of {rep.args.metric}, × {rep.scale:g}: in each "
+        f"column, a row's runs and {ref}'s are matched by seed; mean ± sample std (ddof = 1) "
+        f"of the per-seed differences over the n seeds both have. Runs with the same seed "
+        "share the data partition, the train/test split, the client sampling and (with the "
+        "same model settings) the initial model, so the pairing removes that variation."
+    )
+
+
+def selection_rows(rep: Report) -> tuple[list[str], list[list[str]], str]:
+    """Header, rows and the line above the table of chosen configurations."""
+    a = rep.args
+    sscale = render.default_scale(a.select_by)
+    fmt = render.number_format(sscale)
+    head = [render.short(a.rows)] + ([render.short(a.cols)] if a.cols else [])
+    head += ["chosen", f"{a.select_by} (× {sscale:g})", "candidates"]
+    body = []
+    for r in rep.rows:
+        for c in rep.cols:
+            choice = rep.choices.get(r + c)
+            if choice is None:
+                continue
+            mean, std, n = choice.score
+            setting = ", ".join(f"{k}={v}" for k, v in choice.setting.items()) or "(only one)"
+            score = f"{mean * sscale:{fmt}} ± {std * sscale:{fmt}} (n={n})" if n else "(none)"
+            cell = [render.label_of(r, rep.labels)]
+            if a.cols:
+                cell.append("/".join(render.value_text(v) for v in c))
+            body.append([*cell, setting, score, str(choice.candidates)])
+    direction = "max" if _direction(a) else "min"
+    line = (
+        f"Chosen on {a.select_by}, {a.agg.describe(not _direction(a))}, the {direction} of "
+        f"the mean over seeds, among the configurations of each cell (runs differing in params "
+        f"other than rows, cols and seed); the table above shows the chosen one's {a.metric}."
+    )
+    return head, body, line
+
+
+def write_text(rep: Report, fmt: str) -> str:
+    """The report as Markdown or LaTeX: statement, table, paired differences, selections."""
+    a = rep.args
+    n_rows = len(a.rows)
+    common = dict(
+        n_rows=n_rows,
+        row_name=render.short(a.rows),
+        col_name=render.short(a.cols),
+        scale=rep.scale,
+        order=_order(a),
+        labels=rep.labels,
+        fmt=fmt,
+    )
+    parts = [
+        render.comment(statement(rep), fmt),
+        render.table(
+            groups_of(rep),
+            best=a.best,
+            lower_is_better=a.lower_is_better,
+            rank_of=a.rank_of,
+            **common,
+        ),
+    ]
+    if rep.ref is not None:
+        parts += [render.comment(paired_statement(rep), fmt), render.table(rep.diffs, **common)]
+    if rep.choices:
+        head, body, line = selection_rows(rep)
+        parts += [render.comment(line, fmt), render.text_table(head, body, fmt)]
+    return "\n\n".join(parts) + "\n"
+
+
+def write_csv(rep: Report) -> str:
+    """The report as CSV: a row per cell with mean, std, n, the runs' values, seeds, ids.
+
+    Numbers are in the table's unit (× ``scale``, also a column), at full precision.
+    """
+    a = rep.args
+    head = ["row", *a.rows, *a.cols, "metric", "agg", "scale", "mean", "std", "n", "values"]
+    head += ["seeds", "run_ids"]
+    if rep.ref is not None:
+        head += ["paired_ref", "diff_mean", "diff_std", "diff_n"]
+    if rep.choices:
+        head += ["select_by", "select_mean", "select_std", "select_n", "chosen", "candidates"]
+    lines = []
+    for r in rep.rows:
+        for c in rep.cols:
+            runs = rep.cells.get(r + c)
+            if not runs:
+                continue
+            vals = [rep.values[x.run_id] * rep.scale for x in runs]
+            mean, std, n = summary(vals)
+            line: list[object] = [render.label_of(r, rep.labels), *r, *c, a.metric, str(a.agg)]
+            line += [f"{rep.scale:g}", render.number(mean), render.number(std), n]
+            line += [" ".join(render.number(v) for v in vals)]
+            line += [" ".join(x.get("seed") for x in runs), " ".join(x.run_id for x in runs)]
+            if rep.ref is not None:
+                diffs = [d * rep.scale for d in rep.diffs.get(r + c, [])]
+                dm, ds, dn = summary(diffs)
+                ref = "/".join(rep.ref)
+                line += (
+                    [ref, "", "", ""] if r == rep.ref else [ref, *map(render.number, (dm, ds)), dn]
+                )
+            if rep.choices:
+                choice = rep.choices[r + c]
+                sm, ss, sn = choice.score
+                sscale = render.default_scale(a.select_by)
+                setting = " ".join(f"{k}={v}" for k, v in choice.setting.items())
+                line += [a.select_by, render.number(sm * sscale), render.number(ss * sscale), sn]
+                line += [setting, choice.candidates]
+            lines.append(line)
+    return render.csv_text(head, lines)
