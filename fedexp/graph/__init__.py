@@ -1,7 +1,8 @@
-"""Graphs over the clients: pFedNet's similarity network (sketches, k-NN graph, incidence
-operations), the server-side solvers of its sum-of-norms penalty (``admm``: the z-step ADMM;
-``prox``: column proxes) and FPFC's pairwise fusion penalties (``fusion``: SCAD / MCP group
-proxes). See ``docs/pfednet_math.md``.
+"""Graphs over the clients and the server-side solvers of their penalties.
+
+pFedNet's similarity network (sketches, k-NN graph, incidence operations), the solvers of its
+sum-of-norms penalty (``admm``: the z-step ADMM; ``prox``: column proxes) and FPFC's pairwise
+fusion penalties (``fusion``: SCAD / MCP group proxes). See ``docs/pfednet_math.md``.
 """
 
 from fedexp.graph.incidence import apply_Q, apply_Qt, as_edge_tensor, incidence_matrix
