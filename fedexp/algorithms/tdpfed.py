@@ -51,8 +51,8 @@ from fedexp.algorithms.base import (
 )
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
-from fedexp.engine.optim import SGD, Adam
-from fedexp.engine.solver import draw_batch, stack_opt_states, unstack_states
+from fedexp.engine.optim import SGD, Adam, stack_states
+from fedexp.engine.solver import draw_batch, unstack_states
 from fedexp.models.cp import CPLayout, als, compose
 from fedexp.models.flat import Layout
 
@@ -167,12 +167,10 @@ class TDPFed(Algorithm):
         theta = (
             compose_rows(a) if self.reset_personal else torch.stack([s["theta"] for s in states])
         )
-        opt_theta = stack_opt_states(
+        opt_theta = stack_states(
             self.theta_opt, theta, [self.theta_opt.load(s, "opt_theta") for s in states]
         )
-        opt_a = stack_opt_states(
-            self.factor_opt, a, [self.factor_opt.load(s, "opt_a") for s in states]
-        )
+        opt_a = stack_states(self.factor_opt, a, [self.factor_opt.load(s, "opt_a") for s in states])
         buffers = ctx.model.buffer_mask if ctx.model.has_buffers else None
         frozen_a = None if buffers is None else cp.model_mask(buffers)
         lam = torch.tensor(float(self.lam), device=a.device, dtype=a.dtype)

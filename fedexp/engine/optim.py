@@ -13,6 +13,7 @@ decay, PyTorch's order of operations), which the tests compare against step by s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -151,3 +152,17 @@ class Adam(Optimizer):
         denom = v.sqrt() / bc2.sqrt() + self.eps
         new = params - (lr / bc1) * m / denom
         return new, {"exp_avg": m, "exp_avg_sq": v, "step": t}
+
+
+def stack_states(
+    opt: Optimizer, params: torch.Tensor, states: Sequence[State | None]
+) -> State:
+    """The clients' optimiser states stacked per entry (fresh ones from ``opt.init``)."""
+    if all(s is None for s in states):
+        fresh = opt.init(params[0])
+        return {k: torch.stack([opt.init(p)[k] for p in params]) for k in fresh}
+    full = [opt.init(params[i]) if s is None else s for i, s in enumerate(states)]
+    names = sorted(full[0])
+    if any(sorted(s) != names for s in full):
+        raise ValueError(f"optimiser states with different entries in one cohort: {names}")
+    return {k: torch.stack([s[k].detach() for s in full]) for k in names}

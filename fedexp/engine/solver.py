@@ -32,7 +32,7 @@ from torch.func import grad_and_value, vmap
 
 from fedexp.contract import Cohort
 from fedexp.engine.objective import Objective
-from fedexp.engine.optim import Optimizer
+from fedexp.engine.optim import Optimizer, stack_states
 from fedexp.engine.optim import State as OptState
 from fedexp.engine.rng import Stream, batch_indices
 from fedexp.errors import DivergenceError
@@ -115,18 +115,6 @@ def _snapshot(cohort: Cohort) -> Callable[[], None]:
 
 
 # ------------------------------------------------------------- optimiser state
-def stack_opt_states(
-    opt: Optimizer, params: torch.Tensor, states: Sequence[OptState | None]
-) -> OptState:
-    """The clients' optimiser states stacked per entry (fresh ones from ``opt.init``)."""
-    if all(s is None for s in states):
-        fresh = opt.init(params[0])
-        return {k: torch.stack([opt.init(p)[k] for p in params]) for k in fresh}
-    full = [opt.init(params[i]) if s is None else s for i, s in enumerate(states)]
-    names = sorted(full[0])
-    if any(sorted(s) != names for s in full):
-        raise ValueError(f"optimiser states with different entries in one cohort: {names}")
-    return {k: torch.stack([s[k].detach() for s in full]) for k in names}
 
 
 def unstack_states(
@@ -311,7 +299,7 @@ def train(
     if isinstance(opt_states, dict):  # already stacked (a previous call's ``opt_state``)
         stacked = opt_states
     else:
-        stacked = stack_opt_states(opt, params, opt_states or [None] * params.shape[0])
+        stacked = stack_states(opt, params, opt_states or [None] * params.shape[0])
     objective = objective or ctx.model_objective()
     keep = None if mask is None else (mask == 0).expand(params.shape)
     lr = ctx.lr if lr is None else lr
@@ -489,12 +477,6 @@ def _chunk_losses(ctx, candidates, count: int, data, rows: slice) -> torch.Tenso
 
 
 # ------------------------------------------------------------------ divergence
-def diverged_rows(params: torch.Tensor, means: torch.Tensor) -> set[int]:
-    """Rows whose parameters or mean loss are not finite (one reduction for the cohort)."""
-    ok = torch.isfinite(params).all(dim=1) & torch.isfinite(means)
-    if bool(ok.all()):
-        return set()
-    return set(torch.nonzero(~ok).reshape(-1).tolist())
 
 
 def check_rows(
@@ -505,9 +487,9 @@ def check_rows(
     Raises:
         DivergenceError: for the lowest client whose loss or parameters are not finite.
     """
-    bad = diverged_rows(params, loss)
-    if bad:
-        i = min(bad)
+    ok = torch.isfinite(params).all(dim=1) & torch.isfinite(loss)  # one reduction
+    if not bool(ok.all()):
+        i = int(torch.nonzero(~ok)[0, 0])
         try:
             ctx.check_finite(params[i], float(loss[i]), lr)
         except DivergenceError as exc:
