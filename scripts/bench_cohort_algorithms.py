@@ -31,7 +31,9 @@ batch B, dense messages, one torch thread per worker.
     python scripts/bench_cohort_algorithms.py --baseline main~3 --algorithms fedavg
     echo 3 | python scripts/bench_cohort_algorithms.py --worker --algorithm fedavg  # one side
 
-An algorithm that fails on one side (build, import or a round) is an error row.
+An algorithm that fails on one side (build, import or a round) is an error row. The
+baseline's lockstep backend needs the ``greenlet`` package, no longer a dependency of fedexp:
+``.venv/bin/pip install greenlet`` first.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ Choices where the paper is silent, and differences from ALGORITHMS.md:
 
 from __future__ import annotations
 
+from functools import partial
 from types import MappingProxyType
 
 import torch
@@ -125,6 +126,18 @@ class PFedSOP(Algorithm):
         beta = gompertz(angle(local, glob), self.lam)
         return (1 - beta) * local + beta * glob
 
+    def newton_start(
+        self,
+        eta1: float,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        glob: torch.Tensor,
+        seen: torch.Tensor,
+    ) -> torch.Tensor:
+        """One client's start: x_i − η₁ (Δp Δpᵀ + ρI)⁻¹ Δp if it has taken part before, else x_i."""
+        stepped = x - eta1 * sop_direction(self.personalized_update(delta, glob), self.rho)
+        return torch.where(seen > 0, stepped, x)
+
     def client_update(
         self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
     ) -> CohortResult:
@@ -134,17 +147,9 @@ class PFedSOP(Algorithm):
         a new one. Running statistics: Δ_i is zero there and x_i takes them from x^T.
         """
         assert isinstance(model_in, torch.Tensor)
-        glob = model_in.to(states[0]["x"])
+        x, delta, seen = (torch.stack([s[k] for s in states]) for k in ("x", "delta", "seen"))
         eta1 = ctx.lr if self.personal_lr is None else self.personal_lr
-        # client by client on its own x_i and Δ_i: on rows of a stack the dot products round
-        # differently, which Adam amplifies on BatchNorm models (the bias before a BatchNorm
-        # gets a gradient of rounding noise); golden figures recorded client by client
-        starts = []
-        for s, g in zip(states, glob, strict=True):
-            dp = self.personalized_update(s["delta"], g)
-            stepped = s["x"] - eta1 * sop_direction(dp, self.rho)
-            starts.append(torch.where(s["seen"] > 0, stepped, s["x"]))
-        x_start = torch.stack(starts)
+        x_start = torch.func.vmap(partial(self.newton_start, eta1))(x, delta, model_in.to(x), seen)
         opt = ctx.optimizer
         local = ctx.train(x_start, cohort, opt_states=[opt.load(s) for s in states])
         delta = (x_start - local.params) / ctx.lr
