@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.algorithms.base import Cohort, CohortResult, Message, Stacked, State, weighted_mean
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
@@ -79,6 +79,11 @@ class FedPer(FedAvg):
     def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
         """The body only: the head's bytes never cross the network."""
         return server["x"][self.body_idx(ctx)]
+
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> dict[int, Message]:
+        """The same body for every client, cut once (the engine then encodes it once)."""
+        body = self.downlink(ctx, server, clients[0]) if clients else None
+        return dict.fromkeys(clients, body)
 
     def client_update(
         self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
