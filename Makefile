@@ -19,8 +19,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/fedexp run
 
+# two pytest-xdist workers, one torch thread each (tests/conftest.py): the 2-core machine's cores
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

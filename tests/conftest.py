@@ -9,6 +9,17 @@ import pytest
 from helpers import SMALL, compose_config
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers on two cores) each worker takes one
+    torch thread: two workers of two threads each would contend for the cores."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op torch thread: tiny models take many small steps, which crawl when two

@@ -184,6 +184,9 @@ class DenseCodec(Codec):
 
     lossless = True
 
+    def __repr__(self) -> str:
+        return "DenseCodec()"
+
     def encode(self, x: torch.Tensor) -> bytes:
         """Raw float32 bytes of ``x``."""
         # astype without a copy where float32 is little-endian already: one copy, into bytes
