@@ -1,4 +1,4 @@
-"""Metrics per client and across clients (MATH §10).
+"""Metrics per client and across clients.
 
 Classification: accuracy (the paper's), balanced accuracy and AUC (which matter under label
 imbalance). Segmentation: IoU (mean over classes, background included, the paper's "IoU"),
@@ -32,7 +32,7 @@ CLASSIFICATION_METRICS = ("acc", "bal_acc", "auc")
 
 
 def _score_dtype(device: torch.device) -> torch.dtype:
-    """Ranking precision: float64 (MATH §10), float32 on MPS, which has no float64."""
+    """Ranking precision: float64 (no false ties), float32 on MPS, which has no float64."""
     return torch.float32 if device.type == "mps" else torch.float64
 
 
@@ -72,7 +72,7 @@ def _rank_auc(scores: torch.Tensor, positive: torch.Tensor, valid: torch.Tensor)
 def classification_table(
     logits: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, num_classes: int
 ) -> torch.Tensor:
-    """Accuracy, balanced accuracy and AUC of many clients' test splits at once (MATH §10).
+    """Accuracy, balanced accuracy and AUC of many clients' test splits at once.
 
     Client i's samples are the first ``lengths[i]`` rows of ``logits[i]`` and ``y[i]``; the
     rest is padding, whatever it holds, and is ignored. Everything is computed in torch on the
@@ -161,7 +161,7 @@ def _rows(table: torch.Tensor, keys: Sequence[str]) -> list[dict[str, float]]:
 def classification_metrics_batched(
     logits: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, num_classes: int
 ) -> list[dict[str, float]]:
-    """``acc``, ``bal_acc`` and ``auc`` of each client of a padded batch (MATH §10).
+    """``acc``, ``bal_acc`` and ``auc`` of each client of a padded batch.
 
     The figures of :func:`classification_table` (its docstring gives their definitions), as
     one dict per client after a single transfer of the (m, 3) result.
@@ -185,7 +185,7 @@ def classification_metrics(
 
     The batched computation (:func:`classification_metrics_batched`) for one client, so the
     single and the batched paths are the same code. AUC is NaN when the client's test split
-    holds a single class (MATH §10).
+    holds a single class.
 
     Args:
         logits: (n, C) logits.
@@ -214,7 +214,7 @@ def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int)
 
 
 def iou_per_class(confusion: torch.Tensor) -> torch.Tensor:
-    """IoU_c = TP / (TP + FP + FN) per class from a confusion matrix (MATH §10).
+    """IoU_c = TP / (TP + FP + FN) per class from a confusion matrix.
 
     A class absent from both the truth and the prediction has no IoU: NaN.
     """
@@ -240,7 +240,7 @@ def _nanmean(v: torch.Tensor) -> float:
 def segmentation_metrics(
     logits: torch.Tensor, target: torch.Tensor, num_classes: int
 ) -> dict[str, float]:
-    """IoU, label IoU, Dice and pixel accuracy of one client's test split (MATH §10).
+    """IoU, label IoU, Dice and pixel accuracy of one client's test split.
 
     Every figure is pooled over all test pixels of the client (one confusion matrix), not
     averaged per image. ``iou`` is the mean of IoU_c over the classes, background included

@@ -31,7 +31,7 @@ from fedexp.errors import FedexpError
 log = logging.getLogger("fedexp")
 
 #: Headline metrics by precedence: a segmentation run has both IoU and pixel accuracy, and
-#: IoU is its headline; a classification run has accuracy (MATH §10).
+#: IoU is its headline; a classification run has accuracy.
 HEADLINES = ("iou", "acc")
 
 #: Prefix of the validation split's metrics (``fedexp.engine.engine.Engine.evaluate``).

@@ -1,4 +1,4 @@
-"""Benchmark the exact O(d) CER solver against the paper's ADMM (MATH §6).
+"""Benchmark the exact O(d) CER solver against the paper's ADMM (pFedNet's Algorithm 3).
 
 Run: .venv/bin/python scripts/bench_cer.py [--max-exp 7] [--admm-max 4096] [--repeats 3]
 

@@ -1,14 +1,16 @@
-"""pFedNet: shared part x, personalised parts Z on a similarity network (MATH §1-§5).
+"""pFedNet: shared part x, personalised parts Z on a similarity network.
 
-pFedNet (shared/papers/pfednet-medical-mixture.txt, Algorithm 5; MATH.md wins over the drafts):
-client n's model is y⁽ⁿ⁾ = Mx + Nz⁽ⁿ⁾. Before training every client sends a sketch of its data;
+pFedNet (Zhao, Liu, Liu & He, "Medical Federated Model with Mixture of Personalized and Sharing
+Components", Algorithm 5; ``docs/pfednet_math.md`` corrects the drafts' typos): client n's model
+is y⁽ⁿ⁾ = Mx + Nz⁽ⁿ⁾. Before training every client sends a sketch of its data;
 the server links each client to its k nearest neighbours. Each round client n returns the
 pseudo-gradient ∇⁽ⁿ⁾ = (y⁽ⁿ⁾ − y⁽ⁿ⁾_E)/η_l of E local steps (or one stochastic gradient, the
 paper's Algorithm 1), and the server takes
 
 * the x-step  x ← x − η_x Σ_n ω_n Mᵀ∇⁽ⁿ⁾ (ω_n = 1/|S_t|), and
 * the Z-step  Z ← argmin_Z (1/N)⟨G, Z⟩ + λ Σ_(i,j)∈E ‖z⁽ⁱ⁾ − z⁽ʲ⁾‖_p + ‖Z − Z_t‖²/(2η_z),
-  G = [Nᵀ∇⁽¹⁾ … Nᵀ∇⁽ᴺ⁾] (zero columns for clients not sampled), by ADMM (MATH §5).
+  G = [Nᵀ∇⁽¹⁾ … Nᵀ∇⁽ᴺ⁾] (zero columns for clients not sampled), by ADMM
+  (``docs/pfednet_math.md`` §3).
 
 Schedules: ``x_rounds = z_rounds = 0`` takes both steps every round; otherwise rounds cycle
 through ``x_rounds`` x-rounds then ``z_rounds`` Z-rounds (Algorithm 5). In a phase only the
@@ -56,7 +58,7 @@ class PFedNet(Algorithm):
         admm_max_iter: K, the iteration cap of the ADMM.
         admm_eps_abs: absolute tolerance of the residuals (Boyd et al. 2011, §3.3.1).
         admm_eps_rel: relative tolerance.
-        sketch: "label", "covariance", "kernel" or "model" (MATH §3).
+        sketch: "label", "covariance", "kernel" or "model" (``docs/pfednet_math.md`` §1).
         k: neighbours per client in the k-NN graph.
         metric: "euclidean", "l1" or "frobenius" distance between sketches.
         rff_features: random Fourier features of the kernel sketch.
@@ -167,7 +169,7 @@ class PFedNet(Algorithm):
     def client_sketch(
         self, ctx: Context, data: ClientData, generator: torch.Generator
     ) -> torch.Tensor:
-        """The client's data sketch (MATH §3), sent once before training."""
+        """The client's data sketch (:mod:`fedexp.graph.sketches`), sent once before training."""
         if self.sketch == "label":
             return label_sketch(data.y_train, ctx.task.num_classes)
         if self.sketch == "covariance":
@@ -227,7 +229,7 @@ class PFedNet(Algorithm):
         updates: dict[int, torch.Tensor],
         weights: dict[int, float],
     ) -> State:
-        """x-step and/or Z-step (MATH §4-§5)."""
+        """x-step and/or Z-step (both given in the module docstring)."""
         if not updates:
             return server
         phase = self.phase(ctx.round)

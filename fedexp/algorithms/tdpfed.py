@@ -1,4 +1,4 @@
-"""TDPFed (tensor decomposition based personalised FL; papers/tdpfed.txt, MATH §11).
+"""TDPFed (Wang et al., "Tensor Decomposition based Personalized Federated Learning").
 
 Every weight tensor of the model has CP factors of the rank its compression rate gives
 (TDPFed eqs. 21-22, Table I; ``fedexp.models.cp``); the factors (and the biases, carried as
@@ -21,7 +21,7 @@ Clients are evaluated with θ_k. Choices where the paper is silent or inconsiste
 
 * A_0: ``init_sweeps`` ALS sweeps fitting the common initial model x0 from a random start
   seeded by the run's seed; θ_k starts at x0.
-* θ_k persists between rounds (Algorithm 1 and MATH §11); §V-A's text says the server
+* θ_k persists between rounds (Algorithm 1); §V-A's text says the server
   broadcasts the aggregated tensor as the personalised model: ``reset_personal=true`` starts
   θ_k from [[A]] every round (computed by the client: the downlink is still factors only).
 * ω_k ∝ n_k (``weighting="samples"``, eq. 20's |D_k|); eq. 18 weights by the minibatch size

@@ -1,6 +1,7 @@
 """CER, the communication-efficient regulariser of pFedNet, solved exactly in O(d).
 
-pFedNet paper (``papers/pfednet-medical-mixture.txt``, Sec. IV-A and IV-B) and MATH.md §6.
+pFedNet paper (Zhao et al., "Medical Federated Model with Mixture of Personalized and Sharing
+Components"), Sec. IV-A and IV-B; solver and tests: ``docs/compression.md``, "CER".
 A client turns its stochastic gradient ``g`` into the update
 
     v = argmin_y <g, y> + gamma ||Lambda (y - y_t)||_1 + ||y - y_t||^2 / (2 eta),
@@ -16,7 +17,7 @@ by one more TV edge to a fixed 0. The update is piecewise constant: few runs of 
 cheap to encode (``fedexp.comm.runs.RunLengthCodec``; STC also profits).
 
 Note that the TV term is positively homogeneous, so ``grad = prox_{gamma TV}(g)`` whatever
-``eta``: eta only rescales the problem (it is kept to follow the paper and MATH literally).
+``eta``: eta only rescales the problem (it is kept to follow the paper literally).
 
 Solver: the dynamic programme of Johnson (2013), "A dynamic programming algorithm for the
 fused lasso and L0-segmentation", JCGS 22(2), written here for the squared loss. The forward
@@ -175,7 +176,7 @@ def cer_update(
 ) -> ArrayOrTensor:
     """The CER update ``grad = -w / eta`` with ``w = prox_tv_tail0(-eta g, eta gamma)``.
 
-    pFedNet paper, Sec. IV-B; MATH §6. ``gamma = 0`` returns ``g`` itself (a copy) exactly.
+    pFedNet paper, Sec. IV-B. ``gamma = 0`` returns ``g`` itself (a copy) exactly.
 
     Args:
         g: the (stochastic or pseudo-) gradient, a tensor or array of any shape.
@@ -293,7 +294,7 @@ def _segment_sizes(layout: Any) -> list[int]:
 class CERTransform:
     """CER as an update transform (``fedexp.comm.channel.UpdateTransform``).
 
-    pFedNet paper, Sec. IV; MATH §6. Applied to a flat message before the codec.
+    pFedNet paper, Sec. IV. Applied to a flat message before the codec.
 
     Args:
         gamma: CER weight (0 disables it: the message passes unchanged).

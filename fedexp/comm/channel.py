@@ -1,12 +1,12 @@
 """A one-way channel: update transforms, optional error feedback, then a codec.
 
-The sender applies its transforms (e.g. CER, MATH §6) to the message, adds its error-feedback
+The sender applies its transforms (e.g. CER) to the message, adds its error-feedback
 residual, compresses, keeps the new residual and encodes to bytes. The receiver decodes the
 bytes. The engine owns the residuals (one per sender) so that a checkpoint holds them.
 
 ``send_many`` / ``receive_many`` do the same for a cohort's stacked messages ``[m, d]`` in one
 pass of the codec's batched methods (channels without transforms); each sender still gets its
-own payload (MATH §8) and its own residual.
+own payload (its bytes counted on their own) and its own residual.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Codecs: what turns a message (a flat float32 vector) into bytes and back.
 
-MATH.md §8 ("honest bytes"): every message that crosses the client/server boundary is
+Honest bytes (``docs/compression.md``): every message that crosses the client/server boundary is
 encoded by its codec and the receiver decodes it from those bytes; the engine counts
 ``len(payload)``. A codec has three steps:
 
@@ -14,7 +14,7 @@ encoded by its codec and the receiver decodes it from those bytes; the engine co
 
 Cohorts: ``compress_many``, ``encode_many`` and ``decode_many`` do the same for the stacked
 messages ``[m, d]`` of ``m`` senders. Each message keeps its own payload, byte for byte the
-one ``encode`` gives its row, so every sender's bytes are still counted (MATH §8); the
+one ``encode`` gives its row, so every sender's bytes are still counted; the
 payloads live in one :class:`Payloads` buffer. The defaults loop over the rows; the dense and
 sparse codecs override them with one vectorised pass.
 """
@@ -34,7 +34,7 @@ class Payloads:
     """The payloads of a cohort's messages in one contiguous byte buffer.
 
     Message ``i`` is ``buffer[offsets[i]:offsets[i + 1]]``; its length is what the engine
-    counts for that sender (MATH §8, "honest bytes").
+    counts for that sender ("honest bytes").
 
     Args:
         buffer: uint8 bytes of all messages (may be read-only).
@@ -180,7 +180,7 @@ class Codec(ABC):
 
 
 class DenseCodec(Codec):
-    """Dense little-endian float32: exactly 4 bytes per entry, no header (MATH §8)."""
+    """Dense little-endian float32: exactly 4 bytes per entry, no header."""
 
     lossless = True
 

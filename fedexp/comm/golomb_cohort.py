@@ -3,7 +3,7 @@
 The batched (cohort) form of the sparse codecs: the messages of ``m`` senders coded in one
 pass. Their non-zeros are given as one flat array in message order plus ``offsets`` (int64,
 ``m + 1``): message ``i`` owns entries ``offsets[i]:offsets[i + 1]``. Each message is still
-coded exactly as on its own (Sattler et al. 2019, Sec. IV-C; MATH.md §7-§8): its own gaps,
+coded exactly as on its own (Sattler et al. 2019, Sec. IV-C; ``docs/compression.md``): its own gaps,
 its own Rice parameter, its own byte-aligned stream; only the work is shared.
 
 The single-message code (bit streams, Rice parameters, gaps; the functions the docstrings

@@ -1,6 +1,6 @@
 """Lossless run-length coding of piecewise-constant vectors (the natural codec after CER).
 
-CER (pFedNet paper, Sec. IV-A; MATH §6) makes an update piecewise constant: ``d`` entries
+CER (pFedNet paper, Sec. IV-A) makes an update piecewise constant: ``d`` entries
 in ``R << d`` runs of equal values. :class:`RunLengthCodec` sends each run once: its length
 (Rice-coded, with the parameter that minimises the size of this very message) and its value
 (float32). Runs are maximal blocks of bit-identical float32 values, so the round trip is exact

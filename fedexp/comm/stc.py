@@ -1,7 +1,7 @@
 """Sparse ternary compression (STC) with a real Golomb-coded bit stream.
 
 Sattler, Wiedemann, Müller & Samek (2019), "Robust and communication-efficient federated
-learning from non-i.i.d. data", IEEE TNNLS 31(9), Algorithm 1 and Sec. IV-C; MATH.md §7.
+learning from non-i.i.d. data", IEEE TNNLS 31(9), Algorithm 1 and Sec. IV-C.
 
 Given the message ``A`` (update plus error-feedback residual, see ``fedexp.comm.channel``),
 keep the ``k = ceil(q d)`` entries of largest ``|A_i|``, let ``mu`` be the mean of those
@@ -232,7 +232,7 @@ class STCCodec(Codec):
         the same order as ``compress`` (the row's ``topk`` indices), by :func:`row_means`;
         so row ``i`` equals ``compress(x[i])`` bit for bit on the CPU whenever the row has no
         tie at the ``k``-th magnitude (with a tie, both are valid STC messages: Sattler et
-        al. 2019, Algorithm 1; MATH §7).
+        al. 2019, Algorithm 1).
 
         Args:
             x: ``[m, d]`` stacked messages.
@@ -303,7 +303,7 @@ class TwoMeanSTCCodec(STCCodec):
 
     Keeps the ``k = ceil(q d)`` largest ``|A_i|``; kept positive entries become ``mu+`` (their
     mean), kept negative ones ``-mu-`` (the mean of their magnitudes). The authors use it
-    without error feedback; keep it as an option to compare with :class:`STCCodec` (MATH §7).
+    without error feedback; keep it as an option to compare with :class:`STCCodec`.
 
     Wire format: ``uint32 n, float32 mu+, float32 mu-, uint8 b`` (13 bytes), then the same bit
     stream as :class:`STCCodec`.

@@ -238,7 +238,7 @@ def federate(
     """Partition ``data`` over clients, split each 80/20 and move the tensors to ``device``.
 
     The partition returns index arrays or a :class:`ClientSplit`; the channels it lists for a
-    client are set to zero in that client's training, validation and test inputs (MATH §9,
+    client are set to zero in that client's training, validation and test inputs (pFedNet's
     "lack #c").
 
     With ``val_fraction > 0``, :func:`validation_split` then moves that share of each client's

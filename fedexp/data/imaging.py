@@ -74,7 +74,7 @@ def luna16(path: str, delta: float | None = None, seed: int = 0) -> ArrayDataset
     Args:
         path: folder written by ``python -m data_prep.luna16 --root RAW --out PATH``.
         delta: optional dataset-level label imbalance δ = n_negative / n_positive (pFedNet
-            §VI-B uses δ ∈ {1, 2, 4, 7}, MATH §9): all nodules are kept and ``round(δ·n_pos)``
+            §VI-B uses δ ∈ {1, 2, 4, 7}): all nodules are kept and ``round(δ·n_pos)``
             non-nodules are drawn at random, the same rule as ``data_prep.luna16 --delta``;
             null keeps every prepared candidate. (Per-client imbalance is
             ``partition=label_imbalance``.)

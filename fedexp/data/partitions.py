@@ -27,7 +27,7 @@ class ClientSplit:
     Attributes:
         parts: one index array per client, as the plain partitions return.
         zero_channels: client -> input channels set to 0 in its train *and* test inputs
-            (pFedNet §VI "lack #c", MATH §9); clients not listed keep every channel.
+            (pFedNet §VI "lack #c"); clients not listed keep every channel.
     """
 
     parts: list[np.ndarray]
@@ -69,7 +69,7 @@ def iid(
 
 
 def label_imbalance_fractions(num_clients: int, delta: float) -> np.ndarray:
-    """Per-client shares of the (negative pool, positive pool), MATH §9 generalised.
+    """Per-client shares of the (negative pool, positive pool): δ:1, 1:1, 1:δ for any N.
 
     The first ``N // 2`` clients get ratio δ:1 of pool shares (δs, s), a middle client (N odd)
     is balanced (t, t) with t = 2s/(δ+1), the last ``N // 2`` get 1:δ (s, δs); s makes each
@@ -93,7 +93,7 @@ def label_imbalance(
     groups: np.ndarray | None = None,
     delta: float = 2.0,
 ) -> list[np.ndarray]:
-    """Label imbalance δ (pFedNet §VI, MATH §9): clients with δ:1, 1:1 and 1:δ class mixes.
+    """Label imbalance δ (pFedNet §VI): clients with δ:1, 1:1 and 1:δ class mixes.
 
     Args:
         labels: binary labels (0 = negative, 1 = positive).
@@ -266,7 +266,7 @@ def missing_channel(
     clients: list[int] | tuple[int, ...] = (0, 1),
     base: Callable[..., list[np.ndarray]] | None = None,
 ) -> ClientSplit:
-    """Missing MRI channel "lack #c" (pFedNet §VI-B, Tables III-IV; MATH §9).
+    """Missing MRI channel "lack #c" (pFedNet §VI-B, Tables III-IV).
 
     The samples are split by ``base`` (IID by default); the listed clients then have input
     channel ``channel`` (order FLAIR, T1, T1ce, T2 for BraTS) set to zero in their training and

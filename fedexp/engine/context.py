@@ -33,7 +33,7 @@ class Context:
         local_epochs: if set, steps = ceil(local_epochs · n_train / batch_size).
         batch_size: minibatch size (≤ 0: full batch).
         seed: the run's seed (for streams every party can derive, e.g. shared features).
-        personal_idx: flat coordinates of the personalised parameters P (MATH §1).
+        personal_idx: flat coordinates of the personalised parameters P (``model.personal``).
         shared_idx: flat coordinates of the shared parameters S.
         round: the current round (set by the engine before the hooks of a round run).
         eval_batch_size: test inputs per forward pass in :meth:`evaluate` (images would not

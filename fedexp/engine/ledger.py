@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ByteLedger:
-    """Counts ``len(payload)`` of every message and the dense float32 equivalent (MATH §8)."""
+    """Counts ``len(payload)`` of every message and its dense float32 size (4 bytes an entry)."""
 
     total: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})
     total_dense: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0})

@@ -154,9 +154,7 @@ class Adam(Optimizer):
         return new, {"exp_avg": m, "exp_avg_sq": v, "step": t}
 
 
-def stack_states(
-    opt: Optimizer, params: torch.Tensor, states: Sequence[State | None]
-) -> State:
+def stack_states(opt: Optimizer, params: torch.Tensor, states: Sequence[State | None]) -> State:
     """The clients' optimiser states stacked per entry (fresh ones from ``opt.init``)."""
     if all(s is None for s in states):
         fresh = opt.init(params[0])

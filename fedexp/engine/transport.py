@@ -1,10 +1,11 @@
-"""Messages through their channels: the engine's transport (MATH §8).
+"""Messages through their channels: the engine's transport.
 
 :class:`Transport` is the part of :class:`fedexp.engine.engine.Engine` that moves a round's
 messages: each part of a message through the channel of its direction by its kind
 (``model``, ``update``, ``exact``), error-feedback residuals and replicas kept per
 (client, part), every payload counted in the byte ledger; a cohort's messages in one pass
-where the channel allows it, else message by message.
+where the channel allows it, else message by message. What is counted: ``docs/design.md``,
+"Messages and bytes".
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ class Transport:
         than dense float32 sends a model itself, or a part is empty (the per-client
         :meth:`_send` then runs). A part sent exactly as dense float32 is, on the CPU,
         encoded and decoded as one block (each client's message is its 4·numel bytes of it);
-        on an accelerator its bytes are counted from the sizes (dense float32 has no header,
-        MATH §8) and it stays on the device. Anything else goes through
+        on an accelerator its bytes are counted from the sizes (dense float32 has no header:
+        4 bytes an entry) and it stays on the device. Anything else goes through
         :meth:`_transmit_cohort`. Parts of different names are independent (their own
         residuals, replicas and streams), so part by part equals client by client.
         """
@@ -269,7 +270,7 @@ class Transport:
         The same messages, residuals, replicas and bytes as client by client (``update``:
         error-feedback residuals stacked; ``model``: the change against each receiver's
         reference), coded in one pass (``Channel.send_many``: one vectorised compression, one
-        encoding of every payload, each counted at its own size; MATH §8). Returns the
+        encoding of every payload, each counted at its own size). Returns the
         decoded messages ``[m, numel]``.
         """
         purpose = _UPLINK if direction == "up" else _DOWNLINK

@@ -1,6 +1,6 @@
-"""Server-side Z-step of pFedNet: ADMM with column proxes (MATH.md §5).
+"""Server-side Z-step of pFedNet: ADMM with column proxes.
 
-pFedNet (Liu et al., "pFedNet", §V-B, Algorithm 4; ``MATH.md`` §4-§5) updates the personalised
+pFedNet (Liu et al., "pFedNet", §V-B, Algorithm 4) updates the personalised
 components ``Z = [z⁽¹⁾ … z⁽ᴺ⁾] ∈ R^{d2×N}`` by
 
     Z_{t+1} = argmin_Z (1/N)⟨G, Z⟩ + λ Σ_m w_m ‖(ZQ)[:, m]‖_p + ‖Z − Z_t‖²_F / (2η),
@@ -296,7 +296,7 @@ class ZStepSolver:
         adaptive_rho: bool = False,
         check_every: int = 1,
     ) -> tuple[torch.Tensor, ZStepState, dict[str, Any]]:
-        """Solve the Z-step (MATH.md §5) by ADMM.
+        """Solve the Z-step by ADMM (``docs/pfednet_math.md`` §3).
 
         ``λ = 0`` or a graph without edges decouples the problem: the result is exactly
         ``Z_t − (η/N) * G`` computed in the input dtype (no iterations).
@@ -391,7 +391,7 @@ class ZStepSolver:
         converged = False
         it = 0
         for it in range(1, max_iter + 1):
-            # Z-update, anchored on Z_t (MATH.md §5): Zᵀ = A [base + η(ρ WQᵀ − ΩQᵀ)]ᵀ.
+            # Z-update, anchored on Z_t (not Z^k): Zᵀ = A [base + η(ρ WQᵀ − ΩQᵀ)]ᵀ.
             torch.mul(wqt, eta * rho, out=rhs)
             rhs.sub_(oqt, alpha=eta)
             rhs.add_(base)

@@ -1,7 +1,7 @@
 """Edge-incidence operations of the similarity network, without a dense incidence matrix.
 
 pFedNet (Liu et al., "pFedNet: personalised federated learning on a similarity network",
-§III-B; ``MATH.md`` §2, §5) couples the personalised components through the matrix
+§III-B; ``docs/pfednet_math.md`` §1-§2) couples the personalised components through the matrix
 ``Q ∈ R^{N×M}``: column ``m`` belongs to edge ``(i, j)`` and holds ``+1`` in row ``i`` and
 ``-1`` in row ``j``. With ``Z = [z⁽¹⁾ … z⁽ᴺ⁾] ∈ R^{d2×N}``:
 

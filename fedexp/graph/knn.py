@@ -1,10 +1,10 @@
 """k-nearest-neighbour similarity network of pFedNet.
 
-pFedNet (Liu et al., §III-A; ``MATH.md`` §3) links each client to its ``k`` nearest clients in
+pFedNet (Liu et al., §III-A) links each client to its ``k`` nearest clients in
 sketch distance (``k = 3`` in the paper's experiments) and takes the undirected union of those
 relations as the edge set ``E``, each pair once. Edges are stored as a sorted ``(M, 2)`` int64
 tensor with ``i < j`` in every row; that order fixes the column order of the incidence matrix
-``Q`` (:mod:`fedexp.graph.incidence`).
+``Q`` (:mod:`fedexp.graph.incidence`). Details: ``docs/pfednet_math.md`` §1.
 """
 
 from __future__ import annotations

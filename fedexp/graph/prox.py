@@ -1,4 +1,4 @@
-"""Column proxes of pFedNet's Z-step penalty (MATH.md §5): ℓ1, ℓ2 and ℓ∞, column by column.
+"""Column proxes of pFedNet's Z-step penalty: ℓ1, ℓ2 and ℓ∞, column by column.
 
 The W-update of the Z-step's ADMM (:mod:`fedexp.graph.admm`) is the prox of
 ``Σ_m τ_m ‖V[:, m]‖_p`` (``τ_m = λ w_m / ρ``), which separates over the columns of ``V``:
@@ -9,6 +9,8 @@ once, no loop over columns.
 References:
     Duchi, Shalev-Shwartz, Singer, Chandra (2008). Efficient projections onto the ℓ1-ball for
     learning in high dimensions. ICML (Figure 1, sort-based projection).
+
+The proxes and their derivation: ``docs/pfednet_math.md`` §3.
 """
 
 from __future__ import annotations

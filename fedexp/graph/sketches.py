@@ -1,6 +1,6 @@
 """Client data sketches and the distances between them (pFedNet's similarity network).
 
-pFedNet (Liu et al., §III-A; ``MATH.md`` §3) represents each client's local data by a *sketch*
+pFedNet (Liu et al., §III-A) represents each client's local data by a *sketch*
 computed once on the client; the server builds the similarity network from pairwise distances
 between sketches. The sketch kinds here:
 
@@ -14,7 +14,8 @@ between sketches. The sketch kinds here:
 * :func:`model_sketch` -- parameters after a few local epochs from the common initial model
   ("model space"); the caller does the training.
 
-Every sketch is a flat float32 tensor, which is what leaves the client (uplink bytes).
+Every sketch is a flat float32 tensor, which is what leaves the client (uplink bytes). Details:
+``docs/pfednet_math.md`` §1.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def build_model(
 ) -> tuple[nn.Module, list[str]]:
     """Instantiate ``node`` with the data's shape, initialised from ``seed`` alone.
 
-    The node's optional ``personal`` key (glob patterns on parameter names, MATH §1) is not a
+    The node's optional ``personal`` key (glob patterns on parameter names) is not a
     builder argument: it is returned for the shared/personal split.
     """
     node = node.copy()

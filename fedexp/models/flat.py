@@ -1,4 +1,4 @@
-"""Parameters (and BatchNorm statistics) as flat vectors with a layout (MATH §1).
+"""Parameters (and BatchNorm statistics) as flat vectors with a layout.
 
 One model instance is reused for every client: its parameters are supplied as views into a
 flat vector through :func:`torch.func.functional_call`, so client state is just a vector

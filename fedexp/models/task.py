@@ -84,7 +84,7 @@ class ClassificationTask:
     def evaluate_batch(
         self, logits: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor
     ) -> list[dict[str, float]]:
-        """:meth:`evaluate` plus ``loss`` for every client of a padded batch (MATH §10).
+        """:meth:`evaluate` plus ``loss`` for every client of a padded batch.
 
         Client i's test samples are the first ``lengths[i]`` rows of ``logits[i]`` and
         ``y[i]``; the rest is padding and is ignored. ``loss`` is the mean over those rows of
@@ -115,7 +115,7 @@ class SegmentationTask:
     The loss is MONAI's Dice + cross-entropy (:class:`monai.losses.DiceCELoss`, softmax over
     the C output channels, one-hot targets, background included); evaluation is IoU, label IoU,
     Dice and pixel accuracy pooled over the client's test pixels
-    (:func:`fedexp.metrics.segmentation_metrics`, MATH §10).
+    (:func:`fedexp.metrics.segmentation_metrics`; ``docs/imaging.md``).
     """
 
     def __init__(self, num_classes: int) -> None:

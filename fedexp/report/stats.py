@@ -1,7 +1,7 @@
 """The report's statistics: sample std, pooling conflicts, paired differences, selection.
 
-Cells are mean ± sample standard deviation with ddof = 1 (the unbiased variance's square root,
-MATH §10) over the n runs of the cell; one run gives std 0. numpy is imported inside the
+Cells are mean ± sample standard deviation with ddof = 1 (the unbiased variance's square root)
+over the n runs of the cell; one run gives std 0. numpy is imported inside the
 functions.
 """
 
@@ -18,7 +18,7 @@ Key = tuple[str, ...]
 
 
 def sample_std(values: Sequence[float]) -> float:
-    """Standard deviation over runs with ddof = 1 (MATH §10); 0 for a single run."""
+    """Standard deviation over runs with ddof = 1 (sample std); 0 for a single run."""
     import numpy as np
 
     return float(np.std(np.asarray(values, dtype=float), ddof=1)) if len(values) > 1 else 0.0

@@ -1,4 +1,4 @@
-"""pFedNet against properties the paper implies (MATH §4-§5), end to end in the engine."""
+"""pFedNet against properties the paper implies (x-step, Z-step), end to end in the engine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TDPFed (papers/tdpfed.txt): AFM/ACT aggregation, factor-only uplink, the client's two steps."""
+"""TDPFed (Wang et al.): AFM/ACT aggregation, factor-only uplink, the client's two steps."""
 
 from __future__ import annotations
 

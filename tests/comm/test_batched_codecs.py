@@ -1,7 +1,7 @@
 """Cohort (batched) codecs: compress_many / encode_many / decode_many equal the row loop.
 
 Every message of a batched call must be the single-message result bit for bit (values) and
-byte for byte (payloads), so each sender's bytes are still counted (MATH §8); malformed
+byte for byte (payloads), so each sender's bytes are still counted; malformed
 payloads raise the single-message error, naming the message.
 """
 

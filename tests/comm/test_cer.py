@@ -1,4 +1,4 @@
-"""CER (MATH §6): exact solver against KKT, the paper's ADMM and a generic solver."""
+"""CER (docs/compression.md): exact solver against KKT, the paper's ADMM and a generic solver."""
 
 from __future__ import annotations
 

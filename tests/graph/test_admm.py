@@ -1,4 +1,4 @@
-"""Tests of the pFedNet Z-step: column proxes and the anchored ADMM (MATH.md §5)."""
+"""Tests of the pFedNet Z-step: column proxes and the anchored ADMM (docs/pfednet_math.md §3)."""
 
 from __future__ import annotations
 
