@@ -283,3 +283,24 @@ def test_override_errors_checks_only_plain_run_settings():
         "lr=-1.0: expected > 0",
         "progress='fancy': expected one of auto, bar, log, none",
     ]
+
+
+def test_a_removed_setting_is_named_with_what_to_do_instead():
+    """``backend`` went with issue 22 (every run takes the one path): an old command's
+    ``backend=lockstep`` gets one line saying so, before Hydra composes anything."""
+    from fedexp.config.schema import override_errors
+
+    for given in ("backend=lockstep", "+backend=sequential"):
+        (message,) = override_errors(["lr=0.1", given])
+        assert message.startswith("backend: the setting was removed") and "one path" in message
+    assert override_errors(["lr=0.1"]) == []
+
+
+def test_the_cli_refuses_a_removed_setting_in_one_line(tmp_path):
+    from helpers import run_cli
+
+    out = run_cli("run", "backend=lockstep", "tracker=none", cwd=tmp_path)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedexp: error: backend: the setting was")
+    assert not (tmp_path / "outputs").exists()  # nothing ran, nothing written

@@ -201,6 +201,13 @@ def _literal(text: str) -> Any:
     return text.strip().strip("'\"")
 
 
+#: Settings that existed once, and what to do instead (an override of one names it).
+REMOVED: dict[str, str] = {
+    "backend": "the setting was removed: every run takes the one path (its clients as "
+    "cohorts through the local solver, docs/design.md); drop the override",
+}
+
+
 def override_errors(overrides: Sequence[str]) -> list[str]:
     """Range errors of plain top-level ``key=value`` overrides, before Hydra composes.
 
@@ -209,11 +216,19 @@ def override_errors(overrides: Sequence[str]) -> list[str]:
     ``a,b``, interpolations, group options and config files are left to Hydra and
     :func:`validate`); every other setting counts as its default, and only messages about an
     overridden key are returned. ``local_steps`` is left to :func:`validate`: whether it is
-    used depends on ``local_epochs``, which an experiment file may set.
+    used depends on ``local_epochs``, which an experiment file may set. A setting that was
+    removed (:data:`REMOVED`) is named with what to do instead.
     """
     names = {f.name for f in fields(RunConfig) if f.default is not MISSING}
     kinds = {f.name: str(f.type) for f in fields(RunConfig)}
     given: dict[str, Any] = {}
+    removed = [
+        f"{key}: {REMOVED[key]}"
+        for key in dict.fromkeys(o.partition("=")[0].lstrip("+~") for o in overrides)
+        if key in REMOVED
+    ]
+    if removed:
+        return removed
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or key not in names or key == "local_steps":
