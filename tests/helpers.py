@@ -110,19 +110,8 @@ def cohort_of(engine, clients, round_: int | None = None):  # noqa: ANN001, ANN2
 
 
 def solo(data, key: int = 0):  # noqa: ANN001, ANN201
-    """A cohort of one client alone (its data pooled on their own), drawing from stream
-    ``key`` (:class:`fedexp.engine.rng.Stream`)."""
-    import torch
+    """A cohort of one client alone (its rows of the pool that holds its data, else a pool of
+    its own), drawing from stream ``key`` (:class:`fedexp.engine.rng.Stream`)."""
+    from fedexp.engine.solver import alone
 
-    from fedexp.contract import Cohort
-    from fedexp.engine.pool import TrainPool
-
-    dev = data.x_train.device
-    return Cohort(
-        clients=[0],
-        data=[data],
-        rows=torch.zeros(1, dtype=torch.int64, device=dev),
-        keys=torch.tensor([key], dtype=torch.int64, device=dev),
-        draws=torch.zeros(1, dtype=torch.int64, device=dev),
-        pool=TrainPool.of([data]),
-    )
+    return alone(data, key)

@@ -28,7 +28,6 @@ from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, Sta
 from fedexp.data.federated import ClientData
 from fedexp.engine import solver
 from fedexp.engine.context import Context
-from fedexp.engine.pool import TrainPool
 from fedexp.graph import (
     covariance_sketch,
     kernel_sketch,
@@ -181,7 +180,9 @@ class PFedNet(Algorithm):
             return kernel_sketch(data.x_train, make_rff(dim, self.rff_features, bw, shared))
         per_epoch = 1 if ctx.batch_size <= 0 else math.ceil(data.num_train / ctx.batch_size)
         steps = max(1, math.ceil(self.sketch_epochs * per_epoch))
-        return ctx.train(ctx.model.initial()[None], _alone(data, generator), steps=steps).params[0]
+        # the local steps draw from a stream keyed by the sketch's generator
+        key = int(torch.randint(1 << 62, (1,), generator=generator))
+        return ctx.train(ctx.model.initial()[None], solver.alone(data, key), steps=steps).params[0]
 
     def server_setup(self, ctx: Context, server: State, sketches: dict[int, torch.Tensor]) -> State:
         """The k-NN similarity network of the sketches; ADMM variables W = Ω = 0."""
@@ -285,17 +286,3 @@ class PFedNet(Algorithm):
             if key in server:
                 out[f"pfednet/{key}"] = float(server[key])
         return out
-
-
-def _alone(data: ClientData, generator: torch.Generator) -> Cohort:
-    """A cohort of the one client ``data`` (its model sketch's local steps).
-
-    Its minibatches come from a stream keyed by a draw of ``generator``; its data are its rows
-    of the run's pool (no copy), else a pool of its own.
-    """
-    rows = data.pooled()
-    pool, row = (rows.pool, rows.row) if rows is not None else (TrainPool.of([data]), 0)
-    dev = pool.x.device
-    key = torch.randint(1 << 62, (1,), generator=generator).to(dev)
-    one = torch.full((1,), row, dtype=torch.int64, device=dev)
-    return Cohort([row], [data], one, key, torch.zeros_like(one), pool)

@@ -98,6 +98,21 @@ def draw_batch(ctx: Context, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor
     return cohort.pool.gather(cohort.rows, idx)
 
 
+def alone(data: ClientData, key: int) -> Cohort:
+    """A cohort of the one client ``data``, drawing from the stream ``key``.
+
+    Its data are its rows of the pool that holds them (no copy), else a pool of its own.
+    """
+    from fedexp.engine.pool import TrainPool
+
+    rows = data.pooled()
+    pool, row = (rows.pool, rows.row) if rows is not None else (TrainPool.of([data]), 0)
+    dev = pool.x.device
+    one = torch.full((1,), row, dtype=torch.int64, device=dev)
+    keys = torch.tensor([key], dtype=torch.int64, device=dev)
+    return Cohort([row], [data], one, keys, torch.zeros_like(one), pool)
+
+
 def _snapshot(cohort: Cohort) -> Callable[[], None]:
     """A function that puts the cohort's draw counters and noise streams back as they are."""
     draws = cohort.draws.clone()
