@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from fedexp.algorithms.fedavg import FedAvg
+from fedexp.config.ranges import NonNegative
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Objective
 
@@ -23,10 +24,8 @@ class FedProx(FedAvg):
     """
 
     def __init__(
-        self, mu: float = 0.01, server_lr: float = 1.0, weighting: str = "samples"
+        self, mu: NonNegative = 0.01, server_lr: float = 1.0, weighting: str = "samples"
     ) -> None:
-        if mu < 0:
-            raise ValueError(f"mu={mu}: expected μ ≥ 0")
         super().__init__(server_lr, weighting)
         self.mu = mu
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import os
 import types
 import typing
@@ -22,6 +23,7 @@ from typing import Any
 import hydra.utils
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from fedexp.config.ranges import range_of
 from fedexp.errors import ConfigError, FedexpError
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -119,6 +121,8 @@ def _accepts(annotation: Any, value: Any) -> bool:
     if annotation is inspect.Parameter.empty or annotation is Any:
         return True
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _accepts(annotation.__origin__, value)
     if origin in (typing.Union, types.UnionType):
         return any(_accepts(a, value) for a in typing.get_args(annotation))
     if annotation is type(None):
@@ -150,7 +154,7 @@ def check_node(node: DictConfig | dict, path: str, extra: set[str] | None = None
     fn = obj.__init__ if inspect.isclass(obj) else obj
     sig = inspect.signature(obj)  # a class's signature is its constructor's, without self
     try:
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)
     except Exception:  # noqa: BLE001 - unresolvable annotations: check names only
         hints = {}
     params = {n: p for n, p in sig.parameters.items() if n != "self"}
@@ -179,9 +183,36 @@ def check_node(node: DictConfig | dict, path: str, extra: set[str] | None = None
             ann = hints.get(key, params[key].annotation)
             if not _accepts(ann, value):
                 raise ConfigError(
-                    f"{full}={value!r}: expected {getattr(ann, '__name__', ann)}, "
-                    f"got {type(value).__name__}"
+                    f"{full}={value!r}: expected {_type_name(ann)}, got {type(value).__name__}"
                 )
+            _check_range(full, value, ann)
+
+
+def _type_name(annotation: Any) -> str:
+    """``float``, ``int | None``: the annotation as a user reads it (ranges left out)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _type_name(annotation.__origin__)
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    return "None" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+def _check_range(key: str, value: Any, annotation: Any) -> None:
+    """Refuse a non-finite float and a number outside the range ``annotation`` declares.
+
+    NaN is refused for every float setting, infinity unless its :class:`Range` allows it
+    (``inf=True``), whether or not a range is declared.
+    """
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return
+    declared = range_of(annotation)
+    if declared is None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r}: expected a finite number")
+        return
+    if not declared.contains(float(value)):
+        raise ConfigError(f"{key}={value!r}: expected {declared.describe()}")
 
 
 def instantiate_checked(node: DictConfig, path: str, **kwargs: Any) -> Any:
