@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 # Hydra, OmegaConf, torch and the runner are imported where they are used: ``fedexp --help``
 # and ``fedexp report --help`` import none of them (tests/test_startup.py).
 
+#: Exit status of a command refused for a bad setting (nothing ran); a run that fails exits 1.
+USAGE = 2
+
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("fedexp")
 
@@ -161,12 +164,24 @@ def _headline(result) -> dict[str, float]:  # noqa: ANN001 - RunResult, imported
 
 
 def _checked(cfg: DictConfig) -> None:
-    """Refuse classes not fedexp's own before any import, then check ranges (ConfigError)."""
+    """Refuse classes not fedexp's own before any import, then check every setting.
+
+    The run settings' ranges first (before torch and the runner are imported), then every
+    group node against its target's signature and declared ranges
+    (:func:`fedexp.config.groups.check_groups`): all before the tracker is created and the
+    data are read, so a bad value leaves nothing behind.
+
+    Raises:
+        ConfigError: the first bad setting, in one line.
+    """
     from fedexp.config.instantiate import check_targets
     from fedexp.config.schema import validate
 
     check_targets(cfg, "")
-    validate(cfg)  # before torch and the runner are imported
+    validate(cfg)
+    from fedexp.config.groups import check_groups
+
+    check_groups(cfg)
 
 
 def _prepare(cfg: DictConfig, hc: DictConfig) -> dict[str, str]:
@@ -202,7 +217,7 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
         _checked(cfg)
     except ConfigError as exc:
         print(f"fedexp: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(USAGE)
     from fedexp.engine.runner import run
 
     tags = _prepare(cfg, hc)
@@ -212,7 +227,9 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
     except (FedexpError, KeyboardInterrupt) as exc:
         print(f"fedexp: {_describe_stop(exc, cfg, hc)}", file=sys.stderr)
         code = 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
-        sys.exit(code if isinstance(exc, KeyboardInterrupt) else 1)
+        if not isinstance(exc, KeyboardInterrupt):
+            code = USAGE if isinstance(exc, ConfigError) else 1
+        sys.exit(code)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -422,14 +439,21 @@ def main() -> None:
             "logging classes) cannot be overridden; only fedexp's own classes can be configured",
             file=sys.stderr,
         )
-        sys.exit(1)
+        sys.exit(USAGE)
     from fedexp.config.schema import override_errors
 
     # lr=-1, algorithm=nope: one line before Hydra composes anything
     early = _group_option_errors(args[1:]) + override_errors(args[1:])
     if early:
         print(f"fedexp: error: {'; '.join(early)}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(USAGE)
+    from fedexp.search_space import search_space_errors
+
+    # -m hparams_search=lr lr='interval(1, 0.1)': one line, not the Optuna sweeper's traceback
+    tuning = search_space_errors(args[1:])
+    if tuning:
+        print(f"fedexp: error: {'; '.join(tuning)}", file=sys.stderr)
+        sys.exit(USAGE)
     launcher = _launcher_option(args[1:])
     if launcher is not None:
         from fedexp.sweep import NO_SLURM, slurm_missing

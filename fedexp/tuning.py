@@ -12,6 +12,9 @@ the whole study stops); :class:`NaNTrialsFail`, a Hydra callback that the ``hpar
 configs install, turns such a job into a failed Hydra job, which the sweeper records as a
 failed trial before going on.
 
+A search space the Optuna sweeper would refuse is caught before Hydra runs by
+:func:`fedexp.search_space.search_space_errors`.
+
 No torch or MLflow import: the CLI imports this module after Hydra, to return a job's value.
 """
 

@@ -58,7 +58,7 @@ def _with(cfg, **values):
 def test_cli_reports_a_bad_value_in_one_line_before_building(tmp_path, override, needle):
     out = tmp_path / "run"
     proc = run_cli("run", *FAST, override, f"hydra.run.dir={out}", cwd=tmp_path)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a refused setting: nothing ran
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
@@ -85,7 +85,7 @@ def test_bad_value_is_reported_before_the_heavy_imports(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
-    assert proc.stdout.split() == ["exit", "1", "runner", "False", "torch", "False"], (
+    assert proc.stdout.split() == ["exit", "2", "runner", "False", "torch", "False"], (
         proc.stdout + proc.stderr[-2000:]
     )
     assert "lr=-1.0: expected > 0" in proc.stderr
@@ -303,7 +303,7 @@ def test_the_cli_refuses_a_removed_setting_in_one_line(tmp_path):
     from helpers import run_cli
 
     out = run_cli("run", "backend=lockstep", "tracker=none", cwd=tmp_path)
-    assert out.returncode == 1
+    assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fedexp: error: backend: the setting was")
     assert not (tmp_path / "outputs").exists()  # nothing ran, nothing written

@@ -45,10 +45,18 @@ class Range:
     def describe(self) -> str:
         """The range in words: ``"> 0"``, ``"in [0, 1]"``, ``"≥ 1"``, ``"a finite number"``."""
         low = (
-            ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
+            ("[", self.ge)
+            if self.ge is not None
+            else ("(", self.gt)
+            if self.gt is not None
+            else None
         )
         high = (
-            (self.le, "]") if self.le is not None else (self.lt, ")") if self.lt is not None else None
+            (self.le, "]")
+            if self.le is not None
+            else (self.lt, ")")
+            if self.lt is not None
+            else None
         )
         if low and high:
             text = f"in {low[0]}{_num(low[1])}, {_num(high[0])}{high[1]}"
@@ -73,17 +81,23 @@ class Range:
             or (self.lt is not None and value >= self.lt)
         )
 
-    def outside(self) -> float | None:
-        """A finite value just outside the range (for tests); None if it is unbounded."""
-        if self.gt is not None:
-            return float(self.gt)
-        if self.ge is not None:
-            return float(self.ge) - 1
-        if self.lt is not None:
-            return float(self.lt)
-        if self.le is not None:
-            return float(self.le) + 1
-        return None
+    def outside(self) -> tuple[float, ...]:
+        """Finite values just outside the range, one per bounded side (for tests)."""
+        below = (
+            float(self.gt)
+            if self.gt is not None
+            else float(self.ge) - 1
+            if self.ge is not None
+            else None
+        )
+        above = (
+            float(self.lt)
+            if self.lt is not None
+            else float(self.le) + 1
+            if self.le is not None
+            else None
+        )
+        return tuple(v for v in (below, above) if v is not None)
 
 
 def _num(value: float) -> str:

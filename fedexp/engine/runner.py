@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedexp.comm.channel import Channel
+from fedexp.config.groups import check_channel_keys, check_groups
 from fedexp.config.instantiate import fresh_dir, instantiate_checked
 from fedexp.config.schema import validate
 from fedexp.data.dataset import ArrayDataset
@@ -32,7 +33,7 @@ from fedexp.engine.resume import _change_tags, _check_resume, _resume_changes, f
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
-from fedexp.models.task import task_for
+from fedexp.models.task import check_model_fits, task_for
 from fedexp.tracking.base import Tracker
 from fedexp.tracking.dataset_input import describe_dataset
 from fedexp.tracking.provenance import run_tags
@@ -71,20 +72,18 @@ def resolve_device(name: str) -> torch.device:
 
 def build_channel(node: DictConfig, path: str) -> Channel:
     """A :class:`Channel` from a ``compressor.uplink``/``downlink`` node."""
-    allowed = {"codec", "transforms", "error_feedback"}
-    for key in node:
-        if key not in allowed:
-            raise ConfigError(
-                f"unknown key '{path}.{key}' (expected: {', '.join(sorted(allowed))})"
-            )
+    check_channel_keys(node, path)
     transforms = [
         instantiate_checked(t, f"{path}.transforms[{i}]")
         for i, t in enumerate(node.get("transforms") or [])
     ]
     ef = node.get("error_feedback", False)
-    if not isinstance(ef, bool):
-        raise ConfigError(f"{path}.error_feedback={ef!r}: expected true or false")
     return Channel(instantiate_checked(node.codec, f"{path}.codec"), transforms, ef)
+
+
+def _choice(node: DictConfig) -> str:
+    """A group node's name for messages: its target's last part (``unet``, ``digits``)."""
+    return str(node.get("_target_", "?")).rsplit(".", 1)[-1]
 
 
 def build_engine(cfg: DictConfig) -> Engine:
@@ -94,11 +93,9 @@ def build_engine(cfg: DictConfig) -> Engine:
 
 def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
     """:func:`build_engine`, and the data set as loaded (before it is partitioned)."""
+    validate(cfg)  # every setting, before the data are read (the CLI has checked them too)
+    check_groups(cfg)
     device = resolve_device(cfg.device)
-    if cfg.rounds < 0 or cfg.eval_every < 1 or cfg.checkpoint_every < 0:
-        raise ConfigError("rounds ≥ 0, eval_every ≥ 1 and checkpoint_every ≥ 0 are expected")
-    if not 0.0 < cfg.participation <= 1.0:
-        raise ConfigError(f"participation={cfg.participation}: expected a fraction in (0, 1]")
     data = instantiate_checked(cfg.dataset, "dataset")
     partition = instantiate_checked(cfg.partition, "partition")
     clients = federate(
@@ -114,8 +111,9 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
     module, personal_patterns = build_model(
         cfg.model, data.x.shape[1:], data.num_classes, rng.derive_seed(cfg.seed, rng.INIT)
     )
+    check_model_fits(module, data, _choice(cfg.model), _choice(cfg.dataset))
     model = FlatModel(module, device)
-    personal = model.layout.indices(personal_patterns, device)
+    personal = model.layout.matched(personal_patterns, "model.personal", device)
     shared_mask = torch.ones(model.layout.numel, dtype=torch.bool, device=device)
     shared_mask[personal] = False
     ctx = Context(

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 from torch import nn
 
+from fedexp.config.groups import split_model_node
 from fedexp.config.instantiate import instantiate_checked
 
 
@@ -19,9 +20,7 @@ def build_model(
     The node's optional ``personal`` key (glob patterns on parameter names) is not a
     builder argument: it is returned for the shared/personal split.
     """
-    node = node.copy()
-    with open_dict(node):
-        personal = list(node.pop("personal", None) or [])
+    node, personal = split_model_node(node)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = instantiate_checked(

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fedexp.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -95,6 +97,26 @@ class Layout:
     def indices(self, patterns: Sequence[str], device: torch.device | str = "cpu") -> torch.Tensor:
         """Flat coordinates of the entries whose name matches any glob pattern."""
         return self.select(lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns), device)
+
+    def matched(
+        self, patterns: Sequence[str], key: str, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """:meth:`indices` of patterns a config gave under ``key``, which must match something.
+
+        Patterns that match no entry would silently make every coordinate shared (FedPer
+        with a head that matches nothing is FedAvg).
+
+        Raises:
+            ConfigError: ``patterns`` is not empty and no entry's name matches any of them.
+        """
+        idx = self.indices(patterns, device)
+        if len(patterns) and idx.numel() == 0:
+            shown = ", ".join(self.names[:12]) + (", ..." if len(self.names) > 12 else "")
+            raise ConfigError(
+                f"{key}={list(patterns)}: no entry of the model matches (glob patterns over "
+                f"its entry names: {shown})"
+            )
+        return idx
 
     def select(self, keep, device: torch.device | str = "cpu") -> torch.Tensor:  # noqa: ANN001
         """Flat coordinates of the entries ``n`` with ``keep(n)`` true."""

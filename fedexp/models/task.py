@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fedexp.data.dataset import ArrayDataset
-from fedexp.errors import DataError
+from fedexp.errors import ConfigError, DataError
 from fedexp.metrics import (
     CLASSIFICATION_METRICS,
     classification_metrics,
@@ -154,3 +154,57 @@ def task_for(data: ArrayDataset) -> Task:
             f"dataset {data.name!r} has task={data.task!r}; known tasks: {', '.join(TASKS)}"
         ) from None
     return cls(data.num_classes)
+
+
+def _expected_output(data: ArrayDataset) -> list[tuple[int, ...]]:
+    """The per-sample output shapes the data set's task accepts (one logit for two classes)."""
+    classes = {data.num_classes, 1} if data.num_classes == 2 else {data.num_classes}
+    if data.task == "segmentation":
+        spatial = tuple(data.y.shape[1:])
+        return [(c, *spatial) for c in sorted(classes - {1})]
+    return [(c,) for c in sorted(classes)]
+
+
+def check_model_fits(module: torch.nn.Module, data: ArrayDataset, model: str, dataset: str) -> None:
+    """Refuse a model whose output does not fit the data set's task, before round 0.
+
+    The model is run once, in evaluation mode and without gradients, on one all-zero sample
+    of the data's input shape; its output per sample must be what the task's loss takes:
+    C logits for classification (one for two classes), C × H × W for segmentation of H × W
+    masks. ``model=unet`` on a classification set, or ``model=resnet9`` on BraTS, would
+    otherwise fail in the middle of the first round with a shape traceback.
+
+    Args:
+        module: the built model.
+        data: the data set as loaded.
+        model: the model's name for the message (``model=unet``).
+        dataset: the data set's name for the message.
+
+    Raises:
+        ConfigError: one line naming the model, the data set, both shapes and the task.
+    """
+    sample = tuple(data.x.shape[1:])
+    weight = next(module.parameters())
+    x = torch.zeros((1, *sample), dtype=weight.dtype, device=weight.device)
+    expected = _expected_output(data)
+    said = " or ".join(str(list(s)) for s in expected)
+    where = f"model={model} on dataset={dataset} ({data.task}, samples {list(sample)})"
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(x)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            f"{where}: the model cannot take these samples ({first}); expected a model whose "
+            f"output per sample is {said}"
+        ) from None
+    finally:
+        module.train(training)
+    got = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else None
+    if got not in expected:
+        raise ConfigError(
+            f"{where}: the model's output per sample is {list(got or ())}, the task needs "
+            f"{said}; choose a {data.task} model"
+        )
