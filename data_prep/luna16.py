@@ -11,9 +11,11 @@ release into arrays that the training code can load without SimpleITK:
 * ``skipped.csv``  what was skipped and why (only when something was).
 
 Bad inputs (an unreadable or truncated volume, a header that disagrees with its data, a
-malformed candidate row, a series UID without a volume or one that looks like a path) are
-skipped with one line naming the file, row and column; the run stops with one ``error:`` line
-and exit status 1 only when nothing usable remains.
+malformed candidate row, a series UID without a volume or one that looks like a path, a header
+whose ``ElementDataFile`` really lies outside ``--root``) are skipped with one line naming the
+file, row and column; the run stops with one ``error:`` line and exit status 1 only when
+nothing usable remains. Headers are parsed here, strictly, before ITK sees them
+(:func:`data_prep.mhd.mhd_problem`).
 
 Usage::
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ from data_prep.common import (
     write_skipped,
     write_stacked,
 )
+from data_prep.mhd import mhd_problem
 from fedexp.errors import DataError
 
 PATCH = 32
@@ -81,18 +85,6 @@ MANIFEST_COLUMNS = [
     "label",
     "candidate_index",
 ]
-_MET_BYTES = {
-    "MET_CHAR": 1,
-    "MET_UCHAR": 1,
-    "MET_SHORT": 2,
-    "MET_USHORT": 2,
-    "MET_INT": 4,
-    "MET_UINT": 4,
-    "MET_FLOAT": 4,
-    "MET_LONG_LONG": 8,
-    "MET_ULONG_LONG": 8,
-    "MET_DOUBLE": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -283,79 +275,12 @@ def subsample_negatives(frame: pd.DataFrame, delta: float | None, seed: int) -> 
 # --------------------------------------------------------------------------- one volume
 
 
-def _parse_header(path: Path) -> dict[str, str]:
-    header: dict[str, str] = {}
-    for line in path.read_text(errors="strict").splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            header[key.strip()] = value.strip()
-    return header
-
-
-def mhd_problem(path: Path) -> StudyError | None:
-    """Check a MetaImage header and its data file before handing them to ITK.
-
-    ITK reports a truncated or missing ``.raw`` as "No such file or directory"; this check
-    gives the real reason.
-
-    Args:
-        path: ``.mhd`` header.
-
-    Returns:
-        The problem (offending file and one-line reason) or ``None`` if the study looks fine.
-    """
-    try:
-        header = _parse_header(path)
-    except (OSError, UnicodeDecodeError) as exc:
-        return StudyError(path, f"unreadable header: {one_line(exc)}")
-    data_name = header.get("ElementDataFile")
-    if data_name is None or "DimSize" not in header:
-        return StudyError(path, "unreadable header: no ElementDataFile/DimSize")
-    if data_name.upper() in ("LOCAL", "LIST") or "%" in data_name:
-        return None
-    data_path = path.parent / data_name
-    if not data_path.is_file():
-        return StudyError(data_path, f"missing data file: {data_path}")
-    if header.get("CompressedData", "False").lower() == "true":
-        return None
-    n_bytes = _MET_BYTES.get(header.get("ElementType", ""))
-    if n_bytes is None:
-        return None
-    try:
-        dims = [int(v) for v in header["DimSize"].split()]
-        channels = int(header.get("ElementNumberOfChannels", "1"))
-        offset = int(header.get("HeaderSize", "0"))
-        n_dims = int(header.get("NDims", str(len(dims))))
-    except ValueError:
-        return StudyError(
-            path,
-            f"unreadable header: DimSize {header['DimSize']!r} / NDims / HeaderSize "
-            "(expected integers)",
-        )
-    if not dims or min(dims) < 1 or channels < 1:
-        return StudyError(path, f"unreadable header: DimSize {header['DimSize']!r} (expected > 0)")
-    if n_dims != len(dims):
-        reason = f"header disagrees with itself: NDims {n_dims} but DimSize {header['DimSize']!r}"
-        return StudyError(path, reason)
-    expected = int(np.prod(dims)) * channels * n_bytes
-    actual = data_path.stat().st_size
-    needed = expected + max(offset, 0)
-    what = f"DimSize {header['DimSize']} x {header['ElementType']} = {expected} bytes"
-    if actual < needed:
-        reason = f"truncated data file: {data_path} has {actual} of {needed} bytes ({what})"
-        return StudyError(data_path, reason)
-    if offset >= 0 and actual > needed:
-        reason = (
-            f"header disagrees with data: {path.name} says {what}"
-            f"{f' after {offset} header bytes' if offset else ''}, but {data_path} has {actual}"
-        )
-        return StudyError(data_path, reason)
-    return None
-
-
 def load_volume(path: Path) -> sitk.Image:
-    """Read a CT volume and re-orient it to LPS (flips/permutations of the voxel grid only)."""
-    image = sitk.ReadImage(str(path))
+    """Read a CT volume and re-orient it to LPS (flips/permutations of the voxel grid only).
+
+    Always with ITK's MetaImage reader, the format :func:`mhd_problem` checked.
+    """
+    image = sitk.ReadImage(str(path), imageIO="MetaImageIO")
     if image.GetDimension() != 3:
         raise ValueError(f"expected a 3-D volume, got {image.GetDimension()}-D")
     return sitk.DICOMOrient(image, ORIENTATION)
@@ -427,15 +352,21 @@ def _study_tag(path: Path, rows: pd.DataFrame) -> str:
 
 
 def convert_study(
-    path: Path, rows: pd.DataFrame, window: tuple[float, float]
+    path: Path, rows: pd.DataFrame, window: tuple[float, float], root: Path | None = None
 ) -> dict[str, np.ndarray]:
     """Read one volume and extract the patches of its candidate rows.
 
+    Args:
+        path: ``.mhd`` header.
+        rows: The study's candidate rows.
+        window: HU window.
+        root: The raw folder its files must lie under (``None``: the header's folder).
+
     Raises:
-        StudyError: If the header/data check fails.
+        StudyError: If the header/data check fails (see :func:`mhd_problem`).
         RuntimeError: If ITK cannot read the volume.
     """
-    problem = mhd_problem(path)
+    problem = mhd_problem(path, root)
     if problem is not None:
         raise problem
     image = load_volume(path)
@@ -452,17 +383,27 @@ def _process_studies(
     options: LunaOptions,
     log: RunLog,
     console: Console,
+    root: Path,
 ) -> pd.DataFrame:
-    """Convert (or reuse) each study; return the manifest rows of all usable candidates."""
+    """Convert (or reuse) each study; return the manifest rows of all usable candidates.
+
+    Every study's files are checked first (:func:`data_prep.mhd.mhd_problem`), also those in the resume
+    cache: a header that now points outside ``root`` is skipped, not served from the cache.
+    """
     kept: list[pd.DataFrame] = []
     with progress_bar(console) as progress:
         task = progress.add_task("LUNA16 volumes", total=len(groups))
         for uid, rows in groups.items():
+            problem = mhd_problem(volumes[uid], root)
+            if problem is not None:
+                log.skip(problem.path, problem.reason, console)
+                progress.advance(task)
+                continue
             tag = _study_tag(volumes[uid], rows)
             result = cache.load(uid, tag)
             if result is None:
                 try:
-                    result = convert_study(volumes[uid], rows, options.window)
+                    result = convert_study(volumes[uid], rows, options.window, root)
                 except StudyError as exc:
                     log.skip(exc.path, exc.reason, console)
                 except Exception as exc:  # one unreadable study must not stop the run
@@ -550,7 +491,7 @@ def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[s
     wanted = subsample_negatives(candidates.loc[on_disk], options.delta, options.seed)
     groups = {uid: rows for uid, rows in wanted.groupby("seriesuid", sort=True)}
     cache = StudyCache(out, {"dataset": "luna16", "window": list(options.window)})
-    rows = _process_studies(groups, volumes, cache, options, log, console)
+    rows = _process_studies(groups, volumes, cache, options, log, console, root)
     if rows.empty:
         raise nothing_usable(out, log, f"all {len(groups)} volumes with candidates were skipped")
 
@@ -653,8 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m data_prep.luna16``."""
     args = build_parser().parse_args(argv)
-    if args.delta is not None and args.delta <= 0:
-        raise SystemExit("error: --delta must be positive")
+    if args.delta is not None and not (math.isfinite(args.delta) and args.delta > 0):
+        raise SystemExit(f"error: --delta {args.delta}: must be positive and finite (paper: 1-7)")
+    if args.seed < 0:
+        raise SystemExit(f"error: --seed {args.seed}: must be ≥ 0")
+    if not all(math.isfinite(v) for v in args.hu_window):
+        raise SystemExit(f"error: --hu-window {args.hu_window}: must be two finite HU values")
     options = LunaOptions(
         candidates=args.candidates,
         delta=args.delta,

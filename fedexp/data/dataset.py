@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedexp.errors import DataError
+
 
 @dataclass
 class ArrayDataset:
@@ -19,6 +21,10 @@ class ArrayDataset:
         groups: optional natural site / patient id per sample, for natural partitions.
         feature_names: optional names of the input features (tabular data).
         task: "classification" or "segmentation".
+
+    Raises:
+        DataError: ``x`` holds no sample (a loader must say which file was empty; this is the
+            last guard, before a partition would blame a client).
     """
 
     name: str
@@ -30,6 +36,10 @@ class ArrayDataset:
     task: str = "classification"
 
     def __post_init__(self) -> None:
+        if len(self.x) == 0:
+            raise DataError(
+                f"dataset {self.name}: the data set is empty (0 samples); its files hold none"
+            )
         if len(self.x) != len(self.y):
             raise ValueError(f"{self.name}: {len(self.x)} inputs but {len(self.y)} labels")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedexp.config.ranges import PositiveInt
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
 
@@ -102,6 +103,11 @@ def _idx_array(file: Path, data: bytes, magic: int, dims: tuple[int, ...]) -> np
     if shape[1:] != dims:
         expected = ", ".join(["n", *map(str, dims)])
         raise DataError(f"{file}: dimensions {list(shape)}, expected [{expected}]")
+    if shape[0] == 0:
+        raise DataError(
+            f"{file}: holds no samples (its IDX header counts 0 {kind}), the data set would be "
+            "empty; is the file complete?"
+        )
     size = int(np.prod(shape))
     offset = 4 * (1 + ndim)
     if len(data) - offset != size:
@@ -127,7 +133,8 @@ def mnist(path: str) -> ArrayDataset:
         10000 test images), y int64 in 0..9.
 
     Raises:
-        DataError: a file is missing, or its magic number, dimensions or counts are wrong.
+        DataError: a file is missing, holds no samples, or its magic number, dimensions or
+            counts are wrong (an images and a labels file of different counts name both).
     """
     folder = Path(path).expanduser()
     xs, ys = [], []
@@ -138,8 +145,8 @@ def mnist(path: str) -> ArrayDataset:
         labels = _idx_array(labels_file, labels_data, _IDX_LABELS, ())
         if len(labels) != len(images):
             raise DataError(
-                f"{labels_file}: {len(labels)} labels but {images_file.name} holds "
-                f"{len(images)} images"
+                f"{labels_file}: {len(labels)} labels but {images_file} holds {len(images)} "
+                "images; expected one label per image (both files of the same release)"
             )
         if len(labels) and labels.max() > 9:
             raise DataError(f"{labels_file}: label {int(labels.max())}, expected 0..9")
@@ -174,7 +181,12 @@ def _cifar_records(file: Path, label_bytes: int, label_max: tuple[int, ...]) -> 
         raise DataError(f"{file} not found; the binary CIFAR release holds it next to the others")
     data = file.read_bytes()
     width = label_bytes + 3 * 32 * 32
-    if len(data) == 0 or len(data) % width:
+    if len(data) == 0:
+        raise DataError(
+            f"{file}: holds no samples (0 bytes), the data set would be empty; expected records "
+            f"of {label_bytes} label byte(s) + 3072 pixel bytes (truncated download?)"
+        )
+    if len(data) % width:
         raise DataError(
             f"{file}: {len(data)} bytes is not a multiple of {width} (one record = "
             f"{label_bytes} label byte(s) + 3072 pixel bytes); truncated file or wrong release?"
@@ -289,7 +301,10 @@ def _tiny_files(root: Path, max_per_class: int | None) -> tuple[list[Path], list
             )
         per_class[c] = _jpegs(folder)
         if not per_class[c]:
-            raise DataError(f"{folder}: no .JPEG files for class {wnid}")
+            raise DataError(
+                f"{folder}: holds no samples (no .JPEG files for class {wnid} of {wnids_file}); "
+                f"{_TINY_LAYOUT}"
+            )
     notes = root / "val" / "val_annotations.txt"
     if not notes.is_file():
         raise DataError(f"{notes} not found; {_TINY_LAYOUT}")
@@ -317,7 +332,7 @@ def _tiny_files(root: Path, max_per_class: int | None) -> tuple[list[Path], list
     return files, classes, len(wnids)
 
 
-def tiny_imagenet(path: str, max_per_class: int | None = None) -> ArrayDataset:
+def tiny_imagenet(path: str, max_per_class: PositiveInt | None = None) -> ArrayDataset:
     """Tiny ImageNet (200 classes of 64x64 images) from the official ``tiny-imagenet-200``.
 
     The labelled parts are merged (pFedSOP §V: 550 images a class): ``train/<wnid>/images``
@@ -335,8 +350,9 @@ def tiny_imagenet(path: str, max_per_class: int | None = None) -> ArrayDataset:
         Classification data: x float32 (n, 3, 64, 64) in [0, 1], y int64, ordered by class.
 
     Raises:
-        DataError: a missing wnids.txt, annotation file or class folder, an annotation naming
-            an unknown wnid or a missing file, or an image that is not a 64x64 picture.
+        DataError: a missing wnids.txt, annotation file or class folder, a class folder
+            without images, an annotation naming an unknown wnid or a missing file, or an
+            image that is not a 64x64 picture.
     """
     from PIL import Image, UnidentifiedImageError
 

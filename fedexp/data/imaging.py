@@ -12,11 +12,13 @@ The raw releases are converted once by ``python -m data_prep.luna16`` / ``data_p
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from fedexp.config.ranges import NonNegativeInt, Positive
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
 
@@ -68,7 +70,16 @@ def _check_shape(folder: Path, name: str, array: np.ndarray, expected: str, ok: 
         )
 
 
-def luna16(path: str, delta: float | None = None, seed: int = 0) -> ArrayDataset:
+def _check_not_empty(folder: Path, x: np.ndarray, command: str) -> None:
+    """A prepared folder without patches is an empty data set: say so, naming the file."""
+    if len(x) == 0:
+        raise DataError(
+            f"{folder / 'images.npy'}: holds no samples (0 patches), the data set is empty; "
+            f"prepare it again with `{command.format(out=folder)}` from a raw folder with cases"
+        )
+
+
+def luna16(path: str, delta: Positive | None = None, seed: NonNegativeInt = 0) -> ArrayDataset:
     """LUNA16 nodule candidates as 32x32 patches (pFedNet §VI-A, lung nodule classification).
 
     Args:
@@ -78,27 +89,36 @@ def luna16(path: str, delta: float | None = None, seed: int = 0) -> ArrayDataset
             non-nodules are drawn at random, the same rule as ``data_prep.luna16 --delta``;
             null keeps every prepared candidate. (Per-client imbalance is
             ``partition=label_imbalance``.)
-        seed: seed of the δ draw.
+        seed: seed of the δ draw, ≥ 0.
 
     Returns:
         Classification data: x float32 (n, 1, 32, 32) in [0, 1], y int64 (n,) with 1 = nodule,
         groups = the CT series UID of each candidate.
 
     Raises:
-        DataError: the prepared arrays are missing or inconsistent, or δ ≤ 0.
+        DataError: the prepared arrays are missing, inconsistent or hold no patch, δ is not a
+            positive finite number, or δ is set but there is no nodule to balance against.
     """
     command = "python -m data_prep.luna16 --root RAW --out {out}"
     folder = _folder(path, "LUNA16", command)
     x = _load(folder, "images.npy", command)
     y = _load(folder, "labels.npy", command)
     _check_shape(folder, "images.npy", x, "(N, 1, H, W) float32", x.ndim == 4 and x.shape[1] == 1)
+    _check_not_empty(folder, x, command)
     _check_shape(folder, "labels.npy", y, f"({len(x)},) integers", y.shape == (len(x),))
     groups = _manifest(folder, "seriesuid", len(x))
     keep = np.arange(len(x))
+    if seed < 0:
+        raise DataError(f"dataset.seed={seed}: expected ≥ 0")
     if delta is not None:
-        if delta <= 0:
+        if not (math.isfinite(delta) and delta > 0):
             raise DataError(f"dataset.delta={delta}: expected δ > 0 (or null for all candidates)")
         pos, neg = np.flatnonzero(y == 1), np.flatnonzero(y != 1)
+        if len(pos) == 0:
+            raise DataError(
+                f"dataset.delta={delta}: {folder / 'labels.npy'} holds no nodule (label 1), so "
+                "δ = n_negative / n_positive would keep no sample; set dataset.delta=null"
+            )
         n_neg = min(len(neg), int(round(delta * len(pos))))
         drawn = np.random.default_rng([seed, 31]).choice(neg, size=n_neg, replace=False)
         keep = np.sort(np.concatenate([pos, drawn]))
@@ -128,14 +148,15 @@ def brats(path: str, region: str = "whole") -> ArrayDataset:
         the patch holds tumour.
 
     Raises:
-        DataError: the prepared arrays are missing or inconsistent, or the region is not in
-            the masks.
+        DataError: the prepared arrays are missing, inconsistent or hold no patch, or the
+            region is not in the masks.
     """
     command = "python -m data_prep.brats --root RAW --out {out}"
     folder = _folder(path, "BraTS", command)
     x = _load(folder, "images.npy", command)
     masks = _load(folder, "masks.npy", command)
     _check_shape(folder, "images.npy", x, "(N, 4, H, W) float32", x.ndim == 4 and x.shape[1] == 4)
+    _check_not_empty(folder, x, command)
     if region not in BRATS_REGIONS:
         raise DataError(f"dataset.region={region!r}: expected one of {', '.join(BRATS_REGIONS)}")
     if masks.ndim == 3 and region != "whole":
