@@ -115,3 +115,22 @@ def solo(data, key: int = 0):  # noqa: ANN001, ANN201
     from fedexp.engine.solver import alone
 
     return alone(data, key)
+
+
+def refused(cls: type, **kwargs: object) -> str:
+    """The one-line ConfigError of a config node for ``cls`` with ``kwargs``.
+
+    A numeric argument's range is declared once, in the constructor's signature
+    (:mod:`fedexp.config.ranges`), and checked on the config node before anything is built;
+    this asserts the node is refused and returns the message.
+    """
+    import pytest
+    from omegaconf import OmegaConf
+
+    from fedexp.config.instantiate import check_node
+    from fedexp.errors import ConfigError
+
+    node = OmegaConf.create({"_target_": f"{cls.__module__}.{cls.__qualname__}", **kwargs})
+    with pytest.raises(ConfigError) as err:
+        check_node(node, "algorithm")
+    return str(err.value)

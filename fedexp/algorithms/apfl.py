@@ -36,11 +36,13 @@ Differences from the paper and the authors' code (MLOPTPSU/FedTorch), on purpose
 from __future__ import annotations
 
 from functools import partial
+from typing import Annotated
 
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.config.ranges import Fraction, Range
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.solver import unstack_states
@@ -63,16 +65,12 @@ class APFL(FedAvg):
 
     def __init__(
         self,
-        alpha: float = 0.5,
+        alpha: Fraction = 0.5,
         adapt_alpha: bool = True,
-        alpha_lr: float | None = None,
-        server_lr: float = 1.0,
+        alpha_lr: Annotated[float, Range(ge=0, note="0 keeps α fixed")] | None = None,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
     ) -> None:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha={alpha}: expected 0 ≤ α ≤ 1")
-        if alpha_lr is not None and alpha_lr < 0:
-            raise ValueError(f"alpha_lr={alpha_lr}: expected η_α ≥ 0")
         super().__init__(server_lr, weighting)
         self.alpha, self.adapt_alpha, self.alpha_lr = alpha, adapt_alpha, alpha_lr
 

@@ -11,10 +11,13 @@ FedAvg exactly (both tested).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
 
@@ -32,13 +35,11 @@ class Ditto(FedAvg):
 
     def __init__(
         self,
-        lam: float = 0.1,
-        personal_steps: int | None = None,
-        server_lr: float = 1.0,
+        lam: Annotated[float, Range(ge=0, note="0: v_n trains alone")] = 0.1,
+        personal_steps: PositiveInt | None = None,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
     ) -> None:
-        if lam < 0:
-            raise ValueError(f"lam={lam}: expected λ ≥ 0")
         super().__init__(server_lr, weighting)
         self.lam, self.personal_steps = lam, personal_steps
 

@@ -56,11 +56,13 @@ its index, for its ALA stream) and its optimiser state; the server's ``x``.
 from __future__ import annotations
 
 import statistics
+from typing import Annotated
 
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.config.ranges import Positive, PositiveInt, Range
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
 from fedexp.engine.context import Context
@@ -90,28 +92,18 @@ class FedALA(FedAvg):
 
     def __init__(
         self,
-        eta: float = 1.0,
-        rand_percent: float = 80,
-        layers: int | None = 2,
-        threshold: float = 0.01,
-        num_pre_loss: int = 10,
-        max_start_epochs: int | None = 100,
+        eta: Annotated[float, Range(ge=0, note="0: FedAvg")] = 1.0,
+        rand_percent: Annotated[float, Range(gt=0, le=100)] = 80,
+        layers: Annotated[int, Range(ge=0, note="0: FedAvg; null: all")] | None = 2,
+        threshold: Positive = 0.01,
+        num_pre_loss: PositiveInt = 10,
+        max_start_epochs: PositiveInt | None = 100,
         stats: str = "global",
         evaluate: str = "mix",
-        server_lr: float = 1.0,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
     ) -> None:
         super().__init__(server_lr, weighting)
-        if eta < 0:
-            raise ValueError(f"eta={eta}: expected η_W ≥ 0")
-        if not 0 < rand_percent <= 100:
-            raise ValueError(f"rand_percent={rand_percent}: expected 0 < s ≤ 100")
-        if layers is not None and layers < 0:
-            raise ValueError(f"layers={layers}: expected p ≥ 0 or null (all)")
-        if num_pre_loss < 1:
-            raise ValueError(f"num_pre_loss={num_pre_loss}: expected ≥ 1")
-        if max_start_epochs is not None and max_start_epochs < 1:
-            raise ValueError(f"max_start_epochs={max_start_epochs}: expected ≥ 1 or null")
         if stats not in ("global", "local"):
             raise ValueError(f"stats={stats!r}: expected 'global' or 'local'")
         if evaluate not in ("mix", "local"):

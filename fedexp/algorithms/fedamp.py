@@ -64,6 +64,7 @@ from types import MappingProxyType
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
+from fedexp.config.ranges import Fraction, NonNegative, Positive
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
 from fedexp.errors import ConfigError
@@ -141,22 +142,14 @@ class FedAMP(Algorithm):
 
     def __init__(
         self,
-        alpha_k: float = 0.03,
-        lam: float = 3e-5,
-        sigma: float | None = None,
+        alpha_k: Positive = 0.03,
+        lam: NonNegative = 3e-5,
+        sigma: Positive | None = None,
         heuristic: bool = False,
-        self_attention: float = 0.1,
+        self_attention: Fraction = 0.1,
     ) -> None:
-        if alpha_k <= 0:
-            raise ValueError(f"alpha_k={alpha_k}: expected α_k > 0")
-        if lam < 0:
-            raise ValueError(f"lam={lam}: expected λ ≥ 0")
         if sigma is None:
             sigma = HEUR_SIGMA if heuristic else FEDAMP_SIGMA
-        if sigma <= 0:
-            raise ValueError(f"sigma={sigma}: expected σ > 0")
-        if not 0.0 <= self_attention <= 1.0:
-            raise ValueError(f"self_attention={self_attention}: expected ξ_ii in [0, 1]")
         self.alpha_k, self.lam, self.sigma = alpha_k, lam, sigma
         self.heuristic, self.self_attention = heuristic, self_attention
 

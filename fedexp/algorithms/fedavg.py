@@ -9,12 +9,18 @@ it is gradient descent with step η_l.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.config.ranges import Range
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Objective
 from fedexp.engine.solver import unstack_states
+
+#: η_s, the server step on the averaged model difference (every FedAvg-style server's).
+ServerLr = Annotated[float, Range(gt=0, note="1: plain averaging")]
 
 
 class FedAvg(Algorithm):
@@ -25,7 +31,7 @@ class FedAvg(Algorithm):
         weighting: "samples" (ω_n ∝ n_train) or "uniform".
     """
 
-    def __init__(self, server_lr: float = 1.0, weighting: str = "samples") -> None:
+    def __init__(self, server_lr: ServerLr = 1.0, weighting: str = "samples") -> None:
         if weighting not in ("samples", "uniform"):
             raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")
         self.server_lr = server_lr

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedper import FedPer
 from fedexp.engine.context import Context
 
@@ -32,7 +33,7 @@ class FedBN(FedPer):
         weighting: "samples" (ω_n ∝ n_train) or "uniform" (the authors' code).
     """
 
-    def __init__(self, server_lr: float = 1.0, weighting: str = "samples") -> None:
+    def __init__(self, server_lr: ServerLr = 1.0, weighting: str = "samples") -> None:
         super().__init__(None, server_lr, weighting)
 
     def personal_idx(self, ctx: Context) -> torch.Tensor:

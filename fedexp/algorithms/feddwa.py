@@ -46,10 +46,12 @@ its optimiser state.
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Annotated
 
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Message, Stacked, State
+from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
 
@@ -96,17 +98,11 @@ class FedDWA(Algorithm):
 
     def __init__(
         self,
-        topk: int = 5,
-        guide_steps: int | None = None,
-        eps: float = 1e-12,
+        topk: PositiveInt = 5,
+        guide_steps: PositiveInt | None = None,
+        eps: Annotated[float, Range(ge=0, note="0: none, as the authors")] = 1e-12,
         evaluate: str = "guide",
     ) -> None:
-        if topk < 1:
-            raise ValueError(f"topk={topk}: expected K ≥ 1")
-        if guide_steps is not None and guide_steps < 1:
-            raise ValueError(f"guide_steps={guide_steps}: expected ≥ 1 or null")
-        if eps < 0:
-            raise ValueError(f"eps={eps}: expected ε ≥ 0")
         if evaluate not in ("guide", "model", "personal"):
             raise ValueError(f"evaluate={evaluate!r}: expected 'guide', 'model' or 'personal'")
         self.topk, self.guide_steps, self.eps, self.evaluate = topk, guide_steps, eps, evaluate

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Message, Stacked, State, weighted_mean
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
 
@@ -42,7 +42,7 @@ class FedPer(FedAvg):
     def __init__(
         self,
         head: Sequence[str] | None = None,
-        server_lr: float = 1.0,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
     ) -> None:
         if isinstance(head, str):
@@ -55,7 +55,7 @@ class FedPer(FedAvg):
         """Flat coordinates of the personal part (FedPer: the head)."""
         if self.head is None:
             return ctx.personal_idx
-        return ctx.model.layout.indices(self.head, ctx.device)
+        return ctx.model.layout.matched(self.head, "algorithm.head", ctx.device)
 
     def body_idx(self, ctx: Context) -> torch.Tensor:
         """Flat coordinates of the shared part: every coordinate not personal."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import NonNegative
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Objective
@@ -24,7 +24,7 @@ class FedProx(FedAvg):
     """
 
     def __init__(
-        self, mu: NonNegative = 0.01, server_lr: float = 1.0, weighting: str = "samples"
+        self, mu: NonNegative = 0.01, server_lr: ServerLr = 1.0, weighting: str = "samples"
     ) -> None:
         super().__init__(server_lr, weighting)
         self.mu = mu

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedper import FedPer
+from fedexp.config.ranges import NonNegative, Range
 from fedexp.data.federated import ClientData
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
@@ -53,20 +56,13 @@ class FedRep(FedPer):
 
     def __init__(
         self,
-        head_steps: int | None = None,
-        body_steps: int | None = None,
-        head_ratio: float = 10.0,
+        head_steps: Annotated[int, Range(ge=0, note="0: no head phase")] | None = None,
+        body_steps: Annotated[int, Range(ge=0, note="0: no body phase")] | None = None,
+        head_ratio: NonNegative = 10.0,
         head: Sequence[str] | None = None,
-        server_lr: float = 1.0,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
     ) -> None:
-        for name, value in (
-            ("head_steps", head_steps),
-            ("body_steps", body_steps),
-            ("head_ratio", head_ratio),
-        ):
-            if value is not None and value < 0:
-                raise ValueError(f"{name}={value}: expected ≥ 0")
         super().__init__(head, server_lr, weighting)
         self.head_steps, self.body_steps, self.head_ratio = head_steps, body_steps, head_ratio
 

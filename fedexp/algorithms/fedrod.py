@@ -59,10 +59,12 @@ from __future__ import annotations
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.config.ranges import Positive
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.solver import unstack_states
+from fedexp.errors import ConfigError
 
 
 def class_counts(y: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -136,14 +138,12 @@ class FedRoD(FedAvg):
     def __init__(
         self,
         head: list[str] | None = None,
-        count_floor: float = 1.0,
+        count_floor: Positive = 1.0,
         personal_init: str = "zero",
         evaluate_with: str = "personal",
-        server_lr: float = 1.0,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
     ) -> None:
-        if count_floor <= 0:
-            raise ValueError(f"count_floor={count_floor}: expected > 0")
         if personal_init not in ("zero", "copy"):
             raise ValueError(f"personal_init={personal_init!r}: expected 'zero' or 'copy'")
         if evaluate_with not in ("personal", "generic"):
@@ -159,10 +159,13 @@ class FedRoD(FedAvg):
         joint = self._losses.get(id(ctx))
         if joint is None:
             layout = ctx.model.layout
-            idx = ctx.personal_idx if self.head is None else layout.indices(self.head, ctx.device)
+            if self.head is None:
+                idx = ctx.personal_idx
+            else:
+                idx = layout.matched(self.head, "algorithm.head", ctx.device)
             idx = idx[idx < layout.num_params].to(ctx.device)
             if idx.numel() == 0:
-                raise ValueError(
+                raise ConfigError(
                     f"FedRoD needs a head: the patterns {self.head or 'model.personal'} match no "
                     f"parameter of {', '.join(layout.names[:6])}..."
                 )

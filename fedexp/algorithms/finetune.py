@@ -26,11 +26,14 @@ Choices where the paper is silent:
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.algorithms.fedprox import FedProx
+from fedexp.config.ranges import NonNegative, Range
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
 
@@ -42,8 +45,6 @@ class _FineTune:
     evaluate: str
 
     def _check(self, finetune_steps: int | None, evaluate: str) -> None:
-        if finetune_steps is not None and finetune_steps < 0:
-            raise ValueError(f"finetune_steps={finetune_steps}: expected ≥ 0 or None")
         if evaluate not in ("finetune", "last"):
             raise ValueError(f"evaluate={evaluate!r}: expected 'finetune' or 'last'")
         self.finetune_steps, self.evaluate = finetune_steps, evaluate
@@ -100,8 +101,8 @@ class FedAvgFT(_FineTune, FedAvg):
 
     def __init__(
         self,
-        finetune_steps: int | None = None,
-        server_lr: float = 1.0,
+        finetune_steps: Annotated[int, Range(ge=0, note="0: FedAvg")] | None = None,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
         evaluate: str = "finetune",
     ) -> None:
@@ -122,9 +123,9 @@ class FedProxFT(_FineTune, FedProx):
 
     def __init__(
         self,
-        mu: float = 0.01,
-        finetune_steps: int | None = None,
-        server_lr: float = 1.0,
+        mu: NonNegative = 0.01,
+        finetune_steps: Annotated[int, Range(ge=0, note="0: FedProx")] | None = None,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
         evaluate: str = "finetune",
     ) -> None:

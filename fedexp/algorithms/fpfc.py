@@ -43,10 +43,13 @@ paper.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import numpy as np
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
+from fedexp.config.ranges import Positive, Range
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
 from fedexp.graph.fusion import check_penalty, prox_rows
@@ -83,11 +86,11 @@ class FPFC(Algorithm):
 
     def __init__(
         self,
-        lam: float = 0.6,
-        a: float = 3.7,
-        rho: float = 1.0,
+        lam: Annotated[float, Range(ge=0, note="0 decouples the clients")] = 0.6,
+        a: Annotated[float, Range(gt=0, note="SCAD needs > 2")] = 3.7,
+        rho: Positive = 1.0,
         penalty: str = "scad",
-        xi: float = 1e-4,
+        xi: Annotated[float, Range(ge=0, note="< λ when λ > 0")] = 1e-4,
     ) -> None:
         check_penalty(penalty, lam, a, rho, xi)
         self.lam, self.a, self.rho, self.penalty, self.xi = lam, a, rho, penalty, xi

@@ -48,6 +48,7 @@ first participation) and its optimiser state.
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Annotated
 
 import torch
 
@@ -61,6 +62,8 @@ from fedexp.algorithms.base import (
     State,
     weighted_mean,
 )
+from fedexp.algorithms.fedavg import ServerLr
+from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine import rng
 from fedexp.engine.context import Context
 from fedexp.engine.solver import train_losses, unstack_states
@@ -90,18 +93,14 @@ class IFCA(Algorithm):
 
     def __init__(
         self,
-        k: int = 2,
-        server_lr: float = 1.0,
+        k: PositiveInt = 2,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
-        init_scale: float = 1.0,
+        init_scale: Annotated[float, Range(ge=0, note="0: every cluster at x0")] = 1.0,
         evaluate: str = "estimate",
     ) -> None:
-        if k < 1:
-            raise ValueError(f"k={k}: expected at least one cluster")
         if weighting not in ("samples", "uniform"):
             raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")
-        if init_scale < 0:
-            raise ValueError(f"init_scale={init_scale}: expected ≥ 0")
         if evaluate not in ("estimate", "last"):
             raise ValueError(f"evaluate={evaluate!r}: expected 'estimate' or 'last'")
         self.evaluate = evaluate

@@ -43,10 +43,12 @@ Choices the paper leaves open (written here, on purpose):
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.config.ranges import Positive, PositiveInt, Range
 from fedexp.engine import rng
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
@@ -73,19 +75,11 @@ class L2GD(Algorithm):
 
     def __init__(
         self,
-        lam: float = 1.0,
-        p: float = 0.2,
-        eta: float | None = None,
-        max_local_steps: int = 50,
+        lam: Annotated[float, Range(ge=0, note="0: local training")] = 1.0,
+        p: Annotated[float, Range(gt=0, lt=1)] = 0.2,
+        eta: Positive | None = None,
+        max_local_steps: PositiveInt = 50,
     ) -> None:
-        if lam < 0:
-            raise ValueError(f"lam={lam}: expected λ ≥ 0")
-        if not 0.0 < p < 1.0:
-            raise ValueError(f"p={p}: expected a probability 0 < p < 1")
-        if eta is not None and eta <= 0:
-            raise ValueError(f"eta={eta}: expected η > 0")
-        if max_local_steps < 1:
-            raise ValueError(f"max_local_steps={max_local_steps}: expected ≥ 1")
         self.lam, self.p, self.eta, self.max_local_steps = lam, p, eta, max_local_steps
 
     # ------------------------------------------------------------------ step sizes

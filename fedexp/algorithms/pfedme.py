@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.config.ranges import Positive, PositiveInt
 from fedexp.engine.context import Context
 from fedexp.engine.optim import SGD
 from fedexp.engine.solver import check_rows, draw_batch, unstack_states
@@ -62,20 +63,14 @@ class PFedMe(FedAvg):
 
     def __init__(
         self,
-        lam: float = 12.0,
-        personal_steps: int = 5,
-        personal_lr: float = 0.08,
-        beta: float = 1.0,
-        local_rounds: int | None = None,
+        lam: Positive = 12.0,
+        personal_steps: PositiveInt = 5,
+        personal_lr: Positive = 0.08,
+        beta: ServerLr = 1.0,
+        local_rounds: PositiveInt | None = None,
         weighting: str = "samples",
         all_train: bool = True,
     ) -> None:
-        if lam <= 0:
-            raise ValueError(f"lam={lam}: expected λ > 0")
-        if personal_steps < 1:
-            raise ValueError(f"personal_steps={personal_steps}: expected K ≥ 1")
-        if local_rounds is not None and local_rounds < 1:
-            raise ValueError(f"local_rounds={local_rounds}: expected R ≥ 1")
         super().__init__(server_lr=beta, weighting=weighting)
         self.lam, self.personal_steps, self.personal_lr = lam, personal_steps, personal_lr
         self.beta, self.local_rounds, self.all_train = beta, local_rounds, all_train

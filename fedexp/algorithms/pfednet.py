@@ -21,10 +21,12 @@ local training (the authors' image code: a shared phase, then a personal phase).
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.config.ranges import NonNegative, NonNegativeInt, Positive, PositiveInt, Range
 from fedexp.data.federated import ClientData
 from fedexp.engine import solver
 from fedexp.engine.context import Context
@@ -74,38 +76,29 @@ class PFedNet(Algorithm):
 
     def __init__(
         self,
-        lam: float = 0.01,
-        p: float | str = 2,
-        eta_x: float | None = None,
-        eta_z: float | None = None,
-        rho: float | None = None,
-        admm_max_iter: int = 500,
-        admm_eps_abs: float = 1e-7,
-        admm_eps_rel: float = 1e-5,
+        lam: Annotated[float, Range(ge=0, note="0 decouples the clients")] = 0.01,
+        p: Annotated[float, Range(ge=1, inf=True, note="1, 2 or inf")] | str = 2,
+        eta_x: Annotated[float, Range(ge=0, note="0 keeps x at x0")] | None = None,
+        eta_z: Positive | None = None,
+        rho: Positive | None = None,
+        admm_max_iter: PositiveInt = 500,
+        admm_eps_abs: NonNegative = 1e-7,
+        admm_eps_rel: NonNegative = 1e-5,
         sketch: str = "label",
-        k: int = 3,
+        k: PositiveInt = 3,
         metric: str = "euclidean",
-        rff_features: int = 256,
-        bandwidth: float | None = None,
-        sketch_epochs: float = 1.0,
-        x_rounds: int = 0,
-        z_rounds: int = 0,
+        rff_features: PositiveInt = 256,
+        bandwidth: Positive | None = None,
+        sketch_epochs: Positive = 1.0,
+        x_rounds: NonNegativeInt = 0,
+        z_rounds: NonNegativeInt = 0,
         local_mask: bool = False,
         one_gradient: bool = False,
     ) -> None:
-        if lam < 0:
-            raise ValueError(f"lam={lam}: expected λ ≥ 0")
         if str(p) not in ("1", "2", "inf", "1.0", "2.0"):
             raise ValueError(f"p={p!r}: expected 1, 2 or inf")
         if sketch not in _SKETCHES:
             raise ValueError(f"sketch={sketch!r}: expected one of {', '.join(_SKETCHES)}")
-        if k < 1:
-            raise ValueError(f"k={k}: expected k ≥ 1")
-        if eta_x is not None and eta_x < 0:
-            raise ValueError(f"eta_x={eta_x}: expected a step ≥ 0, or null for the client lr")
-        for key, value in (("eta_z", eta_z), ("rho", rho)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{key}={value}: expected a value > 0, or null for the default")
         if x_rounds < 0 or z_rounds < 0 or (x_rounds == 0) != (z_rounds == 0):
             raise ValueError("x_rounds and z_rounds: both 0 (joint) or both ≥ 1 (alternating)")
         self.lam, self.p = lam, (math.inf if str(p) == "inf" else int(float(p)))

@@ -42,10 +42,12 @@ from __future__ import annotations
 
 from functools import partial
 from types import MappingProxyType
+from typing import Annotated
 
 import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.config.ranges import Positive, Range
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
 
@@ -90,17 +92,13 @@ class PFedSOP(Algorithm):
 
     def __init__(
         self,
-        rho: float = 1.0,
-        lam: float = 1.0,
-        personal_lr: float | None = None,
+        rho: Positive = 1.0,
+        lam: Positive = 1.0,
+        personal_lr: Annotated[float, Range(ge=0, note="0: no Newton step")] | None = None,
         personal_correction: bool = True,
         keep_trained: bool = False,
         weighting: str = "uniform",
     ) -> None:
-        if rho <= 0 or lam <= 0:
-            raise ValueError(f"rho={rho}, lam={lam}: expected ρ > 0 and λ > 0")
-        if personal_lr is not None and personal_lr < 0:
-            raise ValueError(f"personal_lr={personal_lr}: expected η₁ ≥ 0")
         if weighting not in ("samples", "uniform"):
             raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")
         self.rho, self.lam, self.personal_lr = rho, lam, personal_lr

@@ -40,11 +40,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from functools import partial
+from typing import Annotated
 
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.config.ranges import Fraction, NonNegativeInt, Range
 from fedexp.data.federated import ClientData
 from fedexp.engine import rng
 from fedexp.engine.context import Context
@@ -78,22 +80,15 @@ class SuPerFed(FedAvg):
 
     def __init__(
         self,
-        mu: float = 0.01,
-        nu: float = 1.0,
-        warmup_rounds: int = 30,
-        eval_lambda: float | None = None,
-        fixed_lambda: float | None = None,
+        mu: Annotated[float, Range(ge=0, note="0: no proximal term")] = 0.01,
+        nu: Annotated[float, Range(ge=0, note="0: no cos² term")] = 1.0,
+        warmup_rounds: NonNegativeInt = 30,
+        eval_lambda: Fraction | None = None,
+        fixed_lambda: Fraction | None = None,
         local_init: str = "reinit",
-        server_lr: float = 1.0,
+        server_lr: ServerLr = 1.0,
         weighting: str = "samples",
     ) -> None:
-        if mu < 0 or nu < 0:
-            raise ValueError(f"mu={mu}, nu={nu}: expected μ ≥ 0 and ν ≥ 0")
-        if warmup_rounds < 0:
-            raise ValueError(f"warmup_rounds={warmup_rounds}: expected ≥ 0")
-        for name, lam in (("eval_lambda", eval_lambda), ("fixed_lambda", fixed_lambda)):
-            if lam is not None and not 0.0 <= lam <= 1.0:
-                raise ValueError(f"{name}={lam}: expected 0 ≤ λ ≤ 1")
         if local_init not in ("reinit", "x0"):
             raise ValueError(f"local_init={local_init!r}: expected 'reinit' or 'x0'")
         super().__init__(server_lr, weighting)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from functools import partial
+from typing import Annotated
 
 import torch
 
@@ -54,6 +55,8 @@ from fedexp.algorithms.base import (
     State,
     weighted_mean,
 )
+from fedexp.algorithms.fedavg import ServerLr
+from fedexp.config.ranges import OpenFraction, Positive, PositiveInt, Range
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.optim import SGD, Adam, stack_states
@@ -92,31 +95,23 @@ class TDPFed(Algorithm):
 
     def __init__(
         self,
-        rate: float = 2.0,
+        rate: Positive = 2.0,
         aggregation: str = "afm",
-        lam: float = 12.0,
-        beta: float = 1.0,
-        personal_steps: int = 5,
-        factor_steps: int = 17,
-        personal_lr: float = 0.08,
-        momentum: float = 0.9,
-        local_rounds: int | None = None,
-        init_sweeps: int = 10,
-        act_sweeps: int = 3,
+        lam: Positive = 12.0,
+        beta: ServerLr = 1.0,
+        personal_steps: Annotated[int, Range(ge=0, note="0: θ_k is not trained")] = 5,
+        factor_steps: Annotated[int, Range(ge=0, note="0: A is not trained")] = 17,
+        personal_lr: Positive = 0.08,
+        momentum: OpenFraction = 0.9,
+        local_rounds: PositiveInt | None = None,
+        init_sweeps: Annotated[int, Range(ge=0, note="0: A_0 is the random start")] = 10,
+        act_sweeps: Annotated[int, Range(ge=0, note="0: the AFM factors")] = 3,
         reset_personal: bool = False,
         weighting: str = "samples",
         all_train: bool = True,
     ) -> None:
         if aggregation not in ("afm", "act"):
             raise ValueError(f"aggregation={aggregation!r}: expected 'afm' or 'act'")
-        if lam <= 0:
-            raise ValueError(f"lam={lam}: expected λ > 0")
-        if rate <= 0:
-            raise ValueError(f"rate={rate}: expected a compression rate > 0")
-        if personal_steps < 0 or factor_steps < 0:
-            raise ValueError("personal_steps and factor_steps: expected ≥ 0")
-        if local_rounds is not None and local_rounds < 1:
-            raise ValueError(f"local_rounds={local_rounds}: expected τ ≥ 1")
         if weighting not in ("samples", "uniform"):
             raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")
         self.rate, self.aggregation, self.lam, self.beta = rate, aggregation, lam, beta

@@ -40,13 +40,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
 from numba import njit
 
+from fedexp.config.ranges import Range
+
 ArrayOrTensor = np.ndarray | torch.Tensor
+
+#: CER's weight γ: 0 disables it, the message passes unchanged (``conf/experiment/cer_stc``'s
+#: sweep starts there).
+CerGamma = Annotated[float, Range(ge=0, note="0 disables CER")]
+#: CER's step size η: the update does not depend on it (the TV term is positively homogeneous).
+CerEta = Annotated[float, Range(gt=0, note="the update does not depend on it")]
 
 
 @njit(cache=True)
@@ -312,9 +320,9 @@ class CERTransform:
     """
 
     def __init__(
-        self, gamma: float, eta: float = 1.0, scope: str = "flat", layout: Any = None
+        self, gamma: CerGamma, eta: CerEta = 1.0, scope: str = "flat", layout: Any = None
     ) -> None:
-        _check(float(gamma), float(eta))
+        _check(float(gamma), float(eta))  # also for direct calls (a config is checked before)
         if scope not in ("flat", "per_tensor"):
             raise ValueError(f"scope={scope!r}: expected 'flat' or 'per_tensor'")
         if scope == "per_tensor" and layout is None:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import lzma
 import zlib
+from typing import Annotated
 
 import torch
 
 from fedexp.comm.codec import Codec, DenseCodec
+from fedexp.config.ranges import Range
 
 try:  # pragma: no cover - depends on the environment
     import zstandard
@@ -30,6 +32,13 @@ except ImportError:  # pragma: no cover
 
 _STORED, _ZLIB, _ZSTD, _LZMA = 0, 1, 2, 3
 _METHODS = {"zlib": _ZLIB, "zstd": _ZSTD, "lzma": _LZMA}
+#: The lowest level each method takes (zlib's -1 is its default, zstd's negative ones its
+#: fast modes, down to any int) and the highest.
+_LEVELS = {"zlib": (-1, 9), "zstd": (None, 22), "lzma": (0, 9)}
+
+#: A compression level: the union of the methods' ranges; each method's own is checked when
+#: the codec is built (it depends on ``method``).
+Level = Annotated[int, Range(le=22, note="zlib -1..9, lzma 0..9, zstd ≤ 22; null: the default")]
 
 
 def zstd_available() -> bool:
@@ -44,16 +53,21 @@ class EntropyCodec(Codec):
         inner: the codec whose bytes are compressed (dense float32 when None). In a config
             this is a nested ``_target_`` node.
         method: ``"zlib"``, ``"zstd"`` (needs the ``zstandard`` package) or ``"lzma"``.
-        level: compression level (None: the library default; zlib 6, zstd 3, lzma 6).
+        level: compression level (None: the library default; zlib 6, zstd 3, lzma 6): zlib
+            -1..9 (-1: its default), lzma 0..9, zstd up to 22 (negative: its fast modes).
     """
 
     def __init__(
-        self, inner: Codec | None = None, method: str = "zlib", level: int | None = None
+        self, inner: Codec | None = None, method: str = "zlib", level: Level | None = None
     ) -> None:
         if method not in _METHODS:
             raise ValueError(f"method={method!r}: expected one of {sorted(_METHODS)}")
         if method == "zstd" and zstandard is None:
             raise ValueError("method='zstd' needs the 'zstandard' package (pip install zstandard)")
+        low, high = _LEVELS[method]
+        if level is not None and not ((low is None or level >= low) and level <= high):
+            span = f"{low}..{high}" if low is not None else f"≤ {high}"
+            raise ValueError(f"level={level}: method={method!r} takes levels {span}")
         self.inner = DenseCodec() if inner is None else inner
         self.method = method
         self.level = level

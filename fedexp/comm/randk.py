@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fedexp.comm.topk import TopKCodec, keep_count
+from fedexp.config.ranges import PositiveFraction
 
 
 class RandKCodec(TopKCodec):
@@ -30,7 +31,7 @@ class RandKCodec(TopKCodec):
     """
 
     def __init__(
-        self, q: float = 0.5, unbiased: bool = False, adaptive_golomb: bool = False
+        self, q: PositiveFraction = 0.5, unbiased: bool = False, adaptive_golomb: bool = False
     ) -> None:
         super().__init__(q, adaptive_golomb)
         self.unbiased = bool(unbiased)

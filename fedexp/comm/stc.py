@@ -57,6 +57,7 @@ from fedexp.comm.topk import (
     rice_parameters_for_many,
     sparse_rows,
 )
+from fedexp.config.ranges import PositiveFraction
 
 #: ATen's ``internal::GRAIN_SIZE``: a CPU reduction over at least this many elements may be
 #: split across threads, so a 1-D ``mean`` and a row of a 2-D ``mean(dim=1)`` can then sum in
@@ -157,7 +158,7 @@ class STCCodec(Codec):
     HEADER = struct.Struct("<IfB")
     HEADER_BYTES = HEADER.size
 
-    def __init__(self, q: float = 0.01, adaptive_golomb: bool = False) -> None:
+    def __init__(self, q: PositiveFraction = 0.01, adaptive_golomb: bool = False) -> None:
         self.q = check_fraction(q)
         self.adaptive_golomb = bool(adaptive_golomb)
 

@@ -49,6 +49,7 @@ from fedexp.comm.golomb_cohort import (
     rice_status_message,
     write_rice_many,
 )
+from fedexp.config.ranges import PositiveFraction
 
 _SPARSE_HEADER = struct.Struct("<IB")
 #: The same header as a packed numpy record (for whole cohorts).
@@ -332,7 +333,7 @@ class TopKCodec(Codec):
             (stored in its header) instead of Sattler's ``b*(q)`` for uniform positions.
     """
 
-    def __init__(self, q: float = 0.01, adaptive_golomb: bool = False) -> None:
+    def __init__(self, q: PositiveFraction = 0.01, adaptive_golomb: bool = False) -> None:
         self.q = check_fraction(q)
         self.adaptive_golomb = bool(adaptive_golomb)
 

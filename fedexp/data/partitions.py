@@ -14,10 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import numpy as np
 
+from fedexp.config.ranges import NonNegativeInt, Positive, PositiveInt, Range
 from fedexp.errors import DataError
+
+#: Label imbalance δ: the majority class is δ times the minority one (1: balanced).
+Imbalance = Annotated[float, Range(ge=1, note="1: balanced")]
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,10 @@ def _check_nonempty(parts: list[np.ndarray], what: str) -> list[np.ndarray]:
 
 
 def iid(
-    labels: np.ndarray, num_clients: int, seed: int, groups: np.ndarray | None = None
+    labels: np.ndarray,
+    num_clients: PositiveInt,
+    seed: NonNegativeInt,
+    groups: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """Uniformly random equal-size split."""
     del groups
@@ -88,10 +96,10 @@ def label_imbalance_fractions(num_clients: int, delta: float) -> np.ndarray:
 
 def label_imbalance(
     labels: np.ndarray,
-    num_clients: int,
-    seed: int,
+    num_clients: PositiveInt,
+    seed: NonNegativeInt,
     groups: np.ndarray | None = None,
-    delta: float = 2.0,
+    delta: Imbalance = 2.0,
 ) -> list[np.ndarray]:
     """Label imbalance δ (pFedNet §VI): clients with δ:1, 1:1 and 1:δ class mixes.
 
@@ -112,7 +120,7 @@ def label_imbalance(
             f"partition label_imbalance needs a binary label (0/1), the data has classes "
             f"{classes.tolist()}; use partition=dirichlet or partition=shards"
         )
-    if not delta >= 1:  # NaN too
+    if not delta >= 1:  # NaN too; for direct calls (a config's δ is checked by its range)
         raise DataError(f"partition.delta={delta}: expected δ ≥ 1")
     fractions = label_imbalance_fractions(num_clients, delta)
     rng = np.random.default_rng([seed, 12])
@@ -145,12 +153,12 @@ def _cap_full_clients(props: np.ndarray, sizes: np.ndarray, cap: float) -> np.nd
 
 def dirichlet(
     labels: np.ndarray,
-    num_clients: int,
-    seed: int,
+    num_clients: PositiveInt,
+    seed: NonNegativeInt,
     groups: np.ndarray | None = None,
-    alpha: float = 0.5,
-    min_size: int = 2,
-    max_tries: int = 100,
+    alpha: Positive = 0.5,
+    min_size: NonNegativeInt = 2,
+    max_tries: PositiveInt = 100,
     balance: bool = False,
 ) -> list[np.ndarray]:
     """Class proportions per client drawn from Dirichlet(α) (Hsu et al. 2019).
@@ -165,8 +173,9 @@ def dirichlet(
         seed: seed of the shuffles and draws.
         groups: unused.
         alpha: concentration α > 0 (small: each class on few clients).
-        min_size: the fewest samples any client may get; the draw is repeated until it holds.
-        max_tries: draws before giving up with a DataError.
+        min_size: the fewest samples any client may get, ≥ 0; the draw is repeated until it
+            holds.
+        max_tries: draws before giving up with a DataError, ≥ 1.
         balance: the cap of FedDWA's and NIID-Bench's (Li et al. 2022) Dirichlet code: while
             dealing a class, a client that already holds ≥ n/N samples gets proportion 0
             (``p_j <- p_j * (|idx_j| < n/N)``, renormalised), so no client ends with more than
@@ -174,9 +183,11 @@ def dirichlet(
             (the same partition as before the option existed).
 
     Raises:
-        DataError: α ≤ 0, or no draw in ``max_tries`` gives every client ``min_size`` samples.
+        DataError: α ≤ 0 or not finite, ``max_tries`` < 1, or no draw in ``max_tries`` gives
+            every client ``min_size`` samples.
     """
     del groups
+    # for direct calls: a config's alpha and max_tries are checked by their declared ranges
     if not 0 < alpha < float("inf"):  # NaN too
         raise DataError(f"partition.alpha={alpha}: expected a finite α > 0")
     if max_tries < 1:
@@ -206,19 +217,24 @@ def dirichlet(
 
 def shards(
     labels: np.ndarray,
-    num_clients: int,
-    seed: int,
+    num_clients: PositiveInt,
+    seed: NonNegativeInt,
     groups: np.ndarray | None = None,
-    classes_per_client: int = 2,
+    classes_per_client: PositiveInt = 2,
 ) -> list[np.ndarray]:
     """Pathological non-IID (McMahan et al. 2017): sort by label, N·c shards, c per client.
 
+    Args:
+        labels: one label per sample.
+        num_clients: number of clients N.
+        seed: seed of the shuffles.
+        groups: unused.
+        classes_per_client: c ≥ 1, at most the data's number of classes.
+
     Raises:
-        DataError: ``classes_per_client`` < 1 or more than the data's number of classes.
+        DataError: ``classes_per_client`` is more than the data's number of classes.
     """
     del groups
-    if classes_per_client < 1:
-        raise DataError(f"partition.classes_per_client={classes_per_client}: expected ≥ 1")
     num_classes = len(np.unique(labels))
     if classes_per_client > num_classes:
         raise DataError(
@@ -236,7 +252,10 @@ def shards(
 
 
 def natural(
-    labels: np.ndarray, num_clients: int, seed: int, groups: np.ndarray | None = None
+    labels: np.ndarray,
+    num_clients: PositiveInt,
+    seed: NonNegativeInt,
+    groups: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """One client per natural site/patient group; with fewer clients, sites are dealt by size."""
     if groups is None:
@@ -259,10 +278,10 @@ def natural(
 
 def missing_channel(
     labels: np.ndarray,
-    num_clients: int,
-    seed: int,
+    num_clients: PositiveInt,
+    seed: NonNegativeInt,
     groups: np.ndarray | None = None,
-    channel: int = 0,
+    channel: NonNegativeInt = 0,
     clients: list[int] | tuple[int, ...] = (0, 1),
     base: Callable[..., list[np.ndarray]] | None = None,
 ) -> ClientSplit:
@@ -285,10 +304,8 @@ def missing_channel(
         The base split and, for each listed client, ``(channel,)`` to zero.
 
     Raises:
-        DataError: a negative channel or a client outside ``[0, N)``.
+        DataError: a client outside ``[0, N)``.
     """
-    if channel < 0:
-        raise DataError(f"partition.channel={channel}: expected a channel index ≥ 0")
     bad = [c for c in clients if not 0 <= int(c) < num_clients]
     if bad:
         raise DataError(

@@ -7,12 +7,17 @@ The pFedNet paper (§VI, tabular tasks) fills missing values with 0 and scales e
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import pandas as pd
 
+from fedexp.config.ranges import NonNegative, NonNegativeInt, PositiveInt, Range
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
+
+#: Classes of a synthetic classification table (one class would leave nothing to learn).
+NumClasses = Annotated[int, Range(ge=2, note="a classification needs two classes")]
 
 
 def scale_to_unit_interval(x: np.ndarray) -> np.ndarray:
@@ -137,18 +142,26 @@ def csv_table(path: str, label: str, group: str | None = None) -> ArrayDataset:
 
 
 def synthetic_tabular(
-    num_samples: int = 2000,
-    num_features: int = 20,
-    num_classes: int = 2,
-    num_sites: int = 10,
-    heterogeneity: float = 1.0,
-    seed: int = 0,
+    num_samples: PositiveInt = 2000,
+    num_features: PositiveInt = 20,
+    num_classes: NumClasses = 2,
+    num_sites: PositiveInt = 10,
+    heterogeneity: NonNegative = 1.0,
+    seed: NonNegativeInt = 0,
 ) -> ArrayDataset:
     """Heterogeneous synthetic tabular data for scale tests.
 
     Each site has its own linear model ``W_s = W + heterogeneity * E_s`` and its own input
     shift; labels are the argmax of the site's logits plus Gumbel noise. ``groups`` holds the
     site, so the ``natural`` partition gives each client one site's data.
+
+    Args:
+        num_samples: rows n ≥ 1.
+        num_features: feature columns ≥ 1.
+        num_classes: classes C ≥ 2.
+        num_sites: sites ≥ 1 (each row's site is drawn uniformly).
+        heterogeneity: scale ≥ 0 of the sites' model and input differences (0: one model).
+        seed: seed ≥ 0 of the generator.
     """
     rng = np.random.default_rng(seed)
     w = rng.normal(size=(num_features, num_classes))

@@ -17,22 +17,25 @@ from collections.abc import Sequence
 
 import torch
 
+from fedexp.config.ranges import NonNegative, OpenFraction, Positive
+
 State = dict[str, torch.Tensor]
 
 
 class Optimizer(ABC):
     """A local optimiser: ``init`` its state, ``step`` the parameters.
 
+    The ranges of the arguments are declared in the signatures (:mod:`fedexp.config.ranges`)
+    and checked with the config, before anything is built.
+
     Args:
-        weight_decay: L2 coefficient added to the gradient (``grad + wd·θ``).
+        weight_decay: L2 coefficient ≥ 0 added to the gradient (``grad + wd·θ``).
         persistent: keep the state in the client's state between rounds (PFLlib's one
             optimiser per client); False starts every round from a fresh state (FL-bench's
             ``reset_optimizer_on_global_epoch``).
     """
 
-    def __init__(self, weight_decay: float = 0.0, persistent: bool = True) -> None:
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay={weight_decay}: expected ≥ 0")
+    def __init__(self, weight_decay: NonNegative = 0.0, persistent: bool = True) -> None:
         self.weight_decay = weight_decay
         self.persistent = persistent
 
@@ -68,22 +71,20 @@ class SGD(Optimizer):
     at the first gradient): μ·0 + g = g.
 
     Args:
-        momentum: μ ≥ 0.
+        momentum: μ in [0, 1).
         nesterov: Nesterov momentum (Sutskever et al. 2013), as PyTorch: g + μ·buf.
-        weight_decay: L2 coefficient.
+        weight_decay: L2 coefficient ≥ 0.
         persistent: keep the momentum buffer between rounds.
     """
 
     def __init__(
         self,
-        momentum: float = 0.0,
+        momentum: OpenFraction = 0.0,
         nesterov: bool = False,
-        weight_decay: float = 0.0,
+        weight_decay: NonNegative = 0.0,
         persistent: bool = True,
     ) -> None:
         super().__init__(weight_decay, persistent)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum={momentum}: expected 0 ≤ μ < 1")
         if nesterov and momentum == 0:
             raise ValueError("nesterov=true needs momentum > 0")
         self.momentum, self.nesterov = momentum, nesterov
@@ -108,27 +109,22 @@ class Adam(Optimizer):
     """Adam (Kingma & Ba 2015) with PyTorch's bias correction and coupled L2 weight decay.
 
     Args:
-        beta1: first-moment decay.
-        beta2: second-moment decay.
-        eps: added to the bias-corrected root second moment.
-        weight_decay: L2 coefficient (``torch.optim.Adam``'s, not AdamW's).
+        beta1: first-moment decay, in [0, 1).
+        beta2: second-moment decay, in [0, 1).
+        eps: added to the bias-corrected root second moment, > 0.
+        weight_decay: L2 coefficient ≥ 0 (``torch.optim.Adam``'s, not AdamW's).
         persistent: keep the moments and the step count between rounds.
     """
 
     def __init__(
         self,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        beta1: OpenFraction = 0.9,
+        beta2: OpenFraction = 0.999,
+        eps: Positive = 1e-8,
+        weight_decay: NonNegative = 0.0,
         persistent: bool = True,
     ) -> None:
         super().__init__(weight_decay, persistent)
-        for name, b in (("beta1", beta1), ("beta2", beta2)):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"{name}={b}: expected 0 ≤ β < 1")
-        if eps <= 0:
-            raise ValueError(f"eps={eps}: expected > 0")
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
 
     def init(self, params: torch.Tensor) -> State:

@@ -21,6 +21,7 @@ from typing import Any
 from monai.networks.nets import DenseNet, UNet
 from torch import nn
 
+from fedexp.config.ranges import NonNegativeInt, OpenFraction, PositiveInt
 from fedexp.errors import ConfigError
 
 #: Instance norm with a learnable scale and shift: parameters, no running statistics.
@@ -44,13 +45,13 @@ def _image_shape(input_shape: Sequence[int], model: str) -> tuple[int, int, int]
 
 def densenet(
     input_shape: Sequence[int],
-    num_classes: int,
-    growth_rate: int = 6,
+    num_classes: PositiveInt,
+    growth_rate: PositiveInt = 6,
     block_config: Sequence[int] = (16, 16, 16),
-    init_features: int | None = None,
-    bn_size: int = 4,
+    init_features: PositiveInt | None = None,
+    bn_size: PositiveInt = 4,
     norm: str | Sequence[Any] = INSTANCE_AFFINE,
-    dropout_prob: float = 0.0,
+    dropout_prob: OpenFraction = 0.0,
 ) -> nn.Module:
     """DenseNet-BC for small patches (pFedNet §VI: LUNA16 32x32 candidates, "D-Net").
 
@@ -71,12 +72,12 @@ def densenet(
     Args:
         input_shape: (channels, height, width) of one input, e.g. (1, 32, 32).
         num_classes: number of classes C (C logits; 2 for nodule / not).
-        growth_rate: k, channels added by each dense layer.
+        growth_rate: k ≥ 1, channels added by each dense layer.
         block_config: dense layers per block.
-        init_features: channels of the stem (default 2k, as DenseNet-BC).
-        bn_size: bottleneck width factor (bottleneck layers have ``bn_size * k`` channels).
+        init_features: channels of the stem, ≥ 1 (default 2k, as DenseNet-BC).
+        bn_size: bottleneck width factor ≥ 1 (bottleneck layers have ``bn_size * k`` channels).
         norm: MONAI norm name or ``[name, kwargs]`` (``batch``, ``instance``, ...).
-        dropout_prob: dropout after each dense layer.
+        dropout_prob: dropout after each dense layer, in [0, 1).
 
     Raises:
         ConfigError: inputs are not images.
@@ -103,13 +104,13 @@ def densenet(
 
 def unet(
     input_shape: Sequence[int],
-    num_classes: int,
+    num_classes: PositiveInt,
     channels: Sequence[int] = (16, 32, 64, 128),
     strides: Sequence[int] = (2, 2, 2),
-    num_res_units: int = 0,
+    num_res_units: NonNegativeInt = 0,
     norm: str | Sequence[Any] = INSTANCE_AFFINE,
     act: str | Sequence[Any] = "PRELU",
-    dropout: float = 0.0,
+    dropout: OpenFraction = 0.0,
 ) -> nn.Module:
     """2-D U-Net (pFedNet §VI: BraTS2017 64x64 four-channel patches, tumour segmentation).
 
@@ -131,10 +132,10 @@ def unet(
         num_classes: output channels (classes, background included).
         channels: feature channels of each level, from the top.
         strides: down-sampling stride between levels (``len(channels) - 1`` of them).
-        num_res_units: residual units per block (0: plain convolutions).
+        num_res_units: residual units per block, ≥ 0 (0: plain convolutions).
         norm: MONAI norm name or ``[name, kwargs]`` (``batch``, ``instance``, ...).
         act: MONAI activation name or ``[name, kwargs]``.
-        dropout: dropout rate.
+        dropout: dropout rate, in [0, 1).
 
     Raises:
         ConfigError: inputs are not images, or the levels do not fit the patch size.

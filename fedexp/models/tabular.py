@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 from torch import nn
 
+from fedexp.config.ranges import OpenFraction, PositiveInt, Range
+
+#: Hidden layers of :func:`mlp`: none would be logistic regression under other names.
+HiddenLayers = Annotated[
+    int, Range(ge=1, note="0 hidden layers is logistic regression: use model=logreg")
+]
+
 
 def logistic_regression(
-    input_shape: Sequence[int], num_classes: int, bias: bool = True
+    input_shape: Sequence[int], num_classes: PositiveInt, bias: bool = True
 ) -> nn.Module:
     """Logistic regression: one logit for two classes, ``num_classes`` logits otherwise.
 
@@ -40,10 +48,10 @@ class LogisticRegression(nn.Module):
 
 def mlp(
     input_shape: Sequence[int],
-    num_classes: int,
-    hidden: int = 64,
-    layers: int = 1,
-    dropout: float = 0.0,
+    num_classes: PositiveInt,
+    hidden: PositiveInt = 64,
+    layers: HiddenLayers = 1,
+    dropout: OpenFraction = 0.0,
     norm: str = "none",
 ) -> nn.Module:
     """A small ReLU MLP; its last layer is named ``head`` (the natural personal part).
@@ -51,9 +59,9 @@ def mlp(
     Args:
         input_shape: shape of one input (flattened).
         num_classes: number of classes C.
-        hidden: width of the hidden layers.
-        layers: number of hidden layers.
-        dropout: dropout rate after each hidden layer.
+        hidden: width of the hidden layers, ≥ 1.
+        layers: number of hidden layers, ≥ 1 (none is ``model=logreg``).
+        dropout: dropout rate after each hidden layer, in [0, 1).
         norm: "none" or "batch" (BatchNorm1d after each hidden linear layer, running
             statistics kept per client: the tabular test bed of FedBN).
     """

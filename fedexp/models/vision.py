@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from monai.networks.nets import ResNet
 from torch import nn
 
+from fedexp.config.ranges import PositiveInt
 from fedexp.errors import ConfigError
 
 
@@ -51,7 +52,9 @@ def _pool_plan(height: int, width: int, count: int) -> tuple[bool, ...]:
 
 
 # ----------------------------------------------------------------------------- DNN
-def dnn(input_shape: Sequence[int], num_classes: int, hidden: int = 100) -> nn.Module:
+def dnn(
+    input_shape: Sequence[int], num_classes: PositiveInt, hidden: PositiveInt = 100
+) -> nn.Module:
     """TDPFed §VII-A's MNIST DNN: flatten, ``fc1`` (784x100), ReLU, ``fc2`` (100x10).
 
     The paper's softmax output is the cross-entropy of the classification task. Any input is
@@ -63,7 +66,7 @@ def dnn(input_shape: Sequence[int], num_classes: int, hidden: int = 100) -> nn.M
     Args:
         input_shape: shape of one input, e.g. (1, 28, 28).
         num_classes: number of classes C (C logits).
-        hidden: width of the hidden layer (the paper: 100).
+        hidden: width of the hidden layer, ≥ 1 (the paper: 100).
     """
     return DNN(math.prod(input_shape), hidden, num_classes)
 
@@ -84,9 +87,9 @@ class DNN(nn.Module):
 # ----------------------------------------------------------------------------- VGG8
 def vgg8(
     input_shape: Sequence[int],
-    num_classes: int,
+    num_classes: PositiveInt,
     channels: Sequence[int] = (32, 64, 128, 256, 256),
-    hidden: int = 256,
+    hidden: PositiveInt = 256,
     norm: str = "none",
 ) -> nn.Module:
     """TDPFed §VII-A / Table I's VGG8 for CIFAR-10: five convolutions, three linear layers.
@@ -105,7 +108,7 @@ def vgg8(
         input_shape: (channels, height, width) of one input, e.g. (3, 32, 32).
         num_classes: number of classes C (C logits).
         channels: output channels of the five convolutions.
-        hidden: width of ``fc1`` and ``fc2``.
+        hidden: width of ``fc1`` and ``fc2``, ≥ 1.
         norm: "none" (the paper's) or "batch" (BatchNorm2d ``bn1`` ... ``bn5`` after each
             convolution; running statistics kept per client).
 
@@ -168,7 +171,7 @@ class VGG8(nn.Module):
 
 
 # ----------------------------------------------------------------------------- ResNet-18
-def resnet18(input_shape: Sequence[int], num_classes: int) -> nn.Module:
+def resnet18(input_shape: Sequence[int], num_classes: PositiveInt) -> nn.Module:
     """The CIFAR ResNet-18 (He et al., 2016) of pFedSOP §V-B1 (CIFAR-10), MONAI's ResNet.
 
     :class:`monai.networks.nets.ResNet` with basic blocks [2, 2, 2, 2] of 64, 128, 256, 512
@@ -205,7 +208,9 @@ def resnet18(input_shape: Sequence[int], num_classes: int) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- ResNet-9
-def resnet9(input_shape: Sequence[int], num_classes: int, width: int = 64) -> nn.Module:
+def resnet9(
+    input_shape: Sequence[int], num_classes: PositiveInt, width: PositiveInt = 64
+) -> nn.Module:
     """The ResNet-9 of pFedSOP §V-B1 (CIFAR-100 and Tiny ImageNet).
 
     pFedSOP cites He et al. (2016) for it; the network is the Myrtle.ai ResNet-9 of the
@@ -226,7 +231,7 @@ def resnet9(input_shape: Sequence[int], num_classes: int, width: int = 64) -> nn
     Args:
         input_shape: (channels, height, width) of one input, e.g. (3, 32, 32).
         num_classes: number of classes C (C logits).
-        width: w, channels of the stem (the stages have 2w, 4w, 8w).
+        width: w ≥ 1, channels of the stem (the stages have 2w, 4w, 8w).
 
     Raises:
         ConfigError: inputs are not images.

@@ -12,9 +12,16 @@ minutes of retries.
 A run never stays RUNNING after its process stops: the runner ends it FAILED or KILLED on an
 exception or Ctrl-C (the CLI turns SIGTERM into the same), and an exit handler ends a run still
 open when the interpreter exits (KILLED). SIGKILL, the OOM killer and power loss escape
-this; for them every run is tagged with its host and pid (``fedexp.host``, ``fedexp.pid``), and
-a run that starts ends the RUNNING runs of its experiment left by a dead process of this host
-(KILLED, tagged ``fedexp.reaped``): see :meth:`MLflowTracker._reap`.
+this; for them every run is tagged with its host, pid and the pid's start time
+(``fedexp.host``, ``fedexp.pid``, ``fedexp.pid_started``), and every run that starts or resumes
+ends the RUNNING runs of the whole store (every experiment) left by a process of this host that
+is gone (KILLED, tagged ``fedexp.reaped``, the reason in the run's description): see
+:meth:`MLflowTracker._reap`.
+
+A local SQLite store's path is checked before MLflow opens it (:func:`check_sqlite_path`): a
+part of it that is a file, a folder where the database should be, or a folder that cannot be
+written fails at once with one line naming the path, instead of a bare ``FileExistsError`` or
+MLflow's minute of retries.
 
 System metrics (CPU utilisation, memory, disk, network; GPU too where ``nvidia-ml-py`` is
 installed) are sampled by MLflow's own :class:`SystemMetricsMonitor` (psutil) every
@@ -37,94 +44,40 @@ import logging
 import math
 import os
 import socket
-import ssl
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
+from typing import Annotated, Any
 
 import mlflow
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 
-from fedexp.errors import TrackerError
+from fedexp.config.ranges import PositiveInt, Range
 from fedexp.tracking.dataset_input import DatasetRecord
 from fedexp.tracking.links import experiment_url, ui_base, ui_command
+from fedexp.tracking.reaper import (  # noqa: F401 - the tags are part of this module's API
+    HOST_TAG,
+    NOTE_TAG,
+    PID_TAG,
+    REAPED_TAG,
+    STARTED_TAG,
+    Reaper,
+    _started,
+)
+from fedexp.tracking.store import check_reachable, check_sqlite_path
 
 log = logging.getLogger("fedexp")
 
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
-#: Seconds a tracking server has to answer the probe of :func:`check_reachable`.
-PROBE_TIMEOUT_S = 3.0
-#: Run tags naming the machine and the process that run it (to find runs left by SIGKILL).
-HOST_TAG, PID_TAG, REAPED_TAG = "fedexp.host", "fedexp.pid", "fedexp.reaped"
-#: At most this many RUNNING runs are examined when a run starts.
-_MAX_REAP = 500
 #: Seconds between two system-metrics samples (MLflow's own default is 10).
 SYSTEM_METRICS_INTERVAL_S = 5.0
 #: The dataset input's context tag (MLflow's key): the whole set, split among the clients.
 DATASET_CONTEXT = "federated"
-
-
-def _why(exc: BaseException, timeout: float) -> str | None:
-    """Why nothing answered, in words; None if something did (TLS spoke, HTTP replied)."""
-    reason = getattr(exc, "reason", exc)
-    if isinstance(exc, urllib.error.HTTPError) or isinstance(reason, ssl.SSLError):
-        return None  # a server answered (with an error status, or at least a TLS handshake)
-    if isinstance(reason, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(reason, TimeoutError | socket.timeout):
-        return f"no answer within {timeout:g} s"
-    if isinstance(reason, socket.gaierror):
-        return f"unknown host: {reason.strerror or reason}"
-    return str(reason) or type(reason).__name__
-
-
-def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, key: str = "tracker.uri") -> None:
-    """Fail fast when no server answers at an ``http(s)://`` tracking URI.
-
-    Sends ``GET <uri>/health`` (MLflow's health check) with ``timeout``; any HTTP answer,
-    error statuses included (authentication, a proxy), counts as reachable and is left to
-    MLflow. Other URIs (SQLite, files, Databricks) are not probed.
-
-    Raises:
-        TrackerError: nothing answered, with the URI, the reason and what to do.
-    """
-    if not uri.lower().startswith(("http://", "https://")):
-        return
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
-            return
-    except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
-        why = _why(exc, timeout)
-    if why is None:
-        return
-    parts = urlsplit(uri)
-    start = f"mlflow server --host {parts.hostname or '127.0.0.1'}"
-    if parts.port:
-        start += f" --port {parts.port}"
-    raise TrackerError(
-        f"{key}={uri}: no MLflow server answers ({why}); start one with `{start}`, "
-        "or use tracker=none (or a local store, e.g. tracker.uri=sqlite:///mlflow.db)"
-    )
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (another user's counts; unsure: alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists, under another user
-        return True
-    return True
 
 
 #: Experiment tag that selects MLflow's UI view; ``custom_model_development`` is the ML view.
@@ -164,7 +117,7 @@ class _SystemMetrics(SystemMetricsMonitor):
             log.debug("could not log the last system-metrics sample: %s", exc)
 
 
-class MLflowTracker:
+class MLflowTracker(Reaper):
     """Logs one fedexp run as one MLflow run.
 
     Args:
@@ -183,28 +136,25 @@ class MLflowTracker:
         self,
         uri: str | None = None,
         experiment: str | None = None,
-        retries: int = 20,
+        retries: PositiveInt = 20,
         system_metrics: bool = True,
-        system_metrics_interval: float = SYSTEM_METRICS_INTERVAL_S,
+        system_metrics_interval: Annotated[float, Range(gt=0, note="seconds")] = (
+            SYSTEM_METRICS_INTERVAL_S
+        ),
     ) -> None:
-        if not system_metrics_interval > 0:
-            raise TrackerError(
-                f"tracker.system_metrics_interval={system_metrics_interval}: "
-                "expected a positive number of seconds"
-            )
         self.uri = uri or mlflow.get_tracking_uri()
-        check_reachable(self.uri, key="tracker.uri" if uri else "MLFLOW_TRACKING_URI")
+        # where the URI came from: the setting, else the environment, else MLflow's default
+        from_env = not uri and bool(os.environ.get("MLFLOW_TRACKING_URI"))
+        key = "MLFLOW_TRACKING_URI" if from_env else "tracker.uri"
+        check_reachable(self.uri, key=key)
+        db = check_sqlite_path(self.uri, key=key)
         self.experiment = experiment or "fedexp"
         self.retries = retries
         self.system_metrics = system_metrics
         self.system_metrics_interval = float(system_metrics_interval)
         self._monitor: _SystemMetrics | None = None
         self.run_id: str | None = None
-        self._lock_path: Path | None = None
-        if self.uri.startswith("sqlite:///"):
-            db = Path(self.uri.removeprefix("sqlite:///"))
-            db.parent.mkdir(parents=True, exist_ok=True)
-            self._lock_path = db.with_name(db.name + ".lock")
+        self._lock_path = db.with_name(db.name + ".lock") if db is not None else None
         with self._locked():
             self.client = MlflowClient(tracking_uri=self.uri)
 
@@ -266,18 +216,22 @@ class MLflowTracker:
         another store) starts a new run tagged ``fedexp.resumed_from``; the caller sees a
         different id and replays the checkpoint's history into it.
 
-        The run is tagged with this host and pid (a resumed one re-tagged, before it is
-        RUNNING again, so no other job takes it for dead), then runs left RUNNING by dead
-        processes of this host are ended (:meth:`_reap`).
+        The run is tagged with this host, pid and the pid's start time (a resumed one
+        re-tagged in the same write that makes it RUNNING again, so that no other job takes it
+        for dead), then the runs of the store left RUNNING by processes of this host that are
+        gone are ended KILLED (:meth:`_reap`).
         """
-        tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
-        if resume_run_id is not None and self._has_run(resume_run_id):
+        pid = os.getpid()
+        ident = {HOST_TAG: socket.gethostname(), PID_TAG: str(pid), STARTED_TAG: _started(pid)}
+        resumed = self._stored_run(resume_run_id) if resume_run_id is not None else None
+        if resumed is not None:
             self.run_id = resume_run_id
-            self.set_tags(tags)
-            self._call(self.client.update_run, resume_run_id, status="RUNNING")
+            self.set_tags({k: v for k, v in tags.items() if k not in ident})
+            self._call(self._reopen, resume_run_id, ident)
             self._open(resumed=True)
-            self._reap(None)
+            self._reap(resumed.info.experiment_id)
             return resume_run_id
+        tags = {**tags, **ident}
         if resume_run_id is not None:
             log.warning(
                 "run %s is not in %s: resuming into a new MLflow run", resume_run_id, self.uri
@@ -296,53 +250,20 @@ class MLflowTracker:
             )
         return self.run_id
 
-    def _has_run(self, run_id: str) -> bool:
-        """Whether this store holds ``run_id`` (not deleted)."""
+    def _reopen(self, run_id: str, ident: dict[str, str]) -> None:
+        """Re-tag a resumed run with this process and make it RUNNING (one locked write)."""
+        self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in ident.items()])
+        self.client.update_run(run_id, status="RUNNING")
+
+    def _stored_run(self, run_id: str):  # noqa: ANN202 - mlflow.entities.Run or None
+        """``run_id`` as this store holds it; None if it holds no such run (or a deleted one)."""
         try:
             run = self._call(self.client.get_run, run_id)
         except MlflowException as exc:
             if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-                return False
+                return None
             raise
-        return run.info.lifecycle_stage != "deleted"
-
-    def _reap(self, experiment_id: str | None) -> None:
-        """End KILLED the RUNNING runs of the experiment left by dead processes of this host.
-
-        SIGKILL (``kill -9``, the OOM killer, a lost node) ends a process with its run still
-        RUNNING. A run tagged with this host whose pid no longer exists (``os.kill(pid, 0)``
-        raises ProcessLookupError) is ended KILLED and tagged ``fedexp.reaped``. Runs of other
-        hosts, runs without the tags and runs of live pids (a reused pid included) are left
-        alone. One search, at most ``_MAX_REAP`` runs; never raises (a debug line instead).
-        """
-        host = socket.gethostname()
-        try:
-            if experiment_id is None:
-                experiment_id = self._call(self.client.get_run, self.run_id).info.experiment_id
-            quoted = host.replace("'", "")  # hostnames hold no quotes; the check below is exact
-            runs = self._call(
-                self.client.search_runs,
-                [experiment_id],
-                filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{quoted}'",
-                max_results=_MAX_REAP,
-            )
-        except Exception as exc:  # noqa: BLE001 - reaping must never fail a run
-            log.debug("could not look for runs left RUNNING by dead processes: %s", exc)
-            return
-        for other in runs:
-            tags = other.data.tags
-            pid = tags.get(PID_TAG, "")
-            if other.info.run_id == self.run_id or tags.get(HOST_TAG) != host:
-                continue
-            if not pid.isdigit() or int(pid) <= 0 or _alive(int(pid)):
-                continue
-            why = f"process {pid} on {host} no longer exists, found by run {self.run_id}"
-            try:
-                self._call(self.client.set_terminated, other.info.run_id, "KILLED")
-                self._call(self.client.set_tag, other.info.run_id, REAPED_TAG, why)
-                log.info("run %s: %s; ended KILLED", other.info.run_id, why)
-            except Exception as exc:  # noqa: BLE001 - reaping must never fail a run
-                log.debug("could not end run %s (%s): %s", other.info.run_id, why, exc)
+        return None if run.info.lifecycle_stage == "deleted" else run
 
     def _open(self, resumed: bool = False) -> None:
         """The run is RUNNING: end it at exit, and sample system metrics until it ends."""

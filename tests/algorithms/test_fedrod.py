@@ -12,6 +12,7 @@ from fedexp.algorithms.fedrod import FedRoD, class_counts, log_priors, prior_adj
 from fedexp.data.federated import ClientData
 from fedexp.engine.objective import Objective
 from fedexp.engine.runner import build_engine
+from fedexp.errors import ConfigError
 from fedexp.models.task import SegmentationTask
 
 MLP = ("model=mlp", "model.hidden=8")
@@ -181,7 +182,7 @@ def test_copy_init_and_a_head_that_matches_nothing(small_cfg):
     e = build_engine(small_cfg("algorithm=fedrod", *MLP, "algorithm.personal_init=copy"))
     head = e.ctx.personal_idx
     assert torch.equal(e.client_states[3]["p"], e.x0[head])
-    with pytest.raises(ValueError, match="FedRoD needs a head"):
+    with pytest.raises(ConfigError, match="no entry of the model matches"):
         FedRoD(head=["nothing.*"]).init_client(e.ctx, e.x0, 0)
     with pytest.raises(ValueError, match="personal_init"):
         FedRoD(personal_init="random")

@@ -9,7 +9,7 @@ import torch
 
 from fedexp.algorithms.finetune import FedAvgFT, FedProxFT
 from fedexp.engine.runner import build_engine
-from helpers import cohort_of, deterministic
+from helpers import cohort_of, deterministic, refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,7 +112,5 @@ def test_runs_and_evaluates_the_finetuned_models(small_cfg, algorithm, overrides
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="expected"):
-        FedAvgFT(finetune_steps=-1)
-    with pytest.raises(ValueError, match="expected"):
-        FedProxFT(mu=-1.0)
+    assert refused(FedAvgFT, finetune_steps=-1).startswith("algorithm.finetune_steps=-1: expected")
+    assert refused(FedProxFT, mu=-1.0).startswith("algorithm.mu=-1.0: expected ≥ 0")

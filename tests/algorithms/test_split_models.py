@@ -10,7 +10,7 @@ import torch
 
 from fedexp.algorithms.fedrep import FedRep
 from fedexp.engine.runner import build_engine
-from helpers import cohort_of
+from helpers import cohort_of, refused
 
 MLP = ("model=mlp", "model.hidden=8")
 BN = (*MLP, "model.norm=batch")
@@ -44,11 +44,10 @@ def _masked(engine, idx):
 
 # ---------------------------------------------------------------------------- FedPer
 def test_fedper_without_personal_layers_is_fedavg(small_cfg):
-    """Head patterns that match nothing: FedAvg exactly (with momentum state kept)."""
+    """An empty head (`algorithm.head=[]`): FedAvg exactly (with momentum state kept); patterns
+    that match nothing are refused (tests/test_model_fit.py)."""
     over = (*MLP, "optimizer.momentum=0.9", "participation=0.6")
-    per, _ = _rounds(
-        build_engine(small_cfg("algorithm=fedper", "algorithm.head=[nothing]", *over)), 3
-    )
+    per, _ = _rounds(build_engine(small_cfg("algorithm=fedper", "algorithm.head=[]", *over)), 3)
     avg, _ = _rounds(build_engine(small_cfg("algorithm=fedavg", *over)), 3)
     assert torch.equal(per.server["x"], avg.server["x"])
     assert per.algorithm.personal_idx(per.ctx).numel() == 0
@@ -196,8 +195,7 @@ def test_fedrep_phase_lengths():
         SimpleNamespace(steps_for=lambda d: 10), data
     ) == (11, 1)
     assert FedRep(head_steps=4, body_steps=0).phase_steps(ctx, data) == (4, 0)
-    with pytest.raises(ValueError, match="head_steps"):
-        FedRep(head_steps=-1)
+    assert refused(FedRep, head_steps=-1).startswith("algorithm.head_steps=-1: expected ≥ 0")
 
 
 def test_fedrep_defaults_are_the_papers_and_run_on_the_default_data(small_cfg):
