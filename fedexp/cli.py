@@ -440,10 +440,12 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(USAGE)
+    from fedexp.config.keys import unknown_key_errors
     from fedexp.config.schema import override_errors
 
-    # lr=-1, algorithm=nope: one line before Hydra composes anything
-    early = _group_option_errors(args[1:]) + override_errors(args[1:])
+    # lr=-1, algorithm=nope, algorithm.lamda=0.1: one line before Hydra composes anything
+    early = _group_option_errors(args[1:]) or unknown_key_errors(args[1:], CONFIG_DIR)
+    early = early or override_errors(args[1:])
     if early:
         print(f"fedexp: error: {'; '.join(early)}", file=sys.stderr)
         sys.exit(USAGE)

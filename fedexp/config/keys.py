@@ -1,0 +1,140 @@
+"""Misspelt and foreign keys on the command line, named in one line before Hydra composes.
+
+``fedexp run algorithm.lamda=0.1`` (or ``algorithm.mu=0.1`` with FedAvg, or ``roundz=3``)
+would get Hydra's multi-line struct error and a ``HYDRA_FULL_ERROR`` hint. The keys of the
+run are known from the files: the run settings are :class:`fedexp.config.schema.RunConfig`'s
+fields, and a group key ``algorithm.x.y`` must exist in the option of the group that the
+command line (or ``conf/config.yaml``'s defaults) chooses. :func:`unknown_key_errors` checks
+every plain ``key=value`` override against them and names the closest valid keys, and the
+options of the group that have the key.
+
+Left to Hydra: ``+key=value`` (adds a key), ``~key`` (removes one), ``key@package``,
+``hydra.*``, and any command line with an experiment file (``+experiment=NAME`` may choose
+other options or add keys).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedexp.config.schema import RunConfig
+
+
+@cache
+def _load(path: Path) -> Any:
+    with open(path, encoding="utf-8") as fh:
+        return yaml.safe_load(fh) or {}
+
+
+def _defaults(conf: Path) -> dict[str, str]:
+    """The group options ``conf/config.yaml`` chooses (``{"algorithm": "fedavg", ...}``)."""
+    chosen = {}
+    for item in _load(conf / "config.yaml").get("defaults", []):
+        if isinstance(item, dict):
+            for group, option in item.items():
+                if isinstance(option, str) and (conf / str(group)).is_dir():
+                    chosen[str(group)] = option
+    return chosen
+
+
+def _keys(node: Any) -> list[str]:
+    return [str(k) for k in node] if isinstance(node, dict) else []
+
+
+def _walk(node: Any, parts: Sequence[str]) -> tuple[bool, str, list[str]]:
+    """Follow ``parts`` into a YAML node: (found, the prefix that exists, keys at the miss)."""
+    done: list[str] = []
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False, ".".join(done), _keys(node)
+        done.append(part)
+    return True, ".".join(done), []
+
+
+def _group_key_error(conf: Path, group: str, options: list[str], parts: list[str]) -> str | None:
+    """The message for ``group.<parts>`` missing from one of the chosen ``options``, or None."""
+    for option in options:
+        path = conf / group / f"{option}.yaml"
+        if not path.is_file():
+            return None  # an unknown option: the group check names it
+        doc = _load(path)
+        if "defaults" in doc:
+            return None  # composed from other files: left to Hydra
+        found, prefix, keys = _walk(doc, parts)
+        if found:
+            continue
+        key = ".".join([group, *parts])
+        where = f"{group}.{prefix}" if prefix else group
+        close = difflib.get_close_matches(parts[len(prefix.split(".")) if prefix else 0], keys, 3)
+        said = f"{key}: {option} ({group}={option}) has no such key"
+        if close:
+            said += f"; did you mean {', '.join(f'{where}.{c}' for c in close)}?"
+        shown = [k for k in keys if not k.startswith("_")]
+        if shown:
+            said += f" (keys of {where}: {', '.join(shown)})"
+        if not prefix:
+            others = [
+                p.stem
+                for p in sorted((conf / group).glob("*.yaml"))
+                if p.stem != option and _walk(_load(p), parts)[0]
+            ]
+            if others:
+                verb = "has" if len(others) == 1 else "have"
+                said += f"; {group}={'|'.join(others[:6])} {verb} it"
+        return said
+    return None
+
+
+def unknown_key_errors(args: Sequence[str], conf_dir: str | Path) -> list[str]:
+    """One line per ``key=value`` override whose key the run's config does not have.
+
+    Args:
+        args: the command line after ``run``.
+        conf_dir: fedexp's ``conf/`` folder.
+
+    Returns:
+        Messages such as ``"algorithm.lamda: ditto (algorithm=ditto) has no such key; did you
+        mean algorithm.lam? (keys of algorithm: lam, ...)"``; empty when every key exists or
+        the command line is left to Hydra (an experiment file).
+    """
+    conf = Path(conf_dir)
+    words = [a for a in args if not a.startswith("-")]
+    if any(w.lstrip("+~").split("=", 1)[0] == "experiment" for w in words):
+        return []
+    chosen = {g: [o] for g, o in _defaults(conf).items()}
+    settings = {f.name for f in fields(RunConfig)}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if sep and key in chosen and value.strip():
+            chosen[key] = [v.strip() for v in value.split(",") if v.strip() not in ("", "null")]
+    errors = []
+    for word in words:
+        key, sep, _ = word.partition("=")
+        if not sep or key.startswith(("+", "~", "hydra")) or "@" in key or "/" in key:
+            continue
+        group, _, rest = key.partition(".")
+        if not rest:
+            if key not in settings and not (conf / key).is_dir():
+                close = difflib.get_close_matches(key, sorted(settings | set(chosen)), 3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                errors.append(f"{key}: no such setting{hint} (fedexp run --help lists them)")
+            continue
+        if group not in chosen:
+            if group in settings:
+                errors.append(f"{key}: {group} is a plain setting, it has no keys")
+            continue
+        message = _group_key_error(conf, group, chosen[group], rest.split("."))
+        if message:
+            errors.append(message)
+    return errors
