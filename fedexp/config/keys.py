@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from fedexp.config.schema import RunConfig
+from fedexp.config.schema import REMOVED, RunConfig
 
 
 @cache
@@ -125,7 +125,7 @@ def unknown_key_errors(args: Sequence[str], conf_dir: str | Path) -> list[str]:
             continue
         group, _, rest = key.partition(".")
         if not rest:
-            if key not in settings and not (conf / key).is_dir():
+            if key not in settings and key not in REMOVED and not (conf / key).is_dir():
                 close = difflib.get_close_matches(key, sorted(settings | set(chosen)), 3)
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 errors.append(f"{key}: no such setting{hint} (fedexp run --help lists them)")
