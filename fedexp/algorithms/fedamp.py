@@ -14,7 +14,7 @@ started at u_i. HeurFedAMP (the paper's heuristic for deep networks) keeps ξ_ii
 self-attention hyper-parameter) and shares 1 − ξ_ii over the others by a softmax of σ·cos(w_i,
 w_j).
 
-Differences from the paper and ALGORITHMS.md (written down on purpose):
+Differences from the paper and PFLlib (written down on purpose; docs/algorithms.md):
 
 * Partial participation: the server keeps every client's latest w_j in W ([N, d]); u_i mixes
   all N rows, stale ones included (the paper has every client take part every round; PFLlib

@@ -41,13 +41,15 @@ class, since counts are whole numbers, and keeps log π finite; with a zero coun
 model's log(π1/π0) is ±∞ and the loss is not finite).
 
 Sources and differences: the authors published no code (github.com/hongyouc/Fed-RoD holds a
-README only); the rules above follow ALGORITHMS.md and PFLlib's implementation
-(clientrod.py), which agree. p starts at zero (``personal_init="zero"``, as ALGORITHMS.md
-asks), so before any training the personalised model is the generic one; PFLlib and FL-bench
-copy the generic head instead (``personal_init="copy"``), which also avoids the symmetric start
-of a zero head deeper than one layer. The run's optimiser (and its weight decay) acts on p as
-on θ; PFLlib gives p its own SGD with the same step size, which plain SGD and per-coordinate
-momentum or Adam make the same. The hypernetwork that generates p is not implemented.
+README only); the rules above follow the paper's description (a generic predictor trained with a
+class-balanced loss, a personal module on top of it minimising the client's empirical risk) and
+PFLlib's implementation (clientrod.py), which agree (summary: docs/algorithms.md). p starts at
+zero (``personal_init="zero"``, the default), so before any training the personalised model is
+the generic one; PFLlib and FL-bench copy the generic head instead (``personal_init="copy"``),
+which also avoids the symmetric start of a zero head deeper than one layer. The run's optimiser
+(and its weight decay) acts on p as on θ; PFLlib gives p its own SGD with the same step size,
+which plain SGD and per-coordinate momentum or Adam make the same. The hypernetwork that
+generates p is not implemented.
 
 Persists per client: p (``"p"``), the class counts (``"counts"``) and the optimiser state of
 [θ ; p] (``"opt.*"``). With uniform class counts the BSM loss is the task loss, so θ follows

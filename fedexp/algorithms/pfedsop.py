@@ -19,7 +19,7 @@ gradient update Δ_i and whether it has taken part before. In round t (Algorithm
 
 Clients are evaluated with x_i (never-sampled clients: the initial model).
 
-Choices where the paper is silent, and differences from ALGORITHMS.md:
+Choices where the paper is silent or open to two readings (summarised in docs/algorithms.md):
 
 * x_i keeps the point after the Newton step, not x_i^T: Algorithm 2 only *computes* Δ_i "at the
   point x_it" and Algorithm 3 outputs x_it (Alg. 1, line 6) as the personal model, so the local

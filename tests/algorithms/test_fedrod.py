@@ -1,4 +1,4 @@
-"""FedRoD against the properties its paper implies (ALGORITHMS.md, Chen & Chao 2022)."""
+"""FedRoD against the properties its paper implies (Chen & Chao 2022; docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_gradients_split_as_a_hand_autograd_computation(small_cfg):
     torch.testing.assert_close(grad[theta.numel() :], torch.cat([t.flatten() for t in grad_p]))
 
 
-# -------------------------------------------------------- the ALGORITHMS.md checks
+# ---------------------------------------------- the paper's properties (docs/algorithms.md)
 @pytest.mark.parametrize("model", [(), MLP], ids=["logreg", "mlp"])
 def test_zero_personal_head_is_the_generic_model_at_round_0(small_cfg, model):
     rod = build_engine(small_cfg("algorithm=fedrod", *model))

@@ -1,4 +1,4 @@
-"""FedPer, FedBN and FedRep against the properties their papers imply (ALGORITHMS.md)."""
+"""FedPer, FedBN and FedRep against the properties their papers imply (docs/algorithms.md)."""
 
 from __future__ import annotations
 
