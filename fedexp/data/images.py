@@ -12,6 +12,10 @@ official train and test parts MERGED, as pFedMe and pFedSOP §V do: the data are
 over the clients, then each client's share is split 80/20 by ``federate``. ``groups`` stays
 None (there are no natural sites). Loading executes no code: bytes are parsed with
 ``numpy.frombuffer`` (never pickle), JPEGs are decoded by PIL.
+
+``download=True`` (``dataset.download=true``) first fetches the missing official files into
+``path`` with checksums checked (:mod:`fedexp.data.download`, needs internet); present files
+are kept.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ _IDX_IMAGES, _IDX_LABELS = 0x00000803, 0x00000801
 _CIFAR_PICKLED = (
     "holds the pickled python version; fedexp reads only the binary version ({archive}) "
     "because unpickling can execute code"
+)
+_DOWNLOAD_HINT = (
+    "; or set dataset.download=true to fetch it there (needs internet; checksums are checked)"
 )
 _TINY_LAYOUT = (
     "expected the official tiny-imagenet-200 folder (http://cs231n.stanford.edu/"
@@ -78,7 +85,9 @@ def _read_idx(path: str, folder: Path, name: str) -> tuple[Path, bytes]:
                     return file, stream.read()
             except (OSError, EOFError) as exc:
                 raise DataError(f"{file}: not a readable gzip file ({exc})") from None
-    raise DataError(f"dataset.path={path!r}: {folder / name}(.gz) not found; {_MNIST_LAYOUT}")
+    raise DataError(
+        f"dataset.path={path!r}: {folder / name}(.gz) not found; {_MNIST_LAYOUT}{_DOWNLOAD_HINT}"
+    )
 
 
 def _idx_array(file: Path, data: bytes, magic: int, dims: tuple[int, ...]) -> np.ndarray:
@@ -118,7 +127,7 @@ def _idx_array(file: Path, data: bytes, magic: int, dims: tuple[int, ...]) -> np
     return np.frombuffer(data, dtype=np.uint8, offset=offset).reshape(shape)
 
 
-def mnist(path: str) -> ArrayDataset:
+def mnist(path: str, download: bool = False) -> ArrayDataset:
     """MNIST (or Fashion-MNIST) from the four official IDX files, train and test merged.
 
     Fashion-MNIST (https://github.com/zalandoresearch/fashion-mnist) ships the same format and
@@ -127,6 +136,7 @@ def mnist(path: str) -> ArrayDataset:
     Args:
         path: the folder holding ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
             ``t10k-images-idx3-ubyte`` and ``t10k-labels-idx1-ubyte``, each plain or ``.gz``.
+        download: first fetch the missing files (gzipped) into ``path``, checksums checked.
 
     Returns:
         Classification data: x float32 (70000, 1, 28, 28) in [0, 1] (60000 train images, then
@@ -134,8 +144,13 @@ def mnist(path: str) -> ArrayDataset:
 
     Raises:
         DataError: a file is missing, holds no samples, or its magic number, dimensions or
-            counts are wrong (an images and a labels file of different counts name both).
+            counts are wrong (an images and a labels file of different counts name both), or
+            a download fails.
     """
+    if download:
+        from fedexp.data.download import fetch_mnist
+
+        fetch_mnist(path)
     folder = Path(path).expanduser()
     xs, ys = [], []
     for images_name, labels_name in _MNIST_FILES:
@@ -171,7 +186,7 @@ def _cifar_folder(path: str, sub: str, probe: str, pickled: tuple[str, str], arc
     state = "does not exist" if not root.exists() else f"has no {probe} (nor {sub}/{probe})"
     raise DataError(
         f"dataset.path={path!r}: {root} {state}; expected the folder {sub}/ extracted from "
-        f"{archive} (https://www.cs.toronto.edu/~kriz/cifar.html), or its parent"
+        f"{archive} (https://www.cs.toronto.edu/~kriz/cifar.html), or its parent{_DOWNLOAD_HINT}"
     )
 
 
@@ -200,7 +215,7 @@ def _cifar_records(file: Path, label_bytes: int, label_max: tuple[int, ...]) -> 
     return records
 
 
-def cifar10(path: str) -> ArrayDataset:
+def cifar10(path: str, download: bool = False) -> ArrayDataset:
     """CIFAR-10 from its binary release (``cifar-10-binary.tar.gz``), train and test merged.
 
     Each record of ``data_batch_1.bin`` .. ``data_batch_5.bin`` and ``test_batch.bin`` is one
@@ -208,6 +223,8 @@ def cifar10(path: str) -> ArrayDataset:
 
     Args:
         path: the ``cifar-10-batches-bin`` folder or its parent.
+        download: first fetch and extract ``cifar-10-binary.tar.gz`` (checksum checked) if
+            the folder is not complete.
 
     Returns:
         Classification data: x float32 (60000, 3, 32, 32) in [0, 1] (50000 train images, then
@@ -215,8 +232,12 @@ def cifar10(path: str) -> ArrayDataset:
 
     Raises:
         DataError: a file is missing or its size is not a whole number of records, a label
-            is out of range, or the folder holds the pickled python release.
+            is out of range, the folder holds the pickled python release, or a download fails.
     """
+    if download:
+        from fedexp.data.download import fetch_cifar10
+
+        fetch_cifar10(path)
     folder = _cifar_folder(
         path,
         "cifar-10-batches-bin",
@@ -230,7 +251,7 @@ def cifar10(path: str) -> ArrayDataset:
     return ArrayDataset("cifar10", x, records[:, 0].astype(np.int64), 10)
 
 
-def cifar100(path: str, labels: str = "fine") -> ArrayDataset:
+def cifar100(path: str, labels: str = "fine", download: bool = False) -> ArrayDataset:
     """CIFAR-100 from its binary release (``cifar-100-binary.tar.gz``), train and test merged.
 
     Each record of ``train.bin`` and ``test.bin`` is the coarse label byte, the fine label
@@ -239,6 +260,8 @@ def cifar100(path: str, labels: str = "fine") -> ArrayDataset:
     Args:
         path: the ``cifar-100-binary`` folder or its parent.
         labels: ``fine`` (100 classes) or ``coarse`` (20 superclasses).
+        download: first fetch and extract ``cifar-100-binary.tar.gz`` (checksum checked) if
+            the folder is not complete.
 
     Returns:
         Classification data: x float32 (60000, 3, 32, 32) in [0, 1] (50000 train images, then
@@ -246,10 +269,14 @@ def cifar100(path: str, labels: str = "fine") -> ArrayDataset:
 
     Raises:
         DataError: an unknown ``labels``, a missing file, a size that is not a whole number
-            of records, a label out of range, or the pickled python release.
+            of records, a label out of range, the pickled python release, or a failed download.
     """
     if labels not in ("fine", "coarse"):
         raise DataError(f"dataset.labels={labels!r}: expected 'fine' (100) or 'coarse' (20)")
+    if download:
+        from fedexp.data.download import fetch_cifar100
+
+        fetch_cifar100(path)
     folder = _cifar_folder(
         path,
         "cifar-100-binary",
@@ -275,7 +302,9 @@ def _tiny_root(path: str) -> Path:
     for folder in (root, root / "tiny-imagenet-200"):
         if (folder / "wnids.txt").is_file():
             return folder
-    raise DataError(f"dataset.path={path!r}: {root / 'wnids.txt'} not found; {_TINY_LAYOUT}")
+    raise DataError(
+        f"dataset.path={path!r}: {root / 'wnids.txt'} not found; {_TINY_LAYOUT}{_DOWNLOAD_HINT}"
+    )
 
 
 def _tiny_files(root: Path, max_per_class: int | None) -> tuple[list[Path], list[int], int]:
@@ -332,7 +361,9 @@ def _tiny_files(root: Path, max_per_class: int | None) -> tuple[list[Path], list
     return files, classes, len(wnids)
 
 
-def tiny_imagenet(path: str, max_per_class: PositiveInt | None = None) -> ArrayDataset:
+def tiny_imagenet(
+    path: str, max_per_class: PositiveInt | None = None, download: bool = False
+) -> ArrayDataset:
     """Tiny ImageNet (200 classes of 64x64 images) from the official ``tiny-imagenet-200``.
 
     The labelled parts are merged (pFedSOP §V: 550 images a class): ``train/<wnid>/images``
@@ -345,6 +376,8 @@ def tiny_imagenet(path: str, max_per_class: PositiveInt | None = None) -> ArrayD
         path: the ``tiny-imagenet-200`` folder or its parent.
         max_per_class: keep at most this many images of each class (its train images in file
             name order first, then its val images), for quick runs; null keeps all.
+        download: first fetch and extract ``tiny-imagenet-200.zip`` (checksum checked) if
+            the folder is not there.
 
     Returns:
         Classification data: x float32 (n, 3, 64, 64) in [0, 1], y int64, ordered by class.
@@ -352,12 +385,16 @@ def tiny_imagenet(path: str, max_per_class: PositiveInt | None = None) -> ArrayD
     Raises:
         DataError: a missing wnids.txt, annotation file or class folder, a class folder
             without images, an annotation naming an unknown wnid or a missing file, or an
-            image that is not a 64x64 picture.
+            image that is not a 64x64 picture, or a failed download.
     """
     from PIL import Image, UnidentifiedImageError
 
     if max_per_class is not None and max_per_class < 1:
         raise DataError(f"dataset.max_per_class={max_per_class}: expected ≥ 1 (or null for all)")
+    if download:
+        from fedexp.data.download import fetch_tiny_imagenet
+
+        fetch_tiny_imagenet(path)
     files, classes, num_classes = _tiny_files(_tiny_root(path), max_per_class)
     x = np.empty((len(files), 3, 64, 64), dtype=np.float32)
     for i, file in enumerate(files):
