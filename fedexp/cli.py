@@ -1,16 +1,12 @@
-"""The ``fedexp`` command: ``fedexp run [overrides]`` (Hydra main, version_base 1.3).
+"""The ``fedexp`` command: ``fedexp run [overrides]`` (Hydra main, version 1.3).
 
 ``fedexp --help`` / ``fedexp run --help`` print :func:`fedexp.cli_help.help_text` (every run
 setting with its default and meaning, the config groups, examples); ``fedexp run --hydra-help``
 is Hydra's own help. A single run prints its per-client table; a sweep (``-m``) prints one line
 per job and a summary at the end (:mod:`fedexp.sweep`), and exits 1 if any job failed.
 
-Examples:
-    fedexp report --experiment NAME --rows choice.algorithm --cols partition.delta
-    fedexp run
-    fedexp run algorithm=local rounds=20
-    fedexp run -m algorithm=fedavg,local seed=0,1,2 partition=label_imbalance \
-        partition.delta=1,2,4 hydra/launcher=parallel
+A refused setting exits 2, before anything runs; ``fedexp ui`` and ``fedexp report`` are
+the other commands (examples: ``fedexp --help``).
 """
 
 from __future__ import annotations
@@ -18,14 +14,14 @@ from __future__ import annotations
 import logging
 import math
 import re
-import shlex
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedexp.errors import CheckpointError, ConfigError, DivergenceError, FedexpError, Terminated
+from fedexp.cli_output import describe_stop, print_table
+from fedexp.errors import ConfigError, FedexpError, Terminated
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -40,29 +36,9 @@ USAGE = 2
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("fedexp")
-
-
-def _print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="Per-client results on each client's own test split")
-    # the task's metrics in its order (acc, bal_acc, auc / iou, label_iou, dice, acc), then loss
-    keys = [k for k in result.per_client[0] if k != "num_test"]
-    for col in ("client", "test n", *keys):
-        table.add_column(col, justify="right")
-    for n, row in enumerate(result.per_client):
-        cells = ["—" if math.isnan(row[k]) else f"{row[k]:.4f}" for k in keys]
-        table.add_row(str(n), str(int(row["num_test"])), *cells)
-    m = result.metrics
-    rows = (("mean", "mean"), ("weighted", "weighted"), ("worst", "worst"), ("best", "best_mean"))
-    for label, suffix in rows:
-        cells = [f"{m[f'{k}/{suffix}']:.4f}" if f"{k}/{suffix}" in m else "—" for k in keys]
-        table.add_row(f"[bold]{label}", "", *cells)
-    console = Console()
-    console.print(table)
-    console.print(f"results: {result.output_dir}")
-    console.print(result.tracker.describe())
+# Alembic logs "setup plugin ..." at INFO when MONAI imports Optuna; here it runs in every job's
+# process (a worker imports this module to unpickle the task), and Hydra leaves the level alone.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def _set_threads(threads: int, hc: DictConfig) -> None:
@@ -79,37 +55,6 @@ def _set_threads(threads: int, hc: DictConfig) -> None:
             threads = max(1, cores // (cores if jobs < 0 else jobs))
     if threads > 0:
         torch.set_num_threads(threads)
-
-
-def _describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
-    """One line on why the run stopped and, where a checkpoint exists, how to resume it."""
-    text = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {exc}"
-    if isinstance(exc, Terminated):
-        text = "terminated (SIGTERM)"
-    if isinstance(exc, CheckpointError):
-        return text  # the checkpoint itself is unusable: no resume hint
-    folder = Path(cfg.resume) if cfg.resume else Path(cfg.output_dir) / "checkpoints"
-    if isinstance(exc, DivergenceError):
-        return text + _rescue_hint(cfg, hc, folder)
-    if (folder / "last.safetensors").exists() or folder.name == "last.safetensors":
-        overrides = " ".join(o for o in hc.overrides.task if not o.startswith("resume="))
-        text += f"; checkpoint kept: fedexp run {overrides} resume={folder}".replace("  ", " ")
-    return text
-
-
-def _rescue_hint(cfg: DictConfig, hc: DictConfig, folder: Path) -> str:
-    """How to go on after a divergence: the same command with lr / 10.
-
-    It resumes from the checkpoint where one was kept (lr may change on resume; the runner
-    records the change in the checkpoint and in MLflow tags), else it starts the run again.
-    """
-    lr = f"lr={cfg.lr / 10:g}"
-    keep = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in ("lr", "resume")]
-    if (folder / "last.safetensors").exists() or folder.name == "last.safetensors":
-        command = shlex.join(["fedexp", "run", *keep, f"resume={folder}", lr])
-        return f"; checkpoint kept, resume it with a smaller lr: {command}"
-    command = shlex.join(["fedexp", "run", *keep, lr])
-    return f"; no checkpoint yet: run it again with a smaller lr: {command}"
 
 
 #: Parts of a ``hydra.*`` key, and words in its value, that make Hydra import and call code
@@ -138,8 +83,19 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def _run_name(cfg: DictConfig, hc: DictConfig) -> str:
-    """A single run's MLflow name: ``fedavg · breast_cancer · logreg · seed 0``."""
+    """A single run's MLflow name: its algorithm, then what its command line changes.
+
+    ``fedexp run partition=dirichlet num_clients=20`` is ``fedavg dirichlet N=20`` (at most 40
+    characters, :func:`fedexp.sweep.run_name`: settings that change no result, such as
+    ``tracker.*`` or ``progress``, are left out); a run that changes nothing else, the
+    default run, is ``fedavg · breast_cancer · logreg · seed 0``.
+    """
+    from fedexp.sweep import run_name
+
     choices = hc.runtime.choices
+    name = run_name([str(o) for o in hc.overrides.task], str(choices.get("algorithm")))
+    if name:
+        return name
     parts = [str(choices.get(g)) for g in ("algorithm", "dataset", "model") if choices.get(g)]
     return " · ".join([*parts, f"seed {cfg.seed}"])
 
@@ -225,7 +181,7 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
     try:
         result = run(cfg, run_name=_run_name(cfg, hc), tags=tags)
     except (FedexpError, KeyboardInterrupt) as exc:
-        print(f"fedexp: {_describe_stop(exc, cfg, hc)}", file=sys.stderr)
+        print(f"fedexp: {describe_stop(exc, cfg, hc)}", file=sys.stderr)
         code = 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
         if not isinstance(exc, KeyboardInterrupt):
             code = USAGE if isinstance(exc, ConfigError) else 1
@@ -233,13 +189,20 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    _print_table(result)
+    print_table(result)
     return _objective(cfg, result)
 
 
 def _sweep_tags(cfg: DictConfig, hc: DictConfig, info: SweepInfo | None) -> dict[str, str]:
-    """A sweep job's tags: the parent run, the sweep, the job's overrides, key by key."""
+    """A sweep job's tags: the parent run, the sweep, the job's overrides, key by key.
+
+    Every override is a tag ``sweep.<key>`` (the varying keys among them; a config group's is
+    also ``choice.<group>``, a setting's also a param), and the job's colour in MLflow's charts
+    is ``mlflow.runColor`` (:func:`fedexp.sweep.run_color`: a hue per configuration).
+    """
     from omegaconf import open_dict
+
+    from fedexp.sweep import run_color
 
     sweep = Path(hc.sweep.dir).as_posix().replace("/", "_")
     with open_dict(cfg):
@@ -253,11 +216,13 @@ def _sweep_tags(cfg: DictConfig, hc: DictConfig, info: SweepInfo | None) -> dict
     tags["fedexp.job"] = str(hc.job.num)
     if info is not None and info.parent_run_id:
         tags["mlflow.parentRunId"] = info.parent_run_id  # a nested child run in MLflow's UI
+    if info is not None and info.varying:
+        tags["mlflow.runColor"] = run_color(hc.overrides.task, info.varying, info.values)
     return tags
 
 
 def _job_name(cfg: DictConfig, hc: DictConfig, info: SweepInfo | None) -> str:
-    """A sweep job's run name: its overrides of the varying keys, else the single-run name."""
+    """A sweep job's run name: its values of the varying keys, else the single-run name."""
     from fedexp.sweep import child_name
 
     name = child_name(hc.overrides.task, info.varying) if info is not None else ""
@@ -269,8 +234,11 @@ def _sweep_job(cfg: DictConfig, hc: DictConfig) -> float:
 
     Its lines carry ``[job N]``; a finished job prints one line (its name, headline metric
     and run id) instead of the per-client table; a failed one prints its error and returns
-    NaN. The outcome goes to ``<job dir>/fedexp_status.json`` (:mod:`fedexp.sweep`), which the
-    sweep's callback reads at the end of the sweep.
+    NaN; its per-round lines go to its own log file (Hydra's ``<job dir>/<job name>.log``),
+    not to the terminal, which gets warnings and errors only. Where the sweep draws a live
+    display (a terminal, :class:`fedexp.sweep.LiveSweep`) the job prints nothing: the display
+    prints its line. The outcome goes to ``<job dir>/fedexp_status.json`` (:mod:`fedexp.sweep`),
+    which the sweep's callback reads.
     """
     from fedexp.engine.progress import job_label
     from fedexp.sweep import JobStatus, SweepInfo, write_status
@@ -285,7 +253,8 @@ def _sweep_job(cfg: DictConfig, hc: DictConfig) -> float:
     )
     job_dir = Path(hc.runtime.output_dir)
     parallel = not str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
-    with job_label(f"job {hc.job.num}", parallel=parallel):
+    live = bool(info and info.live)
+    with job_label(f"job {hc.job.num}", parallel=parallel, quiet=True, folder=job_dir, live=live):
         try:
             return _sweep_job_run(cfg, hc, info, status)
         finally:
@@ -300,11 +269,15 @@ def _sweep_job_run(
 
     from fedexp.config.instantiate import instantiate_checked
     from fedexp.engine.progress import job_prefix
+    from fedexp.sweep import best_of
+
+    quiet = bool(info and info.live)  # the sweep's live display prints the job's line
 
     def fail(error: str, line: str) -> float:
         status.error = error
         status.run_id = getattr(tracker, "run_id", None)
-        print(f"{job_prefix()}fedexp: {line}", file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"{job_prefix()}fedexp: {line}", file=sys.stderr, flush=True)
         return math.nan  # one bad job of a sweep does not stop the others
 
     tracker = None
@@ -321,10 +294,11 @@ def _sweep_job_run(
         tracker = instantiate_checked(cfg.tracker, "tracker")
         result = run(cfg, tracker=tracker, run_name=status.name, tags=tags)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM stops the whole sweep
-        fail("interrupted", _describe_stop(exc, cfg, hc))
+        fail("interrupted", describe_stop(exc, cfg, hc))
+        status.status = "killed"
         sys.exit(128 + signal.SIGTERM if isinstance(exc, Terminated) else 130)
     except FedexpError as exc:
-        return fail(str(exc), _describe_stop(exc, cfg, hc))
+        return fail(str(exc), describe_stop(exc, cfg, hc))
     except Exception as exc:  # noqa: BLE001 - a bug in one job must not stop the sweep
         where = Path(cfg.output_dir) / "traceback.txt"
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -336,8 +310,15 @@ def _sweep_job_run(
             signal.signal(signal.SIGTERM, previous)
     status.run_id = getattr(tracker, "run_id", None)  # None: nothing tracked (tracker=none)
     status.metrics = _headline(result)
+    for key in status.metrics:  # the best round of each, for the parent run's summary
+        best = best_of(Path(result.output_dir) / "rounds.csv", key)
+        if best is not None:
+            status.best[key] = best
     value = _objective(cfg, result)
-    line = "  ".join([status.name, *(f"{k}={v:.4f}" for k, v in status.metrics.items())])
+    from fedexp.tuning import job_metrics
+
+    shown = job_metrics(cfg, result.metrics)  # the objective first in a tuning sweep
+    line = "  ".join([status.name, *(f"{k}={v:.4f}" for k, v in shown.items())])
     line += f"  run {status.run_id}" if status.run_id else ""
     if math.isnan(value):  # the sweeper sees a failed trial: so does the summary
         from fedexp.tuning import objective_key
@@ -347,7 +328,8 @@ def _sweep_job_run(
         line += f"  (objective {key}: NaN)"
     else:
         status.status = "ok"
-    print(f"{job_prefix()}{line}", flush=True)
+    if not quiet:
+        print(f"{job_prefix()}{line}", flush=True)
     return value
 
 
@@ -429,8 +411,13 @@ def main() -> None:
 
         report(args[1:])
         return
+    if args[0] == "ui":
+        from fedexp.ui import main as ui
+
+        ui(args[1:])
+        return
     if args[0] != "run":
-        print(f"fedexp: unknown command {args[0]!r} (expected: run or report)", file=sys.stderr)
+        print(f"fedexp: unknown command {args[0]!r} (expected: run, report or ui)", file=sys.stderr)
         sys.exit(2)
     bad = _hydra_code_override(args[1:])
     if bad:
@@ -477,7 +464,13 @@ def main() -> None:
 def _end_unfinished_sweep(exc: BaseException) -> None:
     """Summarise a sweep that stopped before its end and end its parent run.
 
-    See :func:`fedexp.sweep.end_unfinished`: KILLED on Ctrl-C or SIGTERM, FAILED otherwise.
+    See :func:`fedexp.sweep.end_unfinished`: KILLED on Ctrl-C or SIGTERM (the jobs' runs
+    still RUNNING too), FAILED otherwise. Ctrl-C that reached the launching process itself
+    (joblib's launcher: the jobs run in workers) exits 130 after the summary, without
+    Python's traceback of the interrupted launcher.
+
+    Raises:
+        SystemExit: 130, in place of a KeyboardInterrupt once a sweep was summarised.
     """
     sweep = sys.modules.get("fedexp.sweep")
     if sweep is None:
@@ -485,7 +478,11 @@ def _end_unfinished_sweep(exc: BaseException) -> None:
     code = exc.code if isinstance(exc, SystemExit) else 130
     killed = isinstance(exc, KeyboardInterrupt) or code in (130, 128 + signal.SIGTERM)
     why = "interrupted" if killed else f"an error above, exit code {code}"
-    sweep.end_unfinished(why, "KILLED" if killed else "FAILED")
+    if isinstance(exc, Terminated) or code == 128 + signal.SIGTERM:
+        why = "terminated (SIGTERM)"
+    summary = sweep.end_unfinished(why, "KILLED" if killed else "FAILED")
+    if summary is not None and isinstance(exc, KeyboardInterrupt):
+        raise SystemExit(128 + signal.SIGTERM if isinstance(exc, Terminated) else 130)
 
 
 def __getattr__(name: str) -> Any:

@@ -32,6 +32,10 @@ usage:
                                                   at the end; exit code 1 if any job failed
   fedexp report --experiment NAME [...]           mean ± std tables over seeds from MLflow
                                                   (fedexp report --help)
+  fedexp ui [--uri URI] [--port N] [--experiment NAME]
+                                                  MLflow's web UI on the runs' store (default:
+                                                  sqlite:///mlflow.db here) on 127.0.0.1, and
+                                                  the link that opens it; Ctrl-C stops it
   fedexp --help, fedexp run --help                this help
   fedexp run --hydra-help                         Hydra's own options (--cfg job, --info, ...)
 """
@@ -45,6 +49,7 @@ examples:
   fedexp run -m algorithm=fedavg,ditto seed=0,1,2 hydra/launcher=parallel
   fedexp run -m +experiment=pfednet_tables hydra/launcher=parallel
   fedexp report -e fedexp/pfednet_tables --rows choice.algorithm --cols partition.delta
+  fedexp ui                                       look at the runs in MLflow's web UI
 """
 
 

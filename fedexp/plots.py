@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -18,6 +19,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 MAX_CLIENT_PANELS = 64
 #: Beyond :data:`MAX_CLIENT_PANELS`: this many worst, median and best clients get one each.
 CLIENTS_PER_GROUP = 8
+#: Client models whose relative spread (their total variance about the mean model over their
+#: mean squared norm) is below this are shown as equal, not as a PCA of rounding noise: a
+#: relative RMS difference of 1e-5, some 100 float32 ulps (FedAvg's clients all evaluate one
+#: global model; pFedNet at a small λ leaves differences of 1e-8).
+MODEL_SPREAD_TOL = 1e-10
 
 
 def plot_rounds(history: list[dict[str, float]], path: Path, metric: str = "acc") -> Path | None:
@@ -56,10 +62,51 @@ def plot_rounds(history: list[dict[str, float]], path: Path, metric: str = "acc"
     return path
 
 
+@dataclass
+class ModelPCA:
+    """The clients' models in PCA coordinates, as :func:`plot_client_models` draws them.
+
+    Attributes:
+        coords: ``(N, 2)`` the first two principal coordinates (zeros when ``equal``).
+        explained: the share of the total variance of PC1 and PC2 (zeros when ``equal``).
+        spread: the relative spread: total variance about the mean model over the mean
+            squared norm of the models (0 for all-zero models).
+    """
+
+    coords: torch.Tensor
+    explained: list[float]
+    spread: float
+
+    @property
+    def equal(self) -> bool:
+        """The models differ by less than :data:`MODEL_SPREAD_TOL`: nothing to project."""
+        return self.spread < MODEL_SPREAD_TOL
+
+
+def client_model_pca(models: torch.Tensor) -> ModelPCA:
+    """PCA of ``(N, d)`` client models, or, below :data:`MODEL_SPREAD_TOL`, none."""
+    x = models.detach().double().cpu()
+    n = x.shape[0]
+    centred = x - x.mean(dim=0, keepdim=True)
+    scale = float((x**2).sum(dim=1).mean())
+    spread = float((centred**2).sum(dim=1).mean()) / scale if scale > 0 else 0.0
+    coords = torch.zeros(n, 2, dtype=torch.float64)
+    if spread < MODEL_SPREAD_TOL:
+        return ModelPCA(coords, [0.0, 0.0], spread)
+    u, s, _ = torch.linalg.svd(centred, full_matrices=False)
+    k = min(2, s.numel())
+    coords[:, :k] = u[:, :k] * s[:k]
+    var = (s**2) / (s**2).sum()
+    return ModelPCA(coords, [float(var[i]) if i < k else 0.0 for i in range(2)], spread)
+
+
 def plot_client_models(
     models: torch.Tensor, path: Path, edges: torch.Tensor | None = None
 ) -> Path | None:
     """PCA scatter of the clients' evaluated models (pFedNet Figure 2), with the graph's edges.
+
+    Models that differ by less than :data:`MODEL_SPREAD_TOL` (relative) are not projected: the
+    figure says they are equal, with their spread, instead of plotting rounding noise.
 
     Args:
         models: ``(N, d)`` one evaluated model per client.
@@ -68,31 +115,31 @@ def plot_client_models(
     """
     if models.shape[0] < 2:
         return None
-    x = models.detach().double().cpu()
-    x = x - x.mean(dim=0, keepdim=True)
-    if float(x.abs().max()) == 0.0:
-        coords = torch.zeros(x.shape[0], 2, dtype=torch.float64)
-        explained = [0.0, 0.0]
-    else:
-        u, s, _ = torch.linalg.svd(x, full_matrices=False)
-        k = min(2, s.numel())
-        coords = torch.zeros(x.shape[0], 2, dtype=torch.float64)
-        coords[:, :k] = u[:, :k] * s[:k]
-        var = (s**2) / (s**2).sum()
-        explained = [float(var[i]) if i < k else 0.0 for i in range(2)]
+    pca = client_model_pca(models)
+    n = models.shape[0]
     fig, ax = plt.subplots(figsize=(5.2, 4.6))
-    if edges is not None:
-        for i, j in edges.cpu().tolist():
-            ax.plot(coords[[i, j], 0], coords[[i, j], 1], color="0.75", lw=0.8, zorder=1)
-    ax.scatter(coords[:, 0], coords[:, 1], c=range(x.shape[0]), cmap="viridis", zorder=2)
-    if x.shape[0] <= 30:
-        for n, (a, b) in enumerate(coords.tolist()):
-            ax.annotate(str(n), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set(
-        xlabel=f"PC1 ({explained[0]:.0%})",
-        ylabel=f"PC2 ({explained[1]:.0%})",
-        title="clients' evaluated models (PCA)",
-    )
+    if pca.equal:
+        ax.text(
+            0.5,
+            0.5,
+            f"all {n} client models equal\n(relative spread {pca.spread:.2g}, "
+            f"below the tolerance {MODEL_SPREAD_TOL:g})",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+        )
+        ax.set(xticks=[], yticks=[], xlabel="PC1", ylabel="PC2")
+    else:
+        coords = pca.coords
+        if edges is not None:
+            for i, j in edges.cpu().tolist():
+                ax.plot(coords[[i, j], 0], coords[[i, j], 1], color="0.75", lw=0.8, zorder=1)
+        ax.scatter(coords[:, 0], coords[:, 1], c=range(n), cmap="viridis", zorder=2)
+        if n <= 30:
+            for i, (a, b) in enumerate(coords.tolist()):
+                ax.annotate(str(i), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set(xlabel=f"PC1 ({pca.explained[0]:.0%})", ylabel=f"PC2 ({pca.explained[1]:.0%})")
+    ax.set_title("clients' evaluated models (PCA)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

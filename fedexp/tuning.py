@@ -15,6 +15,12 @@ failed trial before going on.
 A search space the Optuna sweeper would refuse is caught before Hydra runs by
 :func:`fedexp.search_space.search_space_errors`.
 
+The same callback, in the process that runs the study, writes Optuna's log lines without
+colour codes where stderr is no terminal (a log file, a pipe: :func:`plain_optuna_logs`), and
+at the end of the study warns, one line per parameter, when the best value lies at the edge of
+its search range (:func:`edge_warnings`: the optimum may lie beyond it). A trial's job line
+shows the objective first (:func:`job_metrics`).
+
 No torch or MLflow import: the CLI imports this module after Hydra, to return a job's value.
 """
 
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
@@ -39,6 +47,13 @@ HEADLINES = ("iou", "acc")
 
 #: Prefix of the validation split's metrics (``fedexp.engine.engine.Engine.evaluate``).
 VAL_PREFIX = "val/"
+
+#: A best value within this share of its search range (of its logarithm on a log scale) from
+#: one end lies "at the edge" of the range (:func:`edge_warnings`).
+EDGE_SHARE = 0.05
+
+#: Optuna's own log line format (``optuna.logging``), kept with or without colour.
+OPTUNA_FORMAT = "[%(levelname)1.1s %(asctime)s] %(message)s"
 
 _warned = False
 
@@ -81,6 +96,161 @@ def objective_value(cfg: Mapping[str, Any], metrics: Mapping[str, float]) -> flo
     return value if math.isfinite(value) else math.nan
 
 
+def job_metrics(cfg: Mapping[str, Any], metrics: Mapping[str, float]) -> dict[str, float]:
+    """What a sweep job's line shows: the objective first where a sweeper optimises it.
+
+    ``{"val/acc/mean": 0.91, "acc/mean": 0.88}`` in a tuning sweep (the objective, then the
+    headline test metric); ``{"acc/mean": 0.88}`` in a plain grid sweep, where nothing is
+    optimised. Metrics the run lacks are left out.
+
+    Args:
+        cfg: the run's config (``val_fraction``).
+        metrics: the run's final metrics.
+    """
+    out: dict[str, float] = {}
+    if _optimised():
+        key = objective_key(cfg, metrics)
+        if key in metrics:
+            out[key] = float(metrics[key])
+    test = f"{headline(metrics)}/mean"
+    if test in metrics:
+        out.setdefault(test, float(metrics[test]))
+    return out
+
+
+def plain_optuna_logs() -> None:
+    """Optuna's log lines with colour codes on a terminal only, never in a file or a pipe.
+
+    Optuna's own handler colours every line (colorlog, whatever the stream); this replaces it
+    with one on stderr whose formatter drops the codes when stderr is no terminal (and with
+    ``NO_COLOR`` set). Idempotent.
+    """
+    import colorlog
+    import optuna
+
+    logger = logging.getLogger("optuna")
+    if any(getattr(h, "fedexp_plain", False) for h in logger.handlers):
+        return
+    optuna.logging.disable_default_handler()
+    handler = logging.StreamHandler()  # sys.stderr, as Optuna's
+    handler.setFormatter(
+        colorlog.ColoredFormatter(f"%(log_color)s{OPTUNA_FORMAT}", stream=handler.stream)
+    )
+    handler.fedexp_plain = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def edge_of(distribution: Any, value: Any) -> tuple[str, float, str] | None:
+    """Where ``value`` lies at the edge of an Optuna ``distribution``, or None.
+
+    Returns:
+        ``("upper", 1.0, "[0.0001, 1] (log scale)")``: which end, its value and the range as
+        text. A numeric range (an interval, a range, an int): within :data:`EDGE_SHARE` of
+        its width from an end (of its logarithm's, on a log scale); numeric choices, three or
+        more: the smallest or the largest (with two, every value is an end: no warning).
+    """
+    v = _number(value)
+    if v is None:
+        return None
+    choices = getattr(distribution, "choices", None)
+    if choices is not None:
+        numbers = sorted({n for n in map(_number, choices) if n is not None})
+        if len(numbers) < 3 or len(numbers) != len(set(choices)):
+            return None
+        text = "{" + ", ".join(f"{n:g}" for n in numbers) + "}"
+        if v == numbers[0]:
+            return "lower", numbers[0], text
+        if v == numbers[-1]:
+            return "upper", numbers[-1], text
+        return None
+    low, high = (
+        _number(getattr(distribution, "low", None)),
+        _number(getattr(distribution, "high", None)),
+    )
+    if low is None or high is None or not low < high:
+        return None
+    log = bool(getattr(distribution, "log", False)) or "Log" in type(distribution).__name__
+    text = f"[{low:g}, {high:g}]" + (" (log scale)" if log else "")
+    if log and low > 0 and v > 0:
+        share = (math.log(v) - math.log(low)) / (math.log(high) - math.log(low))
+    else:
+        share = (v - low) / (high - low)
+    if share <= EDGE_SHARE:
+        return "lower", low, text
+    if share >= 1 - EDGE_SHARE:
+        return "upper", high, text
+    return None
+
+
+def edge_warnings(distributions: Mapping[str, Any], best: Mapping[str, Any]) -> list[str]:
+    """One line per parameter whose best value lies at the edge of its search range."""
+    lines = []
+    for name, value in best.items():
+        if name not in distributions:
+            continue
+        edge = edge_of(distributions[name], value)
+        if edge is None:
+            continue
+        side, end, text = edge
+        lines.append(
+            f"the best {name}={value:g} lies at the {side} end ({end:g}) of its search range "
+            f"{text}: the optimum may lie beyond it; widen the range and tune again"
+        )
+    return lines
+
+
+def search_space(config: Any) -> dict[str, Any]:
+    """The Optuna sweeper's distributions of a sweep's config, as the sweeper builds them.
+
+    ``hydra.sweeper.params`` then the command line's overrides (which win), through the
+    plugin's own conversion; empty where another sweeper ran or the plugin is missing.
+    """
+    from omegaconf import OmegaConf
+
+    if not _optuna_sweep(config):
+        return {}
+    try:
+        from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+    except ImportError:
+        return {}
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None)
+    words = (
+        [f"{k}={v}" for k, v in (OmegaConf.to_container(params) or {}).items()] if params else []
+    )
+    words += [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or []]
+    try:
+        distributions, _ = create_params_from_overrides(words)
+    except Exception:  # noqa: BLE001 - the sweep itself already parsed them; nothing to warn
+        return {}
+    return distributions
+
+
+def _optuna_sweep(config: Any) -> bool:
+    """Whether the sweep's sweeper is Hydra's Optuna sweeper."""
+    from omegaconf import OmegaConf
+
+    target = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
+    return "optuna" in target.lower()
+
+
+def _best_params(sweep_dir: str | Path) -> dict[str, Any]:
+    """``best_params`` of ``<sweep dir>/optimization_results.yaml`` (empty when absent)."""
+    import yaml
+
+    path = Path(sweep_dir) / "optimization_results.yaml"
+    if not path.is_file():
+        return {}
+    data = yaml.safe_load(path.read_text()) or {}
+    best = data.get("best_params") if isinstance(data, dict) else None
+    return dict(best) if isinstance(best, dict) else {}
+
+
 class NaNTrialsFail(Callback):
     """Hydra callback: a job that returned NaN is a failed job (so a failed Optuna trial).
 
@@ -89,7 +259,25 @@ class NaNTrialsFail(Callback):
     job's result to the sweeper; the job's status becomes FAILED with a
     :class:`~fedexp.errors.FedexpError` saying why, which the Optuna sweeper records as a
     failed trial (``max_failure_rate: 1.0`` in the configs: the study goes on).
+
+    In the process that runs the study, :meth:`on_multirun_start` makes Optuna's log lines
+    plain where stderr is no terminal (:func:`plain_optuna_logs`) and :meth:`on_multirun_end`
+    warns on stderr, one line per parameter, when the best value lies at the edge of its
+    search range (:func:`edge_warnings`).
     """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Optuna's log lines without colour codes in files and pipes."""
+        if _optuna_sweep(config):
+            plain_optuna_logs()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Warn about best values at the edge of their search range."""
+        distributions = search_space(config)
+        if not distributions:
+            return
+        for line in edge_warnings(distributions, _best_params(config.hydra.sweep.dir)):
+            print(f"fedexp: warning: {line}", file=sys.stderr, flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         """Mark a job that returned NaN as failed."""

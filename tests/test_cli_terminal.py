@@ -106,7 +106,7 @@ def test_slurm_launcher_off_a_cluster_is_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing ran, no folder made
 
 
-def test_single_run_is_named_by_its_choices_and_seed(tmp_path):
+def test_single_run_is_named_by_what_its_command_line_changes(tmp_path):
     uri = f"sqlite:///{tmp_path}/m.db"
     args = ["rounds=1", "num_clients=3", "progress=none", "device=cpu", "checkpoint_every=0"]
     proc = run_cli(
@@ -122,7 +122,9 @@ def test_single_run_is_named_by_its_choices_and_seed(tmp_path):
     assert "Per-client results" in proc.stdout  # a single run keeps its table
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("fedexp").experiment_id])
-    assert [r.info.run_name for r in runs] == ["local · breast_cancer · logreg · seed 3"]
+    # algorithm first, then the settings that change results, the seed last (not progress,
+    # device, checkpoint_every, tracker.uri, hydra.*); the default run keeps its long name
+    assert [r.info.run_name for r in runs] == ["local rounds=1 N=3 s3"]
     assert "mlflow.parentRunId" not in runs[0].data.tags
 
 

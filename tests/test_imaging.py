@@ -12,7 +12,7 @@ import pytest
 import torch
 from monai.metrics import compute_confusion_matrix_metric, get_confusion_matrix
 
-from fedexp.cli import _print_table
+from fedexp.cli_output import print_table as _print_table
 from fedexp.data import partitions as P
 from fedexp.data.imaging import brats, luna16
 from fedexp.engine.runner import build_engine, run

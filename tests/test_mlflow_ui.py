@@ -46,5 +46,5 @@ def test_run_and_sweep_lines_link_to_the_machine_learning_view(tmp_path):
     tracker.end()
     exp = tracker.client.get_experiment_by_name("links").experiment_id
     text = tracker.describe()
-    assert f"mlflow ui --backend-store-uri {uri}" in text
+    assert f" ui --uri {uri}, then open " in text  # `fedexp ui`, one line
     assert experiment_url("http://127.0.0.1:5000", exp) in text

@@ -336,8 +336,8 @@ def test_reach_reads_the_bytes_at_the_first_round_at_target(store, capsys, tmp_p
     assert code == 0 and png.stat().st_size > 0
     rows = md_rows(out)
     # FedAvg reaches 0.9 at rounds 2 and 1: 20 and 10 KiB up, 80 and 40 KiB down
-    assert rows["fedavg"][:3] == ["2/2", "15.0", "60.0"]
-    assert rows["local"][:3] == ["0/1", "nan", "nan"]
+    assert rows["FedAvg"][:3] == ["2/2", "15.0", "60.0"]
+    assert rows["Local"][:3] == ["0/1", "nan", "nan"]
 
 
 # --- bad options create nothing (issue 24, item 4) ---------------------------------------------

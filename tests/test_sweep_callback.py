@@ -52,10 +52,10 @@ def test_varying_keys(task, params, expected):
     assert varying_keys(task, params) == expected
 
 
-def test_child_name_is_override_dirname_without_the_constant_keys():
+def test_child_name_is_short_value_first_without_the_constant_keys():
     job = ["seed=2", "algorithm=ditto", "rounds=5", "tracker.uri=sqlite\\:///m.db", "+x.y=1"]
-    assert child_name(job, ["algorithm", "seed"]) == "algorithm=ditto,seed=2"
-    assert child_name(job, ["x.y"]) == "x.y=1"
+    assert child_name(job, ["algorithm", "seed"]) == "ditto s2"
+    assert child_name(job, ["x.y"]) == "y=1"
     assert child_name(job, []) == ""
 
 
@@ -138,7 +138,7 @@ def test_parent_run_summary_and_outcome(tmp_path, capsys, uri):
     out = capsys.readouterr().out
     assert "sweep done, 3 jobs: 1 ok, 2 failed" in out
     assert "  failed: [job 1 seed=1] lr=-1.0: expected > 0\n" in out
-    assert "  failed: [job 2 seed=2] no status recorded" in out
+    assert "  failed: [job 2 s2] no status recorded" in out
     tables = next(ln for ln in out.splitlines() if ln.startswith("tables: "))
     expected = ["--uri", uri, "--experiment", "my-study", "--rows", "choice.algorithm"]
     assert shlex.split(tables)[3:] == expected

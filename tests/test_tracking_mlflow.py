@@ -115,13 +115,14 @@ def test_system_metrics_are_sampled_while_the_run_is_open(finished):
     assert not _monitors_alive()  # and stopped when it ended
 
 
-def test_round_is_the_step_and_constant_byte_counts_are_logged_once(finished):
+def test_round_is_the_step_and_constant_byte_counts_are_logged_every_round(finished):
     c, rid = finished.client, finished.res.run_id
     assert "round" not in finished.run.data.metrics
     up = c.get_metric_history(rid, "bytes/up")
-    assert [(m.step, m.value) for m in up] == [(1, DENSE_BYTES)]  # dense: the same each round
-    assert [m.step for m in c.get_metric_history(rid, "bytes/down")] == [1]
-    assert [m.step for m in c.get_metric_history(rid, "bytes/up_dense")] == [1]
+    # dense: the same each round, logged each round (a line in MLflow's charts, not a dot)
+    assert sorted((m.step, m.value) for m in up) == [(1, DENSE_BYTES), (2, DENSE_BYTES)]
+    assert _steps(c, rid, "bytes/down") == [1, 2]
+    assert _steps(c, rid, "bytes/up_dense") == [1, 2]
     cum = sorted(c.get_metric_history(rid, "bytes/up_cum"), key=lambda m: m.step)
     assert [(m.step, m.value) for m in cum] == [(1, DENSE_BYTES), (2, 2 * DENSE_BYTES)]
     assert _steps(c, rid, "acc/mean") == [0, 1, 2]
@@ -174,6 +175,6 @@ def test_compressed_bytes_are_logged_every_round_and_system_metrics_can_be_off(f
     assert [m.step for m in up] == [1, 2, 3]
     assert len({m.value for m in up}) == 3  # top-k positions are coded: sizes vary
     assert _steps(client, res.run_id, "bytes/up_cum") == [1, 2, 3]
-    assert _steps(client, res.run_id, "bytes/up_dense") == [1]  # the dense equivalent does not
+    assert _steps(client, res.run_id, "bytes/up_dense") == [1, 2, 3]  # constant: every round too
     metrics = client.get_run(res.run_id).data.metrics
     assert not [k for k in metrics if k.startswith("system/")] and "round" not in metrics

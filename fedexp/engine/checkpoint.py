@@ -14,6 +14,15 @@ digest, so a changed digit in the header is caught as surely as a flipped bit in
 both are checked on load, and a mismatch is a :class:`CheckpointError` naming the file. A
 checkpoint without a seal (written by an older fedexp, or stripped) is refused unless the
 caller accepts it unverified (``resume_unsealed=true``: loaded with a warning).
+
+The good checkpoint: beside ``last.safetensors`` the folder keeps ``good.safetensors``, the
+last checkpoint whose round the runner found healthy (:func:`fedexp.engine.runner._healthy`),
+which is what a rescue after a divergence resumes from (:func:`rescue_point`). It is never
+written twice: when the last checkpoint is healthy, :func:`promote` makes ``good.safetensors``
+a hard link to it (a copy only where the file system has no hard links), atomically; the next
+:func:`save` renames a new file over ``last.safetensors``, so the good one keeps the old file
+and the two take twice the space only while they differ. Every checkpoint's metadata records
+the round of the folder's good checkpoint when it was written (``good_round``, None: none yet).
 """
 
 from __future__ import annotations
@@ -22,9 +31,10 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -32,7 +42,10 @@ from safetensors.torch import load_file, save_file
 from fedexp.errors import CheckpointError
 
 FILENAME = "last.safetensors"
+#: The last checkpoint of a healthy round (see the module's docstring).
+GOOD_FILENAME = "good.safetensors"
 _TMP_PREFIX = f".{FILENAME}.tmp-"
+_TMP_PREFIXES = (_TMP_PREFIX, f".{GOOD_FILENAME}.tmp-")
 #: A temporary file of a live process older than this is stale too (its pid was reused).
 _STALE_AFTER_S = 3600.0
 
@@ -73,15 +86,16 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_temps(folder: str | Path) -> list[Path]:
     """Remove temporary checkpoint files left by dead writers in ``folder``; returns them.
 
-    A temporary file is stale when its writer's pid is not alive, is this process (which is
-    not writing now), or its file is older than an hour.
+    Those of ``last.safetensors`` and of ``good.safetensors`` alike. A temporary file is stale
+    when its writer's pid is not alive, is this process (which is not writing now), or its file
+    is older than an hour.
     """
     removed = []
     folder = Path(folder)
     if not folder.is_dir():
         return removed
-    for tmp in folder.glob(_TMP_PREFIX + "*"):
-        suffix = tmp.name.removeprefix(_TMP_PREFIX)
+    for prefix, tmp in ((p, t) for p in _TMP_PREFIXES for t in folder.glob(p + "*")):
+        suffix = tmp.name.removeprefix(prefix)
         pid = int(suffix) if suffix.isdigit() else None
         try:
             old = time.time() - tmp.stat().st_mtime > _STALE_AFTER_S
@@ -138,13 +152,107 @@ def save(directory: str | Path, tensors: dict[str, Any], meta: dict[str, Any]) -
     return final
 
 
+def promote(directory: str | Path) -> Path:
+    """Make the folder's last checkpoint its good one too; returns the good file's path.
+
+    ``good.safetensors`` becomes a hard link to ``last.safetensors`` (no byte written), or a
+    copy where the file system has no hard links, through a temporary file renamed over the
+    previous good one, so a crash leaves either the old good checkpoint or the new one.
+    """
+    folder = Path(directory)
+    source, final = folder / FILENAME, folder / GOOD_FILENAME
+    tmp = folder / f".{GOOD_FILENAME}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:  # no hard links here (some network and FAT file systems): a copy
+            shutil.copyfile(source, tmp)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return final
+
+
+def peek(path: str | Path) -> dict[str, Any] | None:
+    """A checkpoint file's JSON metadata (round, ...), read from its header alone.
+
+    Neither the tensors nor the seal are read or checked (:func:`load` does); None when the
+    file is absent or is not a fedexp checkpoint.
+    """
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            meta = json.loads((fh.metadata() or {})["fedexp"])
+        return meta if isinstance(meta, dict) and isinstance(meta.get("round"), int) else None
+    except Exception:  # noqa: BLE001 - absent, torn or foreign: no checkpoint to speak of
+        return None
+
+
+def good_round(directory: str | Path, before: int) -> int | None:
+    """The round of the folder's good checkpoint (None: none), before round ``before``.
+
+    For the metadata of a checkpoint of round ``before`` that is not healthy itself. A good
+    checkpoint of round ``before`` or later is not of the run being checkpointed (it was left
+    by a run resumed from an earlier checkpoint): it is removed.
+    """
+    file = Path(directory) / GOOD_FILENAME
+    meta = peek(file)
+    if meta is None:
+        return None
+    if meta["round"] >= before:
+        log.info("%s (round %d) is not of this run's past: removed", file, meta["round"])
+        file.unlink(missing_ok=True)
+        return None
+    return meta["round"]
+
+
+class RescuePoint(NamedTuple):
+    """Where a run that diverged can be resumed from (:func:`rescue_point`).
+
+    ``kind``: ``"last"`` (the last checkpoint, healthy itself, or written by an older fedexp
+    that kept no good one: ``resume`` names the folder), ``"good"`` (the last checkpoint was
+    taken while the loss blew up; ``resume`` names the good file, of an earlier round),
+    ``"unhealthy"`` (checkpoints were kept, none healthy: start again) or ``"none"``.
+    """
+
+    kind: str
+    resume: Path | None
+    round: int | None
+    last_round: int | None
+
+
+def rescue_point(folder: str | Path) -> RescuePoint:
+    """The checkpoint of ``folder`` a rescue (a smaller lr) should resume from.
+
+    The last checkpoint when its round was healthy, else the good one; a last checkpoint
+    without ``good_round`` metadata (an older fedexp's, or unreadable) is resumed as before.
+    """
+    folder = Path(folder)
+    last, good = peek(folder / FILENAME), peek(folder / GOOD_FILENAME)
+    last_round = None if last is None else last["round"]
+    if last is not None and "good_round" in last and last["good_round"] == last_round:
+        return RescuePoint("last", folder, last_round, last_round)
+    if good is not None:
+        return RescuePoint("good", folder / GOOD_FILENAME, good["round"], last_round)
+    if last is not None and "good_round" in last:
+        return RescuePoint("unhealthy", None, None, last_round)
+    if (folder / FILENAME).exists():
+        return RescuePoint("last", folder, last_round, last_round)
+    return RescuePoint("none", None, None, None)
+
+
 def load(
     path: str | Path, device: torch.device | str = "cpu", *, allow_unsealed: bool = False
 ) -> tuple[dict[str, Any], dict]:
     """Read a checkpoint (a file or the folder holding ``last.safetensors``).
 
     Args:
-        path: the file or its folder.
+        path: the file (``last.safetensors``, ``good.safetensors``, ...) or its folder.
         device: where the tensors go.
         allow_unsealed: accept a checkpoint without a seal, unverified (with a warning);
             otherwise it is refused.

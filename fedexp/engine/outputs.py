@@ -20,9 +20,13 @@ from fedexp.engine.engine import Engine
 CLIENT_TABLE = "clients_rounds.json"
 
 
+#: Columns of the per-client table that count (written as integers, not ``3.0``).
+_COUNTS = ("round", "client", "num_test")
+
+
 def _table_rows(client_history: list[dict[str, float]]) -> list[dict[str, Any]]:
-    """clients_rounds.csv's rows with ``round`` and ``client`` as integers."""
-    return [{**r, "round": int(r["round"]), "client": int(r["client"])} for r in client_history]
+    """clients_rounds.csv's rows with ``round``, ``client`` and ``num_test`` as integers."""
+    return [{**r, **{k: int(r[k]) for k in _COUNTS if k in r}} for r in client_history]
 
 
 def _write_outputs(
@@ -38,9 +42,10 @@ def _write_outputs(
     - ``config.yaml``: the resolved config.
     - ``clients.csv``: one row per client: its number of training samples, its final test
       metrics and its best value of each over the evaluated rounds (``best_<metric>``).
-    - ``rounds.csv``: one row per round, every metric (``round`` included; a round without
-      evaluation has empty test columns).
-    - ``clients_rounds.csv``: one row per client and evaluated round: its test metrics.
+    - ``rounds.csv``: one row per round, every metric (``round`` included, an integer; a round
+      without evaluation has empty test columns).
+    - ``clients_rounds.csv``: one row per client and evaluated round (``round``, ``client``
+      and ``num_test`` integers): its test metrics.
     - ``curves.png``: the test metric across clients, mean training loss and cumulative bytes
       per round.
     - ``clients.png``: each client's test metric over rounds (:func:`~fedexp.plots.plot_clients`).
@@ -55,7 +60,7 @@ def _write_outputs(
         with open(files[-1], "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=keys)
             writer.writeheader()
-            writer.writerows(client_history)
+            writer.writerows(_table_rows(client_history))  # round 3, client 0: not 3.0, 0.0
     OmegaConf.save(cfg, files[0], resolve=True)
     with open(files[1], "w", newline="") as fh:
         keys = list(per_client[0])
@@ -75,7 +80,7 @@ def _write_outputs(
     with open(files[2], "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
-        writer.writerows(history)
+        writer.writerows({**h, "round": int(h["round"])} if "round" in h else h for h in history)
     from fedexp.plots import plot_client_models, plot_clients, plot_rounds
 
     edges = engine.server.get("edges")

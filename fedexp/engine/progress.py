@@ -5,15 +5,23 @@ columns up: only the metrics text after them is cut short (ending in ``…``).
 
 Inside a job of a sweep (``fedexp run -m``), :func:`job_label` marks every log line of the job,
 the progress lines included, with the job's id (``[job 3] round 2/50 acc/mean=...``), so that
-the lines of parallel jobs can be told apart; the bar starts with the same label.
+the lines of parallel jobs can be told apart. A sweep's job keeps its per-round lines off the
+terminal (``quiet``: its console handlers pass warnings and errors only) and in its own log file
+(Hydra's ``<job dir>/<job name>.log``), and records its round in ``<job dir>/fedexp_progress.json``
+(:data:`PROGRESS_FILE`), which the sweep's live display reads (:mod:`fedexp.sweep`): a sweep
+prints one line per job, whatever the launcher.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -44,6 +52,14 @@ _SHOWN = (
 _label: str | None = None
 #: Whether the current job runs beside others (a parallel launcher): no bar then.
 _parallel = False
+#: The current sweep job's folder (its progress file goes there), else None.
+_folder: Path | None = None
+#: Whether the sweep's launcher draws a live display of its own (then no bar from a job).
+_live = False
+#: A sweep job's round, for the sweep's live display: ``{"round": 3, "total": 50, ...}``.
+PROGRESS_FILE = "fedexp_progress.json"
+#: Seconds between two writes of the progress file (the last round is always written).
+_PROGRESS_EVERY_S = 0.5
 
 
 def _fmt(metrics: dict[str, float]) -> str:
@@ -53,6 +69,20 @@ def _fmt(metrics: dict[str, float]) -> str:
             v = metrics[key]
             parts.append(f"{key}={v:.4g}" if not key.startswith("bytes") else f"{key}={int(v)}")
     return " ".join(parts)
+
+
+class _Quiet(logging.Filter):
+    """Lets warnings and errors through a console handler, not the info lines (rounds)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+def _console(handler: logging.Handler) -> bool:
+    """Whether ``handler`` writes to a stream other than a file (the terminal, a pipe)."""
+    return isinstance(handler, logging.StreamHandler) and not isinstance(
+        handler, logging.FileHandler
+    )
 
 
 class _JobPrefix(logging.Filter):
@@ -75,7 +105,14 @@ def job_prefix() -> str:
 
 
 @contextmanager
-def job_label(label: str, *, parallel: bool = False) -> Iterator[None]:
+def job_label(
+    label: str,
+    *,
+    parallel: bool = False,
+    quiet: bool = False,
+    folder: str | Path | None = None,
+    live: bool = False,
+) -> Iterator[None]:
     """Mark every log line of the job run inside the block with ``[label]``.
 
     The mark is a filter on the handlers of the root logger and of every logger with handlers
@@ -86,24 +123,43 @@ def job_label(label: str, *, parallel: bool = False) -> Iterator[None]:
         label: e.g. ``"job 3"``.
         parallel: the job runs beside others (joblib, SLURM): ``progress=auto`` then writes log
             lines, never a bar (bars of parallel processes would overwrite each other).
+        quiet: the console handlers among them (not the files) pass warnings and errors only:
+            a sweep's job writes its per-round lines to its log file, not to the terminal.
+        folder: the job's folder: each round is recorded in its :data:`PROGRESS_FILE`.
+        live: the sweep's launcher draws a live display: no bar from the job, even if asked.
     """
-    global _label, _parallel
-    before = _label, _parallel
-    _label, _parallel = label, parallel
+    global _label, _parallel, _folder, _live
+    before = _label, _parallel, _folder, _live
+    _label, _parallel, _live = label, parallel, live
+    _folder = Path(folder) if folder is not None else None
     marker = _JobPrefix(f"[{label}] ")
     loggers = [logging.getLogger()]
     loggers += [
         lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
     ]
     handlers = list(dict.fromkeys(h for lg in loggers for h in lg.handlers))
+    quieted = [h for h in handlers if _console(h)] if quiet else []
+    hush = _Quiet()
     for handler in handlers:
         handler.addFilter(marker)
+    for handler in quieted:
+        handler.addFilter(hush)
     try:
         yield
     finally:
         for handler in handlers:
             handler.removeFilter(marker)
-        _label, _parallel = before
+        for handler in quieted:
+            handler.removeFilter(hush)
+        _label, _parallel, _folder, _live = before
+
+
+def read_progress(folder: str | Path) -> dict | None:
+    """A sweep job's last recorded round (:data:`PROGRESS_FILE`), or None."""
+    try:
+        return json.loads((Path(folder) / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 class _MetricsColumn(ProgressColumn):
@@ -123,8 +179,9 @@ class RoundProgress:
     Args:
         total: number of rounds.
         start: rounds already done (resume).
-        mode: "auto", "bar", "log" or "none". "auto": a bar on a terminal, except in the
-            parallel jobs of a sweep, else log lines.
+        mode: "auto", "bar", "log" or "none". "auto": a bar on a terminal, else log lines; in
+            the jobs of a sweep log lines (to the job's log file: :func:`job_label`), as "bar"
+            is where the sweep draws a live display of its own.
         console: where the bar is drawn (default: stderr); tests pass a recording console.
     """
 
@@ -135,9 +192,12 @@ class RoundProgress:
             raise ValueError(f"progress={mode!r}: expected auto, bar, log or none")
         console = console or Console(file=sys.stderr)
         if mode == "auto":
-            mode = "bar" if console.is_terminal and not _parallel else "log"
+            mode = "bar" if console.is_terminal and _label is None else "log"
+        elif mode == "bar" and _live:
+            mode = "log"
         self.mode, self.total, self.start = mode, total, start
         self._latest: dict[str, float] = {}
+        self._written = 0.0  # when the progress file was last written
         self._bar: Progress | None = None
         if mode == "bar":
             fixed = {"table_column": Column(no_wrap=True)}
@@ -162,10 +222,27 @@ class RoundProgress:
     def update(self, round_: int, metrics: dict[str, float]) -> None:
         """Report that ``round_`` rounds are done, with that round's metrics."""
         self._latest.update(metrics)
+        if _folder is not None:
+            self._record(round_)
         if self._bar is not None:
             self._bar.update(self._task, completed=round_, info=_fmt(self._latest))
         elif self.mode == "log":
             log.info("round %d/%d %s", round_, self.total, _fmt(self._latest))
+
+    def _record(self, round_: int) -> None:
+        """Write the job's round to its progress file (at most every 0.5 s; never raises)."""
+        now = time.monotonic()
+        if round_ < self.total and now - self._written < _PROGRESS_EVERY_S:
+            return
+        self._written = now
+        data = {"round": round_, "total": self.total, "info": _fmt(self._latest)}
+        try:
+            path = Path(_folder) / PROGRESS_FILE
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, path)
+        except OSError:
+            pass
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:

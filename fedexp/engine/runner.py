@@ -178,30 +178,57 @@ def _check_blowup(cfg: DictConfig, history: list[dict[str, float]], metrics: dic
         )
 
 
-def _is_round_bytes(key: str) -> bool:
-    """A per-round byte count (``bytes/up``, ``bytes/up_dense``, ``bytes/<dir>/<part>``)."""
-    return key.startswith("bytes/") and not key.endswith("_cum")
+#: A checkpointed round is healthy, and its checkpoint kept as ``good.safetensors`` (what a
+#: rescue after a divergence resumes from), when its losses are at most this many times the
+#: reference loss (:func:`_healthy`).
+GOOD_LOSS_FACTOR = 10.0
+
+
+def _healthy(
+    cfg: DictConfig, history: list[dict[str, float]], client_history: list[dict[str, float]]
+) -> bool:
+    """Whether the last round of ``history`` is a sound point for a rescue to resume from.
+
+    Much stricter than the stop rule (:func:`_check_blowup`, ×``divergence_factor``): the
+    round's mean training loss and, when it was evaluated, its mean test loss are finite and
+    at most :data:`GOOD_LOSS_FACTOR` times the reference loss (:func:`_reference_loss`: the
+    initial model's test loss; ``divergence_factor`` when that is smaller), and no client's
+    test loss is infinite (the mean leaves such clients out; it is absent when none is
+    finite). The test loss is what catches a model blowing up while the training loss looks
+    fine (Ditto's global model under its personal ones). A round with neither loss is healthy.
+    """
+    row = history[-1]
+    factor = float(cfg.get("divergence_factor", 1e4) or 0)
+    bound = min(GOOD_LOSS_FACTOR, factor) if factor > 0 else GOOD_LOSS_FACTOR
+    ref = _reference_loss(history)
+    losses = [row.get("train/train_loss")]
+    if "time/eval_s" in row:  # evaluated this round
+        losses.append(row.get("loss/mean", math.nan))
+        for client in reversed(client_history):  # the round's own rows are the last ones
+            if client["round"] != row["round"]:
+                break
+            if client.get("loss") == math.inf:
+                return False
+    for loss in losses:
+        if loss is not None and not (math.isfinite(loss) and (ref is None or loss <= bound * ref)):
+            return False
+    return True
 
 
 def loggable(row: dict[str, float], previous: dict[str, float] | None) -> dict[str, float]:
-    """What of a round's metrics goes to the tracker.
+    """What of a round's metrics goes to the tracker: everything but ``round`` (the step).
 
-    Everything but ``round`` (it is the step) and the per-round byte counts whose value did
-    not change since the previous round's row (a dense run's ``bytes/up`` is the same every
-    round: it is logged at round 1, then only when it changes). Cumulative series
-    (``bytes/up_cum``, ...) and every other metric are logged every round. A pure function of
-    the history, so a resumed run logs what an uninterrupted one does.
+    Every round's byte counts too, constant ones included (a dense run's ``bytes/up`` is the
+    same every round): logged only when they changed, MLflow drew them as single dots. A pure
+    function of the round's row, so a resumed run logs what an uninterrupted one does.
 
     Args:
         row: the round's metrics (as kept in the history and in rounds.csv).
-        previous: the previous round's row (None for the first).
+        previous: the previous round's row (None for the first); not needed any more, kept
+            for the callers.
     """
-    before = previous or {}
-    return {
-        k: v
-        for k, v in row.items()
-        if k != "round" and not (_is_round_bytes(k) and k in before and before[k] == v)
-    }
+    del previous  # every round is logged whole
+    return {k: v for k, v in row.items() if k != "round"}
 
 
 def _last_logged(tracker: Tracker) -> int | None:
@@ -223,8 +250,8 @@ def run(
     What the tracker receives: the resolved config as params; provenance tags (git commit,
     package versions, device, host: :mod:`fedexp.tracking.provenance`) under ``tags``; the
     data set as an input (:mod:`fedexp.tracking.dataset_input`); each round's metrics at step
-    = round (:func:`loggable`: ``round`` is the step, constant byte counts are logged when
-    they change); at the end the files of :func:`~fedexp.engine.outputs._write_outputs` as
+    = round (:func:`loggable`: ``round`` is the step, every other metric is logged every
+    round); at the end the files of :func:`~fedexp.engine.outputs._write_outputs` as
     artifacts and the per-client table as ``clients_rounds.json``
     (:data:`~fedexp.engine.outputs.CLIENT_TABLE`).
 
@@ -326,6 +353,7 @@ def run(
                 record(metrics)
                 progress.update(t, metrics)
                 if cfg.checkpoint_every and (t % cfg.checkpoint_every == 0 or t == cfg.rounds):
+                    healthy = _healthy(cfg, history, client_history)
                     meta = {
                         "round": t,
                         "run_id": run_id,
@@ -334,8 +362,12 @@ def run(
                         "client_history": client_history,
                         "config": config_yaml,  # a later resume compares with these settings
                         "changes": changes,
+                        # the folder's good checkpoint, a rescue's start: this one if healthy
+                        "good_round": t if healthy else checkpoint.good_round(ckpt_dir, t),
                     }
                     checkpoint.save(ckpt_dir, engine.state_tree(), meta)
+                    if healthy:  # good.safetensors: a hard link to it, not a second write
+                        checkpoint.promote(ckpt_dir)
                 for callback in callbacks:
                     callback(engine, metrics)
         if not per_client:

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
     try:
         client = client_for(args.uri)
         if args.reach is not None:
-            text = _reach(client, args)
+            text = _reach(client, args, labels)
         else:
             rep = build(client, args, labels)
             for w in rep.warnings:
@@ -66,15 +66,20 @@ def _check_out(p: argparse.ArgumentParser, out: str) -> None:
             break
 
 
-def _reach(client: Any, args: argparse.Namespace) -> str:
-    """``--reach``: the bytes-to-target table (Markdown) and the optional plot."""
+def _reach(client: Any, args: argparse.Namespace, labels: dict[str, str]) -> str:
+    """``--reach``: the bytes-to-target table (Markdown) and the optional plot.
+
+    Rows named as in the other tables (display names, ``--labels``), headed by the keys' short
+    names (``choice.algorithm`` -> algorithm).
+    """
     from fedexp.report.reach import reach_plot, reach_runs, reach_table
+    from fedexp.report.render import short
 
     runs = select_runs(client, args)
     keys = args.rows + args.cols
     groups = reach_runs(client, runs, args.metric, args.reach, keys)
-    text = reach_table(groups, ",".join(keys), args.reach, args.metric) + "\n"
+    text = reach_table(groups, short(keys), args.reach, args.metric, labels) + "\n"
     if args.plot:
-        reach_plot(groups, args.plot, args.metric)
+        reach_plot(groups, args.plot, args.metric, labels, short(keys))
         text += f"\nplot: {args.plot}\n"
     return text

@@ -27,10 +27,12 @@ def statement(rep: Report) -> str:
         if a.select_by
         else ""
     )
+    single = any(len(v) == 1 for v in rep.cells.values())
     return (
         f"{a.metric}{chosen}: {agg}, × {rep.scale:g}; each cell: mean ± sample std "
-        f"(ddof = 1) over n runs (n=… in the cell); from {len(rep.runs)} runs of "
-        f"{', '.join(a.experiment)}"
+        f"(ddof = 1) over n runs (n=… in the cell)"
+        + ("; a cell of one run shows its value alone (n=1: no spread)" if single else "")
+        + f"; from {len(rep.runs)} runs of {', '.join(a.experiment)}"
         + (f", sweep {a.sweep}" if a.sweep else "")
         + (f", where {' '.join(a.where)}" if a.where else "")
     )
@@ -63,7 +65,11 @@ def selection_rows(rep: Report) -> tuple[list[str], list[list[str]], str]:
                 continue
             mean, std, n = choice.score
             setting = ", ".join(f"{k}={v}" for k, v in choice.setting.items()) or "(only one)"
-            score = f"{mean * sscale:{fmt}} ± {std * sscale:{fmt}} (n={n})" if n else "(none)"
+            score = (
+                render.cell_text(f"{mean * sscale:{fmt}}", f"{std * sscale:{fmt}}", n)
+                if n
+                else "(none)"
+            )
             cell = [render.label_of(r, rep.labels)]
             if a.cols:
                 cell.append("/".join(render.value_text(v) for v in c))
@@ -111,7 +117,8 @@ def write_text(rep: Report, fmt: str) -> str:
 def write_csv(rep: Report) -> str:
     """The report as CSV: a row per cell with mean, std, n, the runs' values, seeds, ids.
 
-    Numbers are in the table's unit (× ``scale``, also a column), at full precision.
+    Numbers are in the table's unit (× ``scale``, also a column), at full precision; the std
+    of a single value (n = 1) is empty: a sample std (ddof = 1) of one run is undefined.
     """
     a = rep.args
     head = ["row", *a.rows, *a.cols, "metric", "agg", "scale", "mean", "std", "n", "values"]
@@ -129,7 +136,7 @@ def write_csv(rep: Report) -> str:
             vals = [rep.values[x.run_id] * rep.scale for x in runs]
             mean, std, n = summary(vals)
             line: list[object] = [render.label_of(r, rep.labels), *r, *c, a.metric, str(a.agg)]
-            line += [f"{rep.scale:g}", render.number(mean), render.number(std), n]
+            line += [f"{rep.scale:g}", render.number(mean), _std(std, n), n]
             line += [" ".join(render.number(v) for v in vals)]
             line += [" ".join(x.get("seed") for x in runs), " ".join(x.run_id for x in runs)]
             if rep.ref is not None:
@@ -137,14 +144,21 @@ def write_csv(rep: Report) -> str:
                 dm, ds, dn = summary(diffs)
                 ref = "/".join(rep.ref)
                 line += (
-                    [ref, "", "", ""] if r == rep.ref else [ref, *map(render.number, (dm, ds)), dn]
+                    [ref, "", "", ""]
+                    if r == rep.ref
+                    else [ref, render.number(dm), _std(ds, dn), dn]
                 )
             if rep.choices:
                 choice = rep.choices[r + c]
                 sm, ss, sn = choice.score
                 sscale = render.default_scale(a.select_by)
                 setting = " ".join(f"{k}={v}" for k, v in choice.setting.items())
-                line += [a.select_by, render.number(sm * sscale), render.number(ss * sscale), sn]
+                line += [a.select_by, render.number(sm * sscale), _std(ss * sscale, sn), sn]
                 line += [setting, choice.candidates]
             lines.append(line)
     return render.csv_text(head, lines)
+
+
+def _std(std: float, n: int) -> str:
+    """A std for CSV: empty for a single value (n = 1), whose sample std is undefined."""
+    return "" if n == 1 else render.number(std)

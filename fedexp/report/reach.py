@@ -1,8 +1,17 @@
-"""``fedexp report --reach``: wire bytes until a metric first reaches a target value."""
+"""``fedexp report --reach``: wire bytes until a metric first reaches a target value.
+
+The table and the plot name rows as the report's tables do (the algorithms' display names,
+``--labels``: :func:`fedexp.report.render.label_of`). The plot's byte axis is logarithmic
+past the first round's bytes and linear below them, so that round 0 (0 bytes) shows; its ticks
+are powers of ten (with 2 and 5 between them over a short range) written as numbers
+(:func:`kib_ticks`).
+"""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fedexp.errors import FedexpError
@@ -14,6 +23,7 @@ from fedexp.report.collect import (
     latest_per_config,
     sort_key,
 )
+from fedexp.report.render import label_of
 from fedexp.report.stats import sample_std
 
 
@@ -69,9 +79,17 @@ def reach(
 
 
 def reach_table(
-    groups: dict[tuple[str, ...], list[dict]], key_name: str, target: float, metric: str
+    groups: dict[tuple[str, ...], list[dict]],
+    key_name: str,
+    target: float,
+    metric: str,
+    labels: Mapping[str, str] | None = None,
 ) -> str:
-    """Markdown: mean bytes up/down to reach ``target`` (runs that reached it), final metric."""
+    """Markdown: mean bytes up/down to reach ``target`` (runs that reached it), final metric.
+
+    Rows are named by ``labels`` (display names; raw values without). The final metric is the
+    mean ± sample std over the group's runs, a single run's value alone.
+    """
     import numpy as np
 
     lines = [
@@ -85,33 +103,101 @@ def reach_table(
         up = np.mean([r["up"] for r in hit]) / 1024 if hit else float("nan")
         down = np.mean([r["down"] for r in hit]) / 1024 if hit else float("nan")
         fin = np.asarray([r["final"] for r in rows])
+        final = f"{fin.mean():.4f}"
+        if len(fin) > 1:
+            final += f" ± {sample_std(fin):.4f}"
         lines.append(
-            f"| {'/'.join(g)} | {len(hit)}/{len(rows)} | {up:.1f} | {down:.1f} | "
-            f"{fin.mean():.4f} ± {sample_std(fin):.4f} |"
+            f"| {label_of(g, labels or {})} | {len(hit)}/{len(rows)} | {up:.1f} | {down:.1f} | "
+            f"{final} |"
         )
     return "\n".join(lines)
 
 
-def reach_plot(groups: dict[tuple[str, ...], list[dict]], path: str, metric: str) -> None:
-    """Metric against cumulative uplink bytes, one line per group (mean over its runs)."""
+def kib_text(value: float) -> str:
+    """A tick label in KiB: ``0``, ``0.5``, ``20``, ``1,000``, ``200,000``."""
+    if value >= 1:
+        return f"{value:,.0f}"
+    return f"{value:g}"
+
+
+def kib_ticks(values: Sequence[float]) -> tuple[str, float | None, list[float], list[str]]:
+    """The byte axis of the reach plot: scale, linear threshold, ticks and their labels.
+
+    Over less than a decade of positive values (or none), a linear axis with
+    matplotlib's own ticks (``("linear", None, [], [])``). Otherwise ``symlog``, linear below
+    the power of ten at or under the smallest positive value (so 0, round 0's bytes, shows),
+    with a tick at 0 and at every power of ten up to the largest value (every other one past
+    eight decades), and at 2 and 5 times them when the values span at most two decades; none
+    past the largest value.
+    """
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    if not positive or max(positive) / min(positive) < 10:
+        return "linear", None, [], []
+    low = math.floor(math.log10(min(positive)))
+    high = math.ceil(math.log10(max(positive)))
+    step = 1 if high - low <= 8 else 2
+    ticks = [10.0**k for k in range(low, high + 1, step)]
+    if math.log10(max(positive) / min(positive)) <= 2:
+        ticks = sorted({t * m for t in ticks for m in (1, 2, 5)})
+    # none past the largest value (set_xticks would widen the axis to show it)
+    ticks = [0.0, *(t for t in ticks if t <= max(positive) * (1 + 1e-9))]
+    return "symlog", 10.0**low, ticks, [kib_text(t) for t in ticks]
+
+
+def reach_plot(
+    groups: dict[tuple[str, ...], list[dict]],
+    path: str,
+    metric: str,
+    labels: Mapping[str, str] | None = None,
+    key_name: str = "",
+) -> dict[str, Any]:
+    """Metric against cumulative uplink bytes, one line per group (mean over its runs).
+
+    Args:
+        groups: :func:`reach_runs`' groups.
+        path: the PNG to write.
+        metric: the metric on the y axis.
+        labels: display names of the groups' values (the tables' labels).
+        key_name: the legend's title (the row keys' header).
+
+    Returns:
+        What the figure shows: ``lines`` (legend text -> (KiB, metric) points), ``xscale``,
+        ``xticks`` and ``xticklabels`` (read back from the axes).
+    """
     import numpy as np
+    from matplotlib.ticker import NullLocator
 
     from fedexp.plots import plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    lines: dict[str, tuple[list[float], list[float]]] = {}
     for g in sorted(groups, key=lambda r: [sort_key(v) for v in r]):
         rows = groups[g]
         n = min(len(r["curve_metric"]) for r in rows)
         xb = np.mean([r["curve_bytes"][:n] for r in rows], axis=0) / 1024
         ym = np.mean([r["curve_metric"][:n] for r in rows], axis=0)
-        ax.plot(xb, ym, marker=".", label="/".join(g))
+        name = label_of(g, labels or {})
+        ax.plot(xb, ym, marker=".", label=name)
+        lines[name] = (xb.tolist(), ym.tolist())
+    scale, linthresh, ticks, names = kib_ticks([x for xs, _ in lines.values() for x in xs])
+    if scale == "symlog":
+        ax.set_xscale("symlog", linthresh=linthresh, linscale=0.5)
+        ax.set_xticks(ticks, names)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(left=0)
     ax.set(
-        xscale="symlog",
         xlabel="cumulative uplink KiB",
         ylabel=metric,
         title=f"{metric} against bytes on the wire",
     )
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, title=key_name or None, title_fontsize=7)
     fig.tight_layout()
+    shown = {
+        "lines": lines,
+        "xscale": ax.get_xscale(),
+        "xticks": [float(t) for t in ax.get_xticks()],
+        "xticklabels": [t.get_text() for t in ax.get_xticklabels()],
+    }
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return shown

@@ -242,10 +242,15 @@ def table(
     return latex_grid(g) if fmt == "latex" else markdown_grid(g)
 
 
+def cell_text(mean: str, std: str, n: int, pm: str = "±") -> str:
+    """``mean ± std (n=3)``; a single run's value alone, ``0.81 (n=1)``: it has no spread."""
+    return f"{mean} (n={n})" if n == 1 else f"{mean} {pm} {std} (n={n})"
+
+
 def _md_cell(cell: Cell | None) -> str:
     if cell is None:
         return ""
-    text = f"{cell.mean} ± {cell.std} (n={cell.n})"
+    text = cell_text(cell.mean, cell.std, cell.n)
     return f"**{text}**" if cell.bold else text
 
 
@@ -308,7 +313,7 @@ def tex(text: str) -> str:
 def _tex_cell(cell: Cell | None) -> str:
     if cell is None:
         return ""
-    text = f"{tex(cell.mean)} $\\pm$ {tex(cell.std)} (n={cell.n})"
+    text = cell_text(tex(cell.mean), tex(cell.std), cell.n, pm="$\\pm$")
     return f"\\textbf{{{text}}}" if cell.bold else text
 
 

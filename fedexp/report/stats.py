@@ -1,8 +1,8 @@
 """The report's statistics: sample std, pooling conflicts, paired differences, selection.
 
 Cells are mean ± sample standard deviation with ddof = 1 (the unbiased variance's square root)
-over the n runs of the cell; one run gives std 0. numpy is imported inside the
-functions.
+over the n runs of the cell; one run gives std 0 here (the tables show its value alone, the
+CSV leaves its std empty). numpy is imported inside the functions.
 """
 
 from __future__ import annotations

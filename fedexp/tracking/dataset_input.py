@@ -7,19 +7,27 @@ dataset input (MLflow's "Datasets used" panel), the null tracker keeps it in mem
 The content hash (:func:`content_hash`) is computed from the arrays as loaded, before they are
 partitioned: two runs with the same digest trained and tested on the same numbers, whatever
 files they came from; a file edited between two runs changes it.
+
+:func:`mlflow_source` gives MLflow the record's source with its type stated (``local`` or
+``code``): MLflow's own resolution of a bare path finds two ``local`` source classes (one per
+``""`` and ``file`` scheme) and warns that the source "can be interpreted in multiple ways".
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedexp.data.dataset import ArrayDataset
+
+if TYPE_CHECKING:
+    from mlflow.data.dataset_source import DatasetSource
 
 #: MLflow stores at most 36 characters of a dataset digest: the first 32 hex digits (128 bits)
 #: of the SHA-256 go there; the whole SHA-256 is in the profile (``sha256``).
@@ -112,3 +120,20 @@ def describe_dataset(data: ArrayDataset, node: Mapping[str, Any]) -> DatasetReco
         features=(str(data.x.dtype), tuple(data.x.shape)),
         targets=(str(data.y.dtype), tuple(data.y.shape)),
     )
+
+
+def mlflow_source(record: DatasetRecord) -> DatasetSource:
+    """The record's source as an MLflow dataset source, of its type (no guessing, no warning).
+
+    A ``local`` source (a file or folder) is MLflow's local-filesystem source built from its
+    JSON form by type (``{"uri": path}``), not resolved from the bare path; a ``code`` source
+    (a loader) is a ``CodeDatasetSource`` naming the loader. mlflow is imported here: the
+    runner imports this module for every tracker.
+    """
+    if record.source_type == "local":
+        from mlflow.data.dataset_source_registry import get_dataset_source_from_json
+
+        return get_dataset_source_from_json(json.dumps({"uri": record.source}), "local")
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+
+    return CodeDatasetSource({"loader": record.source})

@@ -57,7 +57,7 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 
 from fedexp.config.ranges import PositiveInt, Range
-from fedexp.tracking.dataset_input import DatasetRecord
+from fedexp.tracking.dataset_input import DatasetRecord, mlflow_source
 from fedexp.tracking.links import experiment_url, ui_base, ui_command
 from fedexp.tracking.reaper import (  # noqa: F401 - the tags are part of this module's API
     HOST_TAG,
@@ -337,8 +337,6 @@ class MLflowTracker(Reaper):
         import json
 
         import numpy as np
-        from mlflow.data.code_dataset_source import CodeDatasetSource
-        from mlflow.data.dataset_source_registry import resolve_dataset_source
         from mlflow.data.schema import TensorDatasetSchema
         from mlflow.entities import Dataset, DatasetInput, InputTag
         from mlflow.types import Schema, TensorSpec
@@ -357,10 +355,7 @@ class MLflowTracker(Reaper):
                     record.digest,
                     d.digest,
                 )
-        if record.source_type == "local":
-            source = resolve_dataset_source(record.source)
-        else:
-            source = CodeDatasetSource({"loader": record.source})
+        source = mlflow_source(record)  # its type stated: MLflow's guess warns on a path
 
         def spec(dtype_shape: tuple[str, tuple[int, ...]]) -> Schema:
             dtype, shape = dtype_shape

@@ -1,0 +1,117 @@
+"""What ``fedexp run`` prints at the end of a run: the per-client table, or why it stopped.
+
+:func:`print_table` is the end-of-run table; :func:`describe_stop` the one line of a run that
+stopped (an error, Ctrl-C, SIGTERM) with how to go on: the resume command where a checkpoint
+was kept, and after a divergence the rescue from the last healthy checkpoint with a smaller
+``lr`` (:func:`rescue_hint`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fedexp.errors import CheckpointError, DivergenceError, Terminated
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
+    """The per-client table of a finished run, where its results are, how to view them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title="Per-client results on each client's own test split",
+        caption="mean of best rounds: each client's best evaluated round, averaged over the "
+        "clients (pFedSOP's protocol), not the best client",
+    )
+    # the task's metrics in its order (acc, bal_acc, auc / iou, label_iou, dice, acc), then loss
+    keys = [k for k in result.per_client[0] if k != "num_test"]
+    for col in ("client", "test n", *keys):
+        table.add_column(col, justify="right")
+    for n, row in enumerate(result.per_client):
+        cells = ["—" if math.isnan(row[k]) else f"{row[k]:.4f}" for k in keys]
+        table.add_row(str(n), str(int(row["num_test"])), *cells)
+    m = result.metrics
+    # rows named for what they are (the best_mean row is no best client: the caption says
+    # what it is), short enough that 80 columns hold a segmentation run's seven
+    rows = (
+        ("mean over clients", "mean"),
+        ("weighted by test n", "weighted"),
+        ("worst client", "worst"),
+        ("mean of best rounds", "best_mean"),
+    )
+    for label, suffix in rows:
+        cells = [f"{m[f'{k}/{suffix}']:.4f}" if f"{k}/{suffix}" in m else "—" for k in keys]
+        table.add_row(f"[bold]{label}", "", *cells)
+    console = Console()
+    console.print(table)
+    # paths, URIs and the `fedexp ui` command: one line each, never wrapped, never markup
+    console.print(f"results: {result.output_dir}", soft_wrap=True, markup=False)
+    console.print(result.tracker.describe(), soft_wrap=True, markup=False)
+
+
+def describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
+    """One line on why the run stopped and, where a checkpoint exists, how to resume it."""
+    text = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {exc}"
+    if isinstance(exc, Terminated):
+        text = "terminated (SIGTERM)"
+    if isinstance(exc, CheckpointError):
+        return text  # the checkpoint itself is unusable: no resume hint
+    # resume= names a checkpoints folder or a file in one (last.safetensors, good.safetensors)
+    path = Path(cfg.resume) if cfg.resume else Path(cfg.output_dir) / "checkpoints"
+    is_file = path.suffix == ".safetensors" and not path.is_dir()
+    folder = path.parent if is_file else path
+    if isinstance(exc, DivergenceError):
+        return text + rescue_hint(cfg, hc, folder, exc)
+    if (folder / "last.safetensors").exists() or is_file:
+        # resumed from a file: that file again (the good one is the last one's state while
+        # the run stays healthy; before this run's first checkpoint, last.safetensors may
+        # still be the diverged run's)
+        overrides = " ".join(o for o in hc.overrides.task if not o.startswith("resume="))
+        where = path if is_file else folder
+        text += f"; checkpoint kept: fedexp run {overrides} resume={where}".replace("  ", " ")
+    return text
+
+
+def rescue_hint(cfg: DictConfig, hc: DictConfig, folder: Path, exc: BaseException) -> str:
+    """How to go on after a divergence: the same command with lr / 10.
+
+    It resumes from the last checkpoint whose round was healthy
+    (:func:`fedexp.engine.checkpoint.rescue_point`: the folder, when its last checkpoint is
+    healthy, else its ``good.safetensors``; lr may change on resume, and the runner records
+    the change in the checkpoint and in MLflow tags), and says from which round; with no
+    healthy checkpoint it starts the run again.
+    """
+    from fedexp.engine.checkpoint import rescue_point
+
+    lr = f"lr={cfg.lr / 10:g}"
+    keep = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in ("lr", "resume")]
+    point = rescue_point(folder)
+    if point.resume is None:
+        command = shlex.join(["fedexp", "run", *keep, lr])
+        if point.kind == "unhealthy":
+            return (
+                "; no healthy checkpoint (each was taken after the loss had blown up): "
+                f"run it again with a smaller lr: {command}"
+            )
+        return f"; no checkpoint yet: run it again with a smaller lr: {command}"
+    command = shlex.join(["fedexp", "run", *keep, f"resume={point.resume}", lr])
+    if point.round is None:  # an older fedexp's checkpoint (no health recorded)
+        return f"; checkpoint kept, resume it with a smaller lr: {command}"
+    where = f"round {point.round}"
+    diverged = re.search(r"\bround (\d+)", str(exc))  # "by round 7", "in round 7"
+    if diverged and int(diverged.group(1)) - point.round > 1:  # far back: say how far
+        where += f", {int(diverged.group(1)) - point.round} rounds before the divergence"
+    if point.kind == "good":
+        after = "" if point.last_round is None else f" (to round {point.last_round})"
+        return (
+            f"; checkpoint kept, but the last ones{after} were taken as the loss blew up: "
+            f"resume the last healthy one ({where}) with a smaller lr: {command}"
+        )
+    return f"; checkpoint kept ({where}), resume it with a smaller lr: {command}"
