@@ -300,11 +300,11 @@ def test_a_sweep_in_mlflow_names_groups_colours_and_summarises(tmp_path):
     artifacts = {a.path for a in client.list_artifacts(pid)}
     assert {"sweep_summary.json", "fedexp_summary.txt"} <= artifacts
 
-    # the link opens this sweep's runs grouped by what varies (a view stored with the experiment)
+    # the link carries a view stored with the experiment; the line says what to group by
     view = next(ln for ln in proc.stdout.splitlines() if ln.startswith("view: "))
     assert f"/#/experiments/{exp.experiment_id}?workflowType=machine_learning" in view
     assert f"&viewStateShareKey={pid}&compareRunsMode=CHART" in view
-    assert view.endswith("(grouped by algorithm)")
+    assert view.endswith("(Group by ▸ algorithm averages the seeds)")
     stored = client.get_experiment(exp.experiment_id).tags[f"{SHARE_TAG_PREFIX}{pid}"]
     state = json.loads(json.loads(stored)["state"])
     assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "choice.algorithm"}]

@@ -23,7 +23,7 @@ the process that launches the sweep, whatever the launcher (sequential, joblib, 
   ``fedexp_status.json``: ok/failed/killed, the error line, run id, final and best headline).
 * ``on_multirun_end``: reads every job's status (a job folder without one counts as failed),
   prints the summary (:class:`SweepSummary`: ok/failed jobs with their errors, the best
-  configuration, the experiment and the link that opens it grouped by the varying keys, the
+  configuration, the experiment and its link (with what to group by: the varying keys), the
   ``fedexp report`` command to run), logs the sweep's summary on the parent run
   (:func:`summarise`: per configuration the final and best headline, mean over seeds, as
   metrics, a table artifact and the run's description), ends it FAILED if any job failed,

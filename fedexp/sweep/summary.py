@@ -116,7 +116,7 @@ class SweepSummary:
             parent = f" (parent run {self.parent_run_id})" if self.parent_run_id else ""
             lines.append(f"MLflow experiment: {self.experiment}{parent}")
             if self.link:
-                grouped = f" (grouped by {self.grouped})" if self.grouped else ""
+                grouped = f" (Group by ▸ {self.grouped} averages the seeds)" if self.grouped else ""
                 lines.append(f"view: {self.link}{grouped}")
         else:
             lines.append("MLflow: nothing recorded (tracker=none); results in the job folders")
