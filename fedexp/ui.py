@@ -183,17 +183,11 @@ def _experiment_link(uri: str, name: str | None, base: str) -> tuple[str, str]:
     """
     from mlflow.tracking import MlflowClient
 
-    from fedexp.report.collect import closest_first
+    from fedexp.report.collect import experiment_named
 
     client = MlflowClient(uri)
     if name is not None:
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            known = [e.name for e in client.search_experiments()]
-            raise FedexpError(
-                f"--experiment {name!r}: no such experiment in {uri}; known (closest first): "
-                f"{', '.join(closest_first(name, known)) or '(none)'}"
-            )
+        exp = experiment_named(client, name, uri)
         return experiment_url(base, exp.experiment_id), f"experiment '{exp.name}'"
     ids = [e.experiment_id for e in client.search_experiments()]
     latest = client.search_runs(ids, max_results=1, order_by=["attributes.start_time DESC"])

@@ -143,22 +143,31 @@ def _check_store_exists(uri: str, key: str) -> None:
             )
 
 
+def experiment_named(client: MlflowClient, name: str, uri: str | None = None) -> Any:
+    """The experiment ``name`` of the store (an ``mlflow.entities.Experiment``).
+
+    Raises:
+        FedexpError: no such experiment; the known names are listed, closest first (``uri``,
+            if given, names the store).
+    """
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        known = [e.name for e in client.search_experiments()]
+        where = f" in {uri}" if uri else ""
+        raise FedexpError(
+            f"--experiment {name!r}: no such experiment{where}; known (closest first): "
+            f"{', '.join(closest_first(name, known)) or '(none)'}"
+        )
+    return exp
+
+
 def fetch(client: MlflowClient, experiments: list[str]) -> list[Run]:
     """Every FINISHED run of the named experiments, newest first.
 
     Raises:
         FedexpError: an experiment does not exist (the known names are listed).
     """
-    ids = []
-    for name in experiments:
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            known = [e.name for e in client.search_experiments()]
-            raise FedexpError(
-                f"--experiment {name!r}: no such experiment; known (closest first): "
-                f"{', '.join(closest_first(name, known)) or '(none)'}"
-            )
-        ids.append(exp.experiment_id)
+    ids = [experiment_named(client, name).experiment_id for name in experiments]
     runs: list[Run] = []
     token = None
     while True:
