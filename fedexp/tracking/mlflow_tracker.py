@@ -43,7 +43,9 @@ import fcntl
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -117,6 +119,31 @@ class _SystemMetrics(SystemMetricsMonitor):
             log.debug("could not log the last system-metrics sample: %s", exc)
 
 
+@contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Defer Ctrl-C and SIGTERM until a write to the store has ended (main thread only).
+
+    A KeyboardInterrupt raised inside SQLAlchemy's commit leaves the SQLite connection holding
+    its write lock, so the write that ends the run KILLED then fails with "database is
+    locked" and a traceback reaches the user. The signal is delivered again, to the handler
+    it was meant for, as soon as the write is over (a write takes milliseconds).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    # a handler installed outside Python (getsignal: None) cannot be put back: left alone
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if received:
+            signal.raise_signal(received[0])
+
+
 class MLflowTracker(Reaper):
     """Logs one fedexp run as one MLflow run.
 
@@ -173,7 +200,7 @@ class MLflowTracker(Reaper):
     def _call(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - thin retry wrapper
         for attempt in range(self.retries):
             try:
-                with self._locked():
+                with _uninterrupted(), self._locked():
                     return fn(*args, **kwargs)
             except MlflowException as exc:
                 busy = "locked" in str(exc) or "busy" in str(exc)
