@@ -31,9 +31,14 @@ def compose_config(*overrides: str, output_dir: Path | None = None) -> DictConfi
     return cfg
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``fedexp`` in a subprocess (the installed console script's module)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``fedexp`` in a subprocess (the installed console script's module).
+
+    ``env`` adds to (or overrides) this process's environment, e.g. ``{"COLUMNS": "80"}``.
+    """
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run(
         [sys.executable, "-c", "from fedexp.cli import main; main()", *args],

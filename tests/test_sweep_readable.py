@@ -45,6 +45,7 @@ from fedexp.sweep import (
     write_status,
 )
 from fedexp.tracking.links import SHARE_PARAM, SHARE_TAG_PREFIX, shared_view, sweep_view_url
+from helpers import run_cli
 
 TINY = ["rounds=1", "num_clients=3", "device=cpu", "checkpoint_every=0"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,14 +58,8 @@ def _env() -> dict[str, str]:
 
 
 def _fedexp(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from fedexp.cli import main; main()", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-    )
+    """``fedexp`` in a subprocess, its terminal 80 columns wide."""
+    return run_cli(*args, cwd=cwd, timeout=timeout, env={"COLUMNS": "80", "LINES": "24"})
 
 
 def _rows(text: str, width: int = 80) -> int:
