@@ -68,6 +68,11 @@ class Algorithm(ABC):
             "gradient" (pFedNet's and pFedSOP's pseudo-gradient (x − x_local) / lr).
             Scale-dependent transforms (CER) act on the gradient scale, so that one γ means
             the same for every algorithm (the engine passes ``scale = lr`` for "step").
+        server_reads: "mean" when :meth:`server_update` reads the uploads only through their
+            weighted mean Σ ω_n u_n (of each part), so that central DP can noise that sum once
+            (DP-FedAvg); "each" (the default, the safe one) when it reads uploads one by one,
+            so that central DP must noise each (``fedexp.privacy.uplink``). A test holds every
+            "mean" declaration to it.
     """
 
     weighting: str = "samples"
@@ -75,6 +80,7 @@ class Algorithm(ABC):
     downlink_parts: Mapping[str, str] = MappingProxyType({})
     uplink_parts: Mapping[str, str] = MappingProxyType({})
     update_scale: str = "step"
+    server_reads: str = "each"
 
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
         """Server state before round 0 (default: the global model ``x``)."""

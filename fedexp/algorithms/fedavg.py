@@ -31,6 +31,8 @@ class FedAvg(Algorithm):
         weighting: "samples" (ω_n ∝ n_train) or "uniform".
     """
 
+    server_reads = "mean"  # the server step reads Σ ω_n u_n only (central DP noises it)
+
     def __init__(self, server_lr: ServerLr = 1.0, weighting: str = "samples") -> None:
         if weighting not in ("samples", "uniform"):
             raise ValueError(f"weighting={weighting!r}: expected 'samples' or 'uniform'")

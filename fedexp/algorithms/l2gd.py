@@ -71,6 +71,8 @@ class L2GD(Algorithm):
         max_local_steps: cap on the local steps of a round (truncates the geometric law).
     """
 
+    server_reads = "mean"  # the server step reads Σ ω_n u_n only (central DP noises it)
+
     weighting = "uniform"
 
     def __init__(

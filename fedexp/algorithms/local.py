@@ -16,6 +16,8 @@ from fedexp.engine.solver import unstack_states
 class LocalOnly(Algorithm):
     """Local-only training (no communication)."""
 
+    server_reads = "mean"  # the server step reads Σ ω_n u_n only (central DP noises it)
+
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
         """The server holds nothing."""
         return {}

@@ -87,6 +87,8 @@ class PFedSOP(Algorithm):
         weighting: "uniform" (Eq. 13: the plain mean) or "samples".
     """
 
+    server_reads = "mean"  # the server step reads Σ ω_n u_n only (central DP noises it)
+
     downlink_parts = MappingProxyType({"": "update"})
     update_scale = "gradient"  # Δ_i = (x⁰ − x^T) / η₂ and Δ_{t−1} are pseudo-gradients
 

@@ -2,12 +2,13 @@
 
 The run settings are checked by :func:`fedexp.config.schema.validate`; the group nodes
 (``dataset``, ``partition``, ``model``, ``algorithm``, ``optimizer``, ``compressor``,
-``tracker``) name a fedexp class or builder in ``_target_`` and are checked here against its
-signature: unknown keys, value types, non-finite floats and the ranges the signature declares
-(:mod:`fedexp.config.ranges`). The CLI calls :func:`check_groups` right after compose, before
-the tracker is created and before the data are read, so a bad value costs nothing and leaves
-nothing behind (no MLflow run, no output files). The runner builds each node through the same
-checks (:func:`fedexp.config.instantiate.instantiate_checked`), so the API is covered as well.
+``privacy``, ``tracker``) name a fedexp class or builder in ``_target_`` and are checked here
+against its signature: unknown keys, value types, non-finite floats and the ranges the
+signature declares (:mod:`fedexp.config.ranges`). The CLI calls :func:`check_groups` right
+after compose, before the tracker is created and before the data are read, so a bad value
+costs nothing and leaves nothing behind (no MLflow run, no output files). The runner builds
+each node through the same checks (:func:`fedexp.config.instantiate.instantiate_checked`), so
+the API is covered as well.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ MODEL_EXTRA = frozenset({"input_shape", "num_classes"})
 #: The keys of a ``compressor.uplink``/``downlink`` node.
 CHANNEL_KEYS = ("codec", "transforms", "error_feedback")
 #: The group nodes checked against their target's signature (the compressor's channels apart).
-PLAIN_GROUPS = ("dataset", "partition", "algorithm", "optimizer", "tracker")
+PLAIN_GROUPS = ("dataset", "partition", "algorithm", "optimizer", "privacy", "tracker")
 
 
 def split_model_node(node: DictConfig) -> tuple[DictConfig, list[str]]:

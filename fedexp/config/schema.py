@@ -87,6 +87,7 @@ class RunConfig:
     algorithm: Any = field(default_factory=dict)
     compressor: Any = field(default_factory=dict)
     optimizer: Any = field(default_factory=dict)
+    privacy: Any = field(default_factory=dict)
     tracker: Any = field(default_factory=dict)
 
 

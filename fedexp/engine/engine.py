@@ -30,12 +30,14 @@ from fedexp.engine.pool import TrainPool
 from fedexp.engine.transport import (
     PartKey,
     Transport,
+    _exact,
     _parse_key,
     _per_direction,
     _row,
     _stack_parts,
     _state_key,
 )
+from fedexp.privacy.uplink import PrivateUplink
 
 # Stream purpose of the set-up exchange (beside rng.CLIENT and the channels' purposes).
 _SKETCH = 13
@@ -81,6 +83,8 @@ class Engine(Transport, Evaluation):
     last_sampled: list[int] = field(default_factory=list)
     #: every client's training data in one tensor (``fedexp.engine.pool``)
     pool: TrainPool | None = field(default=None, repr=False)
+    #: client-level DP on the uplink (``privacy`` group); None: none
+    privacy: PrivateUplink | None = None
     #: the initial server state (derived, not checkpointed), built when a part needs it
     _server0: State | None = field(default=None, repr=False)
 
@@ -115,25 +119,46 @@ class Engine(Transport, Evaluation):
         t = self.round
         self.ctx.round = t
         self.ledger.start_round()
-        sampled = rng.sample_clients(self.seed, t, len(self.clients), self.participation)
+        if self.privacy is not None:
+            sampled = self.privacy.sample(t)
+        else:
+            sampled = rng.sample_clients(self.seed, t, len(self.clients), self.participation)
         self.last_sampled = sampled
         # who receives and trains: the sampled clients, or all (Algorithm.all_train)
         everyone = self.algorithm.all_train and len(sampled) < len(self.clients)
         workers = list(range(len(self.clients))) if everyone else sampled
-        msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
-        inbox = self._downlink(workers, [msgs[n] for n in workers])
-        result = self._client_work(workers, inbox)
+        inbox, result = None, CohortResult(None, [], {})
+        if workers:  # (a Poisson-sampled cohort may be empty)
+            msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
+            inbox = self._downlink(workers, [msgs[n] for n in workers])
+            result = self._client_work(workers, inbox)
         for n, state in zip(workers, result.states, strict=True):
             self.client_states[n] = state
-        updates, channel = self._uplink(sampled, _uploads(result.updates, workers, sampled))
-        self.server = self.algorithm.server_update(
-            self.ctx, self.server, updates, self._weights(updates)
-        )
+        uploads = _uploads(result.updates, workers, sampled)
+        private: dict[str, float] = {}
+        if self.privacy is not None and uploads is not None:
+            refs = self.privacy.references(
+                uploads if isinstance(uploads, dict) else {"": uploads},
+                _uploads(inbox, workers, sampled),
+                self.x0,
+            )
+            uploads, private = self.privacy.client_side(t, sampled, uploads, refs)
+        updates, channel = self._uplink(sampled, uploads)
+        weights = self._weights(updates)
+        if self.privacy is not None:
+            if uploads is not None:
+                updates, weights, more = self.privacy.server_side(
+                    t, sampled, updates, refs, lossy=not _exact(self.uplink)
+                )
+                private.update(more)
+            private.update(self.privacy.end_round(t, len(sampled), uploads is not None))
+        self.server = self.algorithm.server_update(self.ctx, self.server, updates, weights)
         self.round = t + 1
         # the clients' metrics are the mean over who trained, the channel's over who uploaded
         out = {f"train/{k}": float(v.sum()) / len(workers) for k, v in result.metrics.items()}
         for k, v in channel.items():
             out[f"train/{k}"] = out.get(f"train/{k}", 0.0) + v / len(sampled)
+        out.update(private)
         out["clients/sampled"] = float(len(sampled))
         if workers is not sampled:
             out["clients/trained"] = float(len(workers))
@@ -246,12 +271,15 @@ class Engine(Transport, Evaluation):
             }
             for d in ("up", "down")
         }
-        return {
+        tree = {
             "server": self.server,
             "client": {str(n): s for n, s in enumerate(self.client_states)},
             "channel": channel,
             "best": dict(self.best),
         }
+        if self.privacy is not None:
+            tree["privacy"] = self.privacy.state()
+        return tree
 
     def load_state_tree(self, tree: dict[str, Any], round_: int, ledger: ByteLedger) -> None:
         """Restore what :meth:`state_tree` saved."""
@@ -278,6 +306,8 @@ class Engine(Transport, Evaluation):
                     self.best[f"{key}/{m}"] = t.to("cpu", torch.float64)
             else:
                 self.best[key] = value.to("cpu", torch.float64)
+        if self.privacy is not None:
+            self.privacy.load_state(tree.get("privacy", {}))
         self.round = round_
         self.ledger = ledger
 

@@ -16,6 +16,8 @@ import torch
 SAMPLING, CLIENT, INIT, SERVER = 1, 2, 3, 4
 #: the streams of work done to evaluate a client (fine-tuning before the test: FedAvg-FT)
 EVAL = 5
+#: Poisson sampling's coin of each (round, client); the DP noise of clients and of the server
+POISSON, PRIVACY_CLIENT, PRIVACY_SERVER = 6, 7, 8
 
 
 def derive_seed(*key: int) -> int:
@@ -77,6 +79,18 @@ def stream_keys(
     n = torch.as_tensor(clients, dtype=torch.int64)
     head = mix64(mix64(mix64(torch.tensor(_s64(seed), dtype=torch.int64)) ^ purpose) ^ round_)
     return _srl(mix64(head.to(n.device) ^ n), 1)
+
+
+def poisson_sample(seed: int, round_: int, num_clients: int, rate: float) -> list[int]:
+    """Clients taking part in ``round_`` under Poisson sampling (the cohort may be empty).
+
+    Each client takes part independently with probability ``rate``.
+    Each client's coin is its own (seed, :data:`POISSON`, round, client) stream's first draw, so
+    who takes part does not depend on how the population is split or ordered.
+    """
+    keys = stream_keys(seed, POISSON, round_, torch.arange(num_clients))
+    uniform = _srl(mix64(keys), 11).to(torch.float64) * 2.0**-53
+    return torch.nonzero(uniform < rate).flatten().tolist()
 
 
 def batch_indices(

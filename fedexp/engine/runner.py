@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.config.groups import check_channel_keys, check_groups
 from fedexp.config.instantiate import fresh_dir, instantiate_checked
@@ -34,6 +35,7 @@ from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import check_model_fits, task_for
+from fedexp.privacy.uplink import PrivateUplink
 from fedexp.tracking.base import Tracker
 from fedexp.tracking.dataset_input import describe_dataset
 from fedexp.tracking.provenance import run_tags
@@ -131,6 +133,7 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
         optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
     )
     algorithm = instantiate_checked(cfg.algorithm, "algorithm")
+    privacy = _privacy(cfg, algorithm)
     engine = Engine(
         ctx=ctx,
         algorithm=algorithm,
@@ -140,8 +143,37 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
         seed=cfg.seed,
         participation=cfg.participation,
         x0=model.initial(),
+        privacy=privacy,
     )
     return engine, data
+
+
+def _privacy(cfg: DictConfig, algorithm: Algorithm) -> PrivateUplink | None:
+    """The run's DP mechanism (``privacy`` group), or None without one.
+
+    Raises:
+        ConfigError: a setting the algorithm or the run cannot meet (adaptive clipping on a
+            server that reads each upload, an unreachable ``target_epsilon``).
+    """
+    node = cfg.get("privacy")
+    if node is None:
+        return None
+    settings = instantiate_checked(node, "privacy")
+    if not settings.enabled:
+        return None
+    try:
+        return PrivateUplink(
+            settings,
+            algorithm.server_reads,
+            algorithm.uplink_parts,
+            cfg.num_clients,
+            cfg.participation,
+            cfg.rounds,
+            cfg.seed,
+            sketch=type(algorithm).client_sketch is not Algorithm.client_sketch,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _reference_loss(history: list[dict[str, float]]) -> float | None:
@@ -295,6 +327,9 @@ def run(
         changes = [*meta.get("changes", []), *new]
     name = run_name or f"{type(engine.algorithm).__name__}-seed{cfg.seed}"
     tags = {**run_tags(engine.ctx.device), **(tags or {}), **_change_tags(changes)}
+    if engine.privacy is not None:
+        tags["fedexp.privacy"] = engine.privacy.describe()
+        log.info("%s", tags["fedexp.privacy"])
     run_id = tracker.start(name, flatten_config(cfg), tags, resume_id)
     logged: int | None = None
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)

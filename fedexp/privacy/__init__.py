@@ -1,0 +1,1 @@
+"""Client-level differential privacy: mechanisms on the uplink and their accounting."""

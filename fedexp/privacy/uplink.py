@@ -1,0 +1,340 @@
+"""Client-level DP on the uplink: where clipping and noise act in a round, and what ε it costs.
+
+The order is fixed (docs/privacy.md):
+
+1. client: its upload, all parts together, clipped to L2 norm C (a "model" part: its change
+   from the model the client received this round); with ``mode=local`` the client adds
+   N(0, z²C²) to each coordinate;
+2. the codec compresses what 1 produced, and the wire carries it;
+3. server (``mode=central``): what it decoded is clipped again when the uplink is lossy (error
+   feedback can send more than C), then noised. If the algorithm's server reads the uploads
+   only through their weighted mean (``Algorithm.server_reads == "mean"``), one draw of
+   N(0, z²C²) is added to their sum, divided by the expected cohort size E (DP-FedAvg,
+   McMahan et al. 2018); otherwise every upload gets its own draw, and the run is accounted
+   as local DP.
+
+Every DP run weighs the clients uniformly (sample counts would reveal a client's data size).
+Parts of kind "exact" (IFCA's cluster id) are neither clipped nor noised, and not covered.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fedexp.contract import Message, Stacked, StackedUpdates
+from fedexp.engine import rng
+from fedexp.privacy import accountant
+from fedexp.privacy.mechanisms import (
+    adaptive_clip,
+    clip_factors,
+    gaussian,
+    joint_norms,
+    update_noise_multiplier,
+)
+from fedexp.privacy.settings import Privacy
+
+_COUNT = 1 << 62  # the server stream's "client" slot of the adaptive clip count's noise
+
+
+def _parts(stacked: Stacked) -> dict[str, torch.Tensor]:
+    return {"": stacked} if isinstance(stacked, torch.Tensor) else dict(stacked)
+
+
+def _like(stacked: Stacked, parts: dict[str, torch.Tensor]) -> Stacked:
+    return parts[""] if isinstance(stacked, torch.Tensor) else parts
+
+
+def _tag(name: str) -> tuple[int, ...]:
+    return (zlib.crc32(name.encode()),) if name else ()
+
+
+class PrivateUplink:
+    """A run's DP mechanism on the uplink, its clip bound and its privacy spent.
+
+    Args:
+        settings: the ``privacy`` group.
+        server_reads: the algorithm's :attr:`~fedexp.algorithms.base.Algorithm.server_reads`.
+        kinds: the algorithm's uplink part kinds (unlisted: "update").
+        num_clients: N.
+        participation: q.
+        rounds: the planned rounds (for ``target_epsilon``).
+        seed: the run's seed (the noise streams' root).
+        sketch: the algorithm sends a summary of each client's data before round 0
+            (pFedNet's similarity sketch), which this mechanism does not cover.
+    """
+
+    def __init__(
+        self,
+        settings: Privacy,
+        server_reads: str,
+        kinds: Mapping[str, str],
+        num_clients: int,
+        participation: float,
+        rounds: int,
+        seed: int,
+        sketch: bool = False,
+    ) -> None:
+        self.settings, self.kinds, self.seed = settings, kinds, seed
+        self.num_clients, self.rate = num_clients, participation
+        self.summed = settings.mode == "central" and server_reads == "mean"
+        if settings.adaptive and not self.summed:
+            raise ValueError(
+                "privacy.adaptive=true: adaptive clipping needs an algorithm whose server reads "
+                "only the uploads' mean (this one reads each upload)"
+            )
+        fixed = settings.sampling == "fixed"
+        self.expected = (
+            max(1, round(participation * num_clients)) if fixed else (participation * num_clients)
+        )
+        # replace-one adjacency (a fixed cohort; a server or a party that sees single uploads):
+        # one client moves what is noised by up to 2C, so the accountant gets z/2 (noise per
+        # unit of sensitivity)
+        self.sensitivity = 2.0 if (fixed or not self.summed) else 1.0
+        z = settings.noise_multiplier
+        if settings.target_epsilon is not None:
+            plan = self.plan(1.0)
+            z = accountant.calibrate_noise(plan, rounds, settings.target_epsilon)
+            z *= self.sensitivity
+        self.noise_multiplier = z
+        self.count_stddev = settings.count_stddev or self.expected / 20
+        self.update_multiplier = (
+            update_noise_multiplier(z, self.count_stddev) if settings.adaptive else z
+        )
+        self.clip = settings.clip
+        self.participations = torch.zeros(num_clients, dtype=torch.int64)
+        #: rounds that released something (a round whose cohort was empty counts too)
+        self.released = 0
+        self._unclipped = 0.0
+        self._uploads_nothing = False
+        self.unprotected = [f"part {name!r}" for name, k in sorted(kinds.items()) if k == "exact"]
+        if sketch:
+            self.unprotected.append("the set-up sketch")
+
+    # ------------------------------------------------------------------ accounting
+    def plan(self, z: float | None = None) -> accountant.PrivacyPlan:
+        """The accountant's view of one round.
+
+        ``z``: noise per unit of sensitivity (default: the run's σ/C over ``sensitivity``).
+
+        A server that reads each upload is accounted as local DP: its outputs may depend on
+        every single upload, so neither the sum's sensitivity nor sampling's amplification
+        can be counted on.
+        """
+        if z is None:
+            z = self.noise_multiplier / self.sensitivity
+        return accountant.PrivacyPlan(
+            mode="central" if self.summed else "local",
+            sampling=self.settings.sampling,
+            num_clients=self.num_clients,
+            rate=self.rate,
+            noise_multiplier=z,
+            delta=self.settings.delta,
+            accountant=self.settings.accountant,
+        )
+
+    def epsilon(self, rounds: int) -> float:
+        """ε at the run's δ after ``rounds`` rounds."""
+        most = int(self.participations.max()) if self.num_clients else 0
+        return accountant.epsilon(self.plan(), rounds, None if self.summed else most)
+
+    def sample(self, round_: int) -> list[int]:
+        """The round's cohort: Poisson (``sampling=poisson``) or fixed-size."""
+        if self.settings.sampling == "poisson":
+            return rng.poisson_sample(self.seed, round_, self.num_clients, self.rate)
+        return rng.sample_clients(self.seed, round_, self.num_clients, self.rate)
+
+    # ------------------------------------------------------------------ the two ends
+    def _changes(
+        self, parts: dict[str, torch.Tensor], refs: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Each protected part ``[m, d]``: an update as it is, a model less its reference."""
+        out = {}
+        for name, stack in parts.items():
+            kind = self.kinds.get(name, "update")
+            if kind == "exact":
+                continue
+            flat = stack.reshape(stack.shape[0], -1)
+            out[name] = flat - refs[name] if kind == "model" else flat
+        return out
+
+    def _rebuild(
+        self,
+        parts: dict[str, torch.Tensor],
+        changes: dict[str, torch.Tensor],
+        refs: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        out = dict(parts)
+        for name, v in changes.items():
+            value = refs[name] + v if self.kinds.get(name, "update") == "model" else v
+            out[name] = value.reshape(parts[name].shape).to(parts[name].dtype)
+        return out
+
+    def references(
+        self, parts: dict[str, torch.Tensor], inbox: Stacked | None, x0: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The reference ``[m, d]`` of each "model" part: what the client received this round.
+
+        The received part of the same name, else the received message, else the common
+        initial model, else zeros (the first of these of the part's size).
+        """
+        refs = {}
+        for name, stack in parts.items():
+            if self.kinds.get(name, "update") != "model":
+                continue
+            m, d = stack.shape[0], stack[0].numel()
+            found = None
+            candidates = [inbox.get(name)] if isinstance(inbox, dict) else [inbox]
+            for c in candidates:
+                if isinstance(c, torch.Tensor) and c.shape[0] == m and c[0].numel() == d:
+                    found = c.reshape(m, d).to(stack.dtype)
+            if found is None:
+                found = (x0 if x0.numel() == d else torch.zeros(d)).to(stack).expand(m, d)
+            refs[name] = found
+        return refs
+
+    def client_side(
+        self, round_: int, clients: list[int], uploads: Stacked, refs: dict[str, torch.Tensor]
+    ) -> tuple[Stacked, dict[str, float]]:
+        """Step 1: every upload clipped (and, for local DP, noised) before the codec."""
+        parts = _parts(uploads)
+        changes = self._changes(parts, refs)
+        if not changes:
+            return uploads, {}
+        norms = joint_norms(list(changes.values()))
+        factors = clip_factors(norms, self.clip)
+        clipped = bool((factors < 1).any())
+        self._unclipped = float((norms <= self.clip).sum())
+        self.participations[torch.tensor(clients, dtype=torch.int64)] += 1
+        noisy = self.settings.mode == "local" and self.noise_multiplier > 0
+        if not (clipped or noisy):
+            return uploads, {"privacy/clipped": 0.0}
+        std = self.noise_multiplier * self.clip
+        for name, v in changes.items():
+            v = v * factors.to(v)[:, None] if clipped else v.clone()
+            if noisy:
+                for i, n in enumerate(clients):
+                    gen = rng.generator(self.seed, rng.PRIVACY_CLIENT, round_, n, *_tag(name))
+                    v[i] += gaussian(gen, v.shape[1], std, v)
+            changes[name] = v
+        out = self._rebuild(parts, changes, refs)
+        return _like(uploads, out), {"privacy/clipped": float((factors < 1).double().mean())}
+
+    def server_side(
+        self,
+        round_: int,
+        clients: list[int],
+        updates: Mapping[int, Message],
+        refs: dict[str, torch.Tensor],
+        lossy: bool,
+    ) -> tuple[Mapping[int, Message], dict[int, float], dict[str, float]]:
+        """Step 3: the decoded uploads re-clipped and noised (central DP); uniform weights."""
+        m = len(clients)
+        weights = {n: 1.0 / m for n in clients}
+        metrics = {"privacy/clip": self.clip}
+        if self.settings.mode != "central" or m == 0:
+            return updates, weights, metrics
+        parts = _stacked_parts(updates, clients)
+        changes = self._changes(parts, refs)
+        if not changes:
+            return updates, weights, metrics
+        if lossy:  # the codec may have sent more than C (error feedback): clip what arrived
+            factors = clip_factors(joint_norms(list(changes.values())), self.clip)
+            changes = {k: v * factors.to(v)[:, None] for k, v in changes.items()}
+        z = self.update_multiplier
+        scale = m / self.expected if self.summed else 1.0
+        if z == 0 and scale == 1 and not lossy:
+            return updates, weights, metrics
+        std = z * self.clip
+        metrics["privacy/noise_std"] = std / self.expected if self.summed else std
+        for name, v in changes.items():
+            v = v * scale
+            if z > 0 and self.summed:  # one draw on the sum: each row carries ξ/E
+                gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, *_tag(name))
+                v = v + gaussian(gen, v.shape[1], std / self.expected, v)[None, :]
+            elif z > 0:  # a draw per upload
+                v = v.clone()
+                for i, n in enumerate(clients):
+                    gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, n, *_tag(name))
+                    v[i] += gaussian(gen, v.shape[1], std, v)
+            changes[name] = v
+        out = self._rebuild(parts, changes, refs)
+        return _from_parts(updates, clients, out), weights, metrics
+
+    def end_round(self, round_: int, count: int, uploaded: bool) -> dict[str, float]:
+        """Count the round, update the adaptive clip from its noised count; ε so far.
+
+        ``uploaded``: whether the round's cohort sent anything (an algorithm that never
+        uploads, local training, spends no privacy; an empty cohort's round still counts).
+        """
+        if count > 0 and not uploaded:
+            self._uploads_nothing = True
+        if not self._uploads_nothing:
+            self.released += 1
+        if self.settings.adaptive and count > 0:
+            gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, _COUNT)
+            noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * self.count_stddev
+            self.clip = adaptive_clip(
+                self.clip,
+                self._unclipped,
+                count,
+                self.expected,
+                noise,
+                self.settings.target_quantile,
+                self.settings.clip_lr,
+            )
+        return {"privacy/epsilon": self.epsilon(self.released)}
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps: the clip bound and each client's participations."""
+        return {
+            "clip": torch.tensor([self.clip], dtype=torch.float64),
+            "released": torch.tensor([self.released], dtype=torch.int64),
+            "participations": self.participations.clone(),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state`."""
+        if "clip" in state:
+            self.clip = float(state["clip"][0])
+        if "released" in state:
+            self.released = int(state["released"][0])
+        if "participations" in state:
+            self.participations = state["participations"].to("cpu", torch.int64).clone()
+
+    def describe(self) -> str:
+        """One line on what the run privatises, for the run's start."""
+        s = self.settings
+        where = "the sum" if self.summed else "each upload"
+        text = (
+            f"privacy: {s.mode} DP, C={self.clip:g}{' (adaptive)' if s.adaptive else ''}, "
+            f"z={self.noise_multiplier:.4g} on {where}, {s.sampling} sampling, δ={s.delta:g}"
+        )
+        if self.unprotected:
+            text += f"; not covered: {', '.join(self.unprotected)}"
+        return text
+
+
+def _stacked_parts(updates: Mapping[int, Message], clients: list[int]) -> dict[str, torch.Tensor]:
+    """The decoded uploads as ``{part: [m, ...]}`` in ``clients`` order."""
+    if isinstance(updates, StackedUpdates):
+        return {"": updates.stack}
+    first = updates[clients[0]]
+    if isinstance(first, torch.Tensor):
+        return {"": torch.stack([updates[n] for n in clients])}  # type: ignore[misc]
+    return {name: torch.stack([updates[n][name] for n in clients]) for name in first}  # type: ignore[index]
+
+
+def _from_parts(
+    updates: Mapping[int, Message], clients: list[int], parts: dict[str, torch.Tensor]
+) -> Mapping[int, Message]:
+    """:func:`_stacked_parts` undone, in the form ``updates`` had."""
+    if isinstance(updates, StackedUpdates):
+        return StackedUpdates(clients, parts[""])
+    if set(parts) == {""} and isinstance(updates[clients[0]], torch.Tensor):
+        return {n: parts[""][i] for i, n in enumerate(clients)}
+    return {n: {name: p[i] for name, p in parts.items()} for i, n in enumerate(clients)}

@@ -1,0 +1,281 @@
+"""Client-level DP on the uplink (fedexp.privacy): the mechanisms' properties and every
+algorithm under them (issue: differential privacy for every algorithm's uploads)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedexp.contract import StackedUpdates
+from fedexp.engine import rng
+from fedexp.engine.runner import build_engine, run
+from fedexp.errors import ConfigError
+from fedexp.privacy.mechanisms import adaptive_clip, clip_factors, joint_norms
+from fedexp.privacy.settings import Privacy
+from fedexp.privacy.uplink import PrivateUplink
+from fedexp.tracking.base import NullTracker
+from helpers import CONF, SMALL, assert_resume_exact, compose_config
+
+ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
+TINY = [*SMALL, "num_clients=10", "batch_size=8", "tracker=none"]
+
+
+def _uplink(mode="central", reads="mean", kinds=None, n=50, q=0.2, **kw) -> PrivateUplink:
+    return PrivateUplink(Privacy(mode=mode, **kw), reads, kinds or {}, n, q, rounds=10, seed=0)
+
+
+# ---------------------------------------------------------------- the mechanisms
+def test_clipped_norms_never_exceed_the_bound():
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(200, 37, generator=g) * torch.logspace(-3, 3, 200)[:, None]
+    for bound in (1e-3, 0.5, 1.0, 7.0, 1e3):
+        clipped = rows * clip_factors(joint_norms([rows]), bound).to(rows)[:, None]
+        assert float(clipped.norm(dim=1).max()) <= bound
+        inside = rows.norm(dim=1) <= bound * (1 - 1e-5)
+        assert torch.equal(clipped[inside], rows[inside])  # rows within C are left alone
+    assert torch.equal(
+        clip_factors(joint_norms([rows]), math.inf), torch.ones(200, dtype=torch.float64)
+    )
+
+
+def test_named_parts_are_clipped_jointly_and_exact_parts_left_alone():
+    up = _uplink(kinds={"a": "update", "b": "update", "c": "exact"}, clip=1.0)
+    g = torch.Generator().manual_seed(1)
+    parts = {"a": torch.randn(8, 5, generator=g) * 3, "b": torch.randn(8, 2, 3, generator=g)}
+    parts["c"] = torch.arange(8.0)
+    out, _ = up.client_side(0, list(range(8)), parts, {})
+    joint = joint_norms([out["a"], out["b"].reshape(8, -1)])
+    assert float(joint.max()) <= 1.0 and float(joint.min()) > 0.99  # every row was above C
+    assert torch.equal(out["c"], parts["c"])
+    # the direction is kept: each part scaled by the same factor
+    ratio = out["a"] / parts["a"]
+    torch.testing.assert_close(ratio, ratio[:, :1].expand_as(ratio))
+
+
+def test_a_model_part_is_clipped_as_its_change_from_what_the_client_received():
+    up = _uplink(kinds={"": "model"}, clip=0.5)
+    received = torch.full((4, 6), 10.0)
+    sent = received + torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    refs = up.references({"": sent}, received, torch.zeros(6))
+    out, _ = up.client_side(0, [0, 1, 2, 3], sent, refs)
+    assert float((out - received).norm(dim=1).max()) <= 0.5
+
+
+def test_central_noise_on_the_sum_has_std_z_c_over_the_expected_cohort():
+    z, clip, n, q = 1.5, 0.8, 50, 0.2
+    up = _uplink(clip=clip, noise_multiplier=z, n=n, q=q)
+    clients = [3, 7, 11]
+    draws = []
+    for t in range(400):
+        zeros = StackedUpdates(clients, torch.zeros(3, 64))
+        got, weights, _ = up.server_side(t, clients, zeros, {}, lossy=False)
+        mean = sum(weights[c] * got[c] for c in clients)
+        draws.append(mean)
+        rows = torch.stack([got[c] for c in clients])
+        assert torch.allclose(rows, rows[:1].expand_as(rows))  # one draw, shared by the rows
+    std = float(torch.stack(draws).std())
+    assert std == pytest.approx(z * clip / (q * n), rel=0.03)
+
+
+@pytest.mark.parametrize("mode,reads", [("local", "mean"), ("central", "each")])
+def test_noise_on_each_upload_has_std_z_c(mode, reads):
+    z, clip = 0.7, 2.0
+    up = _uplink(mode=mode, reads=reads, clip=clip, noise_multiplier=z)
+    clients = list(range(40))
+    zeros = torch.zeros(40, 500)
+    if mode == "local":
+        noisy, _ = up.client_side(0, clients, zeros, {})
+    else:
+        got, _, _ = up.server_side(0, clients, StackedUpdates(clients, zeros), {}, lossy=False)
+        noisy = got.stack
+    assert float(noisy.std()) == pytest.approx(z * clip, rel=0.02)
+    assert abs(float(noisy.mean())) < 0.02
+    corr = torch.corrcoef(noisy[:5])  # independent across clients
+    assert float((corr - torch.eye(5)).abs().max()) < 0.15
+
+
+def test_a_lossy_codec_cannot_send_more_than_c_to_the_sum():
+    up = _uplink(clip=1.0, noise_multiplier=0.0, sampling="fixed", n=4, q=1.0)
+    clients = [0, 1, 2, 3]
+    big = StackedUpdates(clients, torch.full((4, 9), 5.0))  # what error feedback may decode
+    got, _, _ = up.server_side(0, clients, big, {}, lossy=True)
+    assert float(got.stack.norm(dim=1).max()) <= 1.0
+
+
+def test_adaptive_clip_moves_toward_the_target_quantile():
+    # all updates unclipped (b̄ = 1 > γ): C shrinks; none (b̄ = 0): C grows; at γ: unchanged
+    assert adaptive_clip(1.0, 10, 10, 10, 0.0, 0.5, 0.2) == pytest.approx(math.exp(-0.1))
+    assert adaptive_clip(1.0, 0, 10, 10, 0.0, 0.5, 0.2) == pytest.approx(math.exp(0.1))
+    assert adaptive_clip(1.0, 5, 10, 10, 0.0, 0.5, 0.2) == pytest.approx(1.0)
+
+
+def test_adaptive_clipping_tracks_the_median_norm():
+    """Andrew et al. 2021: with γ = ½ the bound settles at the median of the update norms."""
+    up = _uplink(
+        clip=0.01,
+        noise_multiplier=0.0,
+        adaptive=True,
+        sampling="fixed",
+        n=200,
+        q=1.0,
+        count_stddev=1e-6,
+        clip_lr=0.2,
+    )
+    g = torch.Generator().manual_seed(3)
+    clients = list(range(200))
+    norms = torch.logspace(-1, 1, 200)  # median ≈ 1
+    for t in range(300):
+        rows = torch.randn(200, 16, generator=g)
+        rows = rows / rows.norm(dim=1, keepdim=True) * norms[:, None]
+        up.client_side(t, clients, rows, {})
+        up.end_round(t, 200, True)
+    assert up.clip == pytest.approx(float(norms.median()), rel=0.1)
+
+
+def test_poisson_sampling_rate_and_independence_from_the_population_order():
+    draws = [len(rng.poisson_sample(0, t, 1000, 0.1)) for t in range(200)]
+    assert sum(draws) / len(draws) == pytest.approx(100, rel=0.03)
+    a = rng.poisson_sample(5, 3, 1000, 0.1)
+    b = rng.poisson_sample(5, 3, 2000, 0.1)  # a bigger population: the first 1000 coins agree
+    assert a == [n for n in b if n < 1000]
+
+
+# ---------------------------------------------------------------- runs
+def _final_server(cfg) -> dict[str, torch.Tensor]:
+    engine = build_engine(cfg)
+    engine.setup()
+    for _ in range(3):
+        engine.run_round()
+    return engine.server
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedamp", "feddwa", "ifca", "pfednet", "tdpfed"])
+def test_no_noise_and_no_clipping_is_the_run_without_dp_exactly(algorithm):
+    extra = ["algorithm.k=3"] if algorithm == "pfednet" else []
+    if "weighting" in compose_config(f"algorithm={algorithm}").algorithm:
+        extra.append("algorithm.weighting=uniform")  # a DP run weighs uniformly
+    base = [*TINY, f"algorithm={algorithm}", "participation=0.5", *extra]
+    plain = _final_server(compose_config(*base))
+    dp = _final_server(
+        compose_config(
+            *base,
+            "privacy=central",
+            "privacy.noise_multiplier=0",
+            "privacy.clip=inf",
+            "privacy.sampling=fixed",
+        )
+    )
+    assert plain.keys() == dp.keys()
+    for key in plain:
+        assert torch.equal(plain[key], dp[key]), key
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_runs_with_central_dp(algorithm, tmp_path):
+    extra = ["algorithm.k=3"] if algorithm == "pfednet" else []
+    cfg = compose_config(
+        *TINY,
+        f"algorithm={algorithm}",
+        "privacy=central",
+        "participation=0.5",
+        *extra,
+        output_dir=tmp_path,
+    )
+    tracker = NullTracker()
+    result = run(cfg, tracker=tracker)
+    assert math.isfinite(result.metrics["acc/mean"])
+    eps = [v for _, v in sorted(tracker.metrics["privacy/epsilon"].items())]
+    if algorithm == "local":  # nothing leaves a client: nothing spent
+        assert eps == [0.0, 0.0, 0.0]
+    else:
+        assert len(eps) == 3 and all(0 < a <= b for a, b in zip(eps, eps[1:], strict=False))
+
+
+def test_the_servers_that_declare_mean_read_only_the_weighted_mean(monkeypatch):
+    """server_reads == "mean" (central DP then noises the sum once) is a claim about
+    server_update: given rows with the same weighted mean, from other clients, with other
+    weights, it returns the same state. FedAMP (declared "each") must fail the same check,
+    so the check can fail."""
+    checked = []
+    for algorithm in [*ALGORITHMS, "fedamp"]:
+        engine = build_engine(compose_config(*TINY, f"algorithm={algorithm}", "participation=0.5"))
+        engine.setup()
+        if engine.algorithm.server_reads != "mean" and algorithm != "fedamp":
+            continue
+        seen = {}
+        real = engine.algorithm.server_update
+
+        def spy(ctx, server, updates, weights, seen=seen, real=real):
+            seen.update(server=dict(server), updates=dict(updates), weights=dict(weights))
+            return real(ctx, server, updates, weights)
+
+        monkeypatch.setattr(engine.algorithm, "server_update", spy)
+        engine.run_round()
+        engine.run_round()
+        monkeypatch.undo()
+        if not seen["updates"]:
+            continue  # uploads nothing (local training)
+        up, w = seen["updates"], seen["weights"]
+        first = next(iter(up.values()))
+        if isinstance(first, dict):
+            mean = {k: sum(w[n] * up[n][k] for n in up) for k in first}
+        else:
+            mean = sum(w[n] * up[n] for n in up)
+        others = [n for n in range(10) if n not in up][: len(up)] or list(up)
+        same = {n: mean for n in others}
+        weights = {n: 1 / len(others) for n in others}
+        a = engine.algorithm.server_update(engine.ctx, seen["server"], up, w)
+        b = engine.algorithm.server_update(engine.ctx, seen["server"], same, weights)
+        equal = all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+        assert equal == (algorithm != "fedamp"), algorithm
+        checked.append(algorithm)
+    assert "fedavg" in checked and "fedamp" in checked and len(checked) >= 10
+
+
+def test_an_empty_poisson_cohort_is_a_round_that_adds_nothing():
+    cfg = compose_config(*TINY, "privacy=central", "participation=0.01", "num_clients=10")
+    engine = build_engine(cfg)
+    before = {k: v.clone() for k, v in engine.server.items()}
+    empty = next(t for t in range(100) if not rng.poisson_sample(0, t, 10, 0.01))
+    engine.round = empty
+    metrics = engine.run_round()
+    assert metrics["clients/sampled"] == 0
+    assert all(torch.equal(before[k], engine.server[k]) for k in before)
+    assert metrics["privacy/epsilon"] > 0
+
+
+def test_a_dp_run_with_adaptive_clipping_resumes_exactly(tmp_path):
+    cfg = compose_config(
+        *TINY,
+        "rounds=5",
+        "checkpoint_every=1",
+        "privacy=adaptive",
+        "privacy.count_stddev=1",
+        "participation=0.5",
+        output_dir=tmp_path / "a",
+    )
+    assert_resume_exact(cfg, tmp_path, stop_at=3)
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("privacy.clip=-1", "privacy.clip=-1"),
+        ("privacy.noise_multiplier=nan", "privacy.noise_multiplier=nan"),
+        ("privacy.delta=1", "privacy.delta=1"),
+        ("privacy.sampling=shuffled", "privacy.sampling='shuffled'"),
+        ("privacy.mode=global", "privacy.mode='global'"),
+    ],
+)
+def test_bad_privacy_settings_are_refused_with_the_key_named(override, expected):
+    with pytest.raises(ConfigError, match=expected.replace(".", r"\.").replace("'", "'?")):
+        build_engine(compose_config(*TINY, "privacy=central", override))
+
+
+def test_settings_an_algorithm_cannot_meet_are_refused():
+    with pytest.raises(ConfigError, match="reads each upload"):
+        build_engine(compose_config(*TINY, "privacy=adaptive", "algorithm=fedamp"))
+    with pytest.raises(ConfigError, match="count_stddev"):
+        build_engine(compose_config(*TINY, "privacy=adaptive", "privacy.count_stddev=0.1"))

@@ -1,0 +1,201 @@
+"""Client-level DP accounting (fedexp.privacy.accountant) against independent checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import dp_accounting
+import pytest
+from scipy import optimize, stats
+
+from fedexp.privacy import accountant as acc
+
+DELTA = 1e-5
+
+
+def plan(**kw) -> acc.PrivacyPlan:
+    base = dict(
+        mode="central",
+        sampling="poisson",
+        num_clients=100,
+        rate=0.1,
+        noise_multiplier=1.0,
+        delta=DELTA,
+        accountant="rdp",
+    )
+    return acc.PrivacyPlan(**{**base, **kw})
+
+
+def analytic_gaussian_epsilon(z: float, delta: float) -> float:
+    """Balle and Wang 2018 ("Improving the Gaussian Mechanism for Differential Privacy"),
+    sensitivity 1: delta(eps) = Phi(1/(2z) - eps z) - e^eps Phi(-1/(2z) - eps z)."""
+
+    def gap(eps: float) -> float:
+        a = stats.norm.cdf(1 / (2 * z) - eps * z)
+        b = math.exp(eps + stats.norm.logcdf(-1 / (2 * z) - eps * z))
+        return a - b - delta
+
+    return optimize.brentq(gap, 0.0, 500.0, xtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("q", "z", "rounds"), [(0.1, 1.0, 100), (0.01, 1.0, 1000), (0.05, 2.0, 50)]
+)
+def test_pld_is_tighter_than_rdp_and_close(q, z, rounds):
+    rdp = acc.epsilon(plan(rate=q, noise_multiplier=z), rounds)
+    pld = acc.epsilon(plan(rate=q, noise_multiplier=z, accountant="pld"), rounds)
+    assert 0 < pld <= rdp <= 1.3 * pld
+
+
+@pytest.mark.parametrize("z", [0.5, 1.0, 2.0])
+def test_single_gaussian_matches_analytic_gaussian_mechanism(z):
+    exact = analytic_gaussian_epsilon(z, DELTA)
+    for kw, participations in ((dict(rate=1.0), None), (dict(mode="local"), 1)):
+        pld = acc.epsilon(plan(noise_multiplier=z, accountant="pld", **kw), 1, participations)
+        rdp = acc.epsilon(plan(noise_multiplier=z, **kw), 1, participations)
+        assert pld == pytest.approx(exact, rel=1e-2)
+        assert pld >= exact * (1 - 1e-9)  # pessimistic PLD: an upper bound
+        assert rdp >= exact
+
+
+@pytest.mark.parametrize("kind", acc.ACCOUNTANTS)
+def test_monotone_in_rounds_noise_and_rate(kind):
+    by_rounds = [acc.epsilon(plan(accountant=kind), t) for t in (1, 10, 100, 1000)]
+    by_noise = [acc.epsilon(plan(accountant=kind, noise_multiplier=z), 50) for z in (0.7, 1, 2, 4)]
+    by_rate = [acc.epsilon(plan(accountant=kind, rate=q), 50) for q in (0.01, 0.1, 0.5, 1.0)]
+    assert by_rounds == sorted(by_rounds) and len(set(by_rounds)) == 4
+    assert by_noise == sorted(by_noise, reverse=True) and len(set(by_noise)) == 4
+    assert by_rate == sorted(by_rate) and len(set(by_rate)) == 4
+
+
+def test_fast_rdp_path_equals_the_library_composition():
+    for p, participations in (
+        (plan(), None),
+        (plan(sampling="fixed"), None),
+        (plan(mode="local", noise_multiplier=3.0), 37),
+    ):
+        count = participations or 40
+        event = dp_accounting.SelfComposedDpEvent(acc.round_event(p), count)
+        library = acc.make_accountant(p).compose(event).get_epsilon(DELTA)
+        assert acc.epsilon(p, 40, participations) == pytest.approx(library, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", acc.ACCOUNTANTS)
+def test_edge_cases(kind):
+    assert acc.epsilon(plan(accountant=kind, noise_multiplier=0.0), 5) == math.inf
+    assert acc.epsilon(plan(accountant=kind, mode="local", noise_multiplier=0.0), 5, 1) == math.inf
+    assert acc.epsilon(plan(accountant=kind), 0) == 0.0
+    assert acc.epsilon(plan(accountant=kind, noise_multiplier=0.0), 0) == 0.0
+    assert acc.epsilon(plan(accountant=kind, mode="local", noise_multiplier=0.0), 9, 0) == 0.0
+    assert isinstance(acc.round_event(plan(noise_multiplier=0.0)), dp_accounting.NonPrivateDpEvent)
+
+
+@pytest.mark.parametrize("kind", acc.ACCOUNTANTS)
+def test_local_is_the_composition_of_gaussians_over_participations(kind):
+    local = plan(mode="local", accountant=kind, noise_multiplier=4.0, sampling="fixed", rate=0.3)
+    for k in (1, 7, 60):
+        central = acc.epsilon(plan(accountant=kind, noise_multiplier=4.0, rate=1.0), k)
+        # PLD: the library composes plain Gaussians exactly, subsampled ones on its grid
+        tolerance = 1e-9 if kind == "rdp" else 1e-4
+        assert acc.epsilon(local, 100, k) == pytest.approx(central, rel=tolerance)
+    # the server sees who uploads: no amplification by sampling, only participations count
+    assert acc.epsilon(local, 100, 7) == acc.epsilon(dataclasses.replace(local, rate=1.0), 7, 7)
+
+
+@pytest.mark.parametrize(
+    ("kind", "target"), [("rdp", 1.0), ("rdp", 3.0), ("rdp", 8.0), ("pld", 3.0)]
+)
+def test_calibrate_noise_meets_the_target_tightly(kind, target):
+    p = plan(accountant=kind, noise_multiplier=123.0)  # the plan's own z is ignored
+    z = acc.calibrate_noise(p, 100, target)
+    got = acc.epsilon(dataclasses.replace(p, noise_multiplier=z), 100)
+    assert target * 0.99 <= got <= target
+    assert acc.epsilon(dataclasses.replace(p, noise_multiplier=z * 0.995), 100) > target
+
+
+def test_calibrate_noise_local_assumes_every_round():
+    p = plan(mode="local")
+    z = acc.calibrate_noise(p, 50, 8.0)
+    assert 8.0 * 0.99 <= acc.epsilon(dataclasses.replace(p, noise_multiplier=z), 50, 50) <= 8.0
+
+
+def test_calibrate_noise_floor_and_unreachable(monkeypatch):
+    assert acc.calibrate_noise(plan(), 1, 1e6) == acc.CALIBRATION_FLOOR
+
+    def no_bracket(*args, **kwargs):
+        raise dp_accounting.mechanism_calibration.NoBracketIntervalFoundError("none")
+
+    monkeypatch.setattr(dp_accounting, "calibrate_dp_mechanism", no_bracket)
+    with pytest.raises(ValueError, match="target_epsilon=0.001 is not reachable") as err:
+        acc.calibrate_noise(plan(), 10, 1e-3)
+    assert "\n" not in str(err.value)
+
+
+def test_fixed_sampling():
+    # observed (not a theorem): fixed (replace-one) >= Poisson (add/remove) at the same z
+    fixed = acc.epsilon(plan(sampling="fixed"), 100)
+    assert math.isfinite(fixed) and fixed > 0
+    # a full cohort is the Gaussian mechanism under either sampling (the library's q = 1 case)
+    full = [acc.epsilon(plan(sampling=s, rate=1.0, num_clients=10), 20) for s in acc.SAMPLINGS]
+    assert full[0] == pytest.approx(full[1], rel=1e-12)
+    assert acc._replace_one_scale() in (1.0, 2.0)
+    event = acc.round_event(plan(sampling="fixed", num_clients=10, rate=0.01))
+    assert (event.source_dataset_size, event.sample_size) == (10, 1)  # m = max(1, round(qN))
+    assert acc.round_event(plan(sampling="fixed", rate=0.126)).sample_size == 13
+    relation = dp_accounting.NeighboringRelation.REPLACE_ONE
+    assert acc.make_accountant(plan(sampling="fixed")).neighboring_relation is relation
+    with pytest.raises(ValueError, match="accountant='pld'.*use accountant='rdp'"):
+        plan(sampling="fixed", accountant="pld")
+    local = plan(mode="local", sampling="fixed", accountant="pld")  # no sampling in local
+    assert math.isfinite(acc.epsilon(local, 3, 3))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("mode", "global"),
+        ("sampling", "shuffle"),
+        ("accountant", "moments"),
+        ("num_clients", 0),
+        ("num_clients", 2.5),
+        ("rate", 0.0),
+        ("rate", 1.5),
+        ("rate", math.nan),
+        ("noise_multiplier", -1.0),
+        ("noise_multiplier", math.inf),
+        ("delta", 0.0),
+        ("delta", 1.0),
+    ],
+)
+def test_bad_plan_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field) as err:
+        plan(**{field: value})
+    assert "\n" not in str(err.value)
+
+
+def test_bad_call_arguments_name_the_argument():
+    for call, name in (
+        (lambda: acc.epsilon(plan(), -1), "rounds"),
+        (lambda: acc.epsilon(plan(), 2.0), "rounds"),
+        (lambda: acc.epsilon(plan(mode="local"), 3), "participations"),
+        (lambda: acc.epsilon(plan(mode="local"), 3, 4), "participations"),
+        (lambda: acc.calibrate_noise(plan(), 0, 1.0), "rounds"),
+        (lambda: acc.calibrate_noise(plan(), 10, 0.0), "target_epsilon"),
+        (lambda: acc.calibrate_noise(plan(), 10, math.inf), "target_epsilon"),
+    ):
+        with pytest.raises(ValueError, match=name) as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
+def test_absl_convergence_warnings_are_silenced_but_others_are_not(caplog, capfd):
+    acc._round_rdp.cache_clear()
+    acc._epsilon.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        acc.epsilon(plan(rate=0.1, noise_multiplier=0.9), 10)
+        logging.getLogger("absl").warning("Negative Renyi divergence of %s", -1.0)
+    out, err = capfd.readouterr()
+    assert "_compute_log_a_frac" not in caplog.text + out + err
+    assert "Negative Renyi divergence" in caplog.text
