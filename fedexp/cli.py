@@ -376,8 +376,8 @@ def _group_option_errors(args: list[str]) -> list[str]:
         if _SWEEP_FUNCTION.match(value) or arg.startswith("~"):
             continue
         options = sorted(p.stem for p in folder.glob("*.yaml"))
-        for option in value.split(","):
-            if option.strip() not in (*options, "null", ""):
+        for option in value.split(","):  # (Hydra fails on GROUP=null with a traceback)
+            if option.strip() not in options:
                 errors.append(
                     f"{key}={option}: no such option (expected one of: {', '.join(options)})"
                 )

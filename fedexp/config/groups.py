@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from fedexp.config.instantiate import check_node
 from fedexp.errors import ConfigError
+from fedexp.privacy.checks import check_privacy
 
 #: Arguments the model builder passes from the data (not config keys).
 MODEL_EXTRA = frozenset({"input_shape", "num_classes"})
@@ -123,3 +124,4 @@ def check_groups(cfg: DictConfig) -> None:
     if compressor is not None:
         for direction in ("uplink", "downlink"):
             check_channel(compressor.get(direction), f"compressor.{direction}")
+    check_privacy(cfg)

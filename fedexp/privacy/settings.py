@@ -44,7 +44,7 @@ class Privacy:
         target_quantile: γ, the share of updates meant to be left unclipped.
         clip_lr: η_C of the geometric update C ← C·exp(−η_C (b̄ − γ)).
         count_stddev: σ_b, the noise on the count of unclipped updates (null: the paper's
-            expected cohort size / 20).
+            expected cohort size / 20, or z where that is more).
     """
 
     def __init__(

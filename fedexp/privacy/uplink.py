@@ -100,7 +100,9 @@ class PrivateUplink:
             z = accountant.calibrate_noise(plan, rounds, settings.target_epsilon)
             z *= self.sensitivity
         self.noise_multiplier = z
-        self.count_stddev = settings.count_stddev or self.expected / 20
+        # the paper's E/20, raised to z where that is less (the count then takes at most a
+        # quarter of the budget: z_Δ ≤ 1.16 z), so that the default always composes
+        self.count_stddev = settings.count_stddev or max(self.expected / 20, z)
         self.update_multiplier = (
             update_noise_multiplier(z, self.count_stddev) if settings.adaptive else z
         )

@@ -1,0 +1,42 @@
+"""The ``privacy`` node checked against the run before anything is built or tracked."""
+
+from __future__ import annotations
+
+import copy
+
+from omegaconf import DictConfig
+
+from fedexp.config.instantiate import instantiate_checked, locate_target
+from fedexp.errors import ConfigError
+from fedexp.privacy.uplink import PrivateUplink
+
+
+def check_privacy(cfg: DictConfig) -> None:
+    """Refuse DP settings that the run's algorithm or sizes cannot meet, in one line.
+
+    Builds the mechanism as the run will (without ``target_epsilon``'s calibration, which
+    only fails for targets no noise reaches): adaptive clipping on a server that reads each
+    upload, an adaptive count noise too small for the total multiplier.
+
+    Raises:
+        ConfigError: naming the key and what is expected.
+    """
+    node = cfg.get("privacy")
+    if node is None or node.get("mode", "none") == "none":
+        return
+    settings = copy.copy(instantiate_checked(node, "privacy"))
+    settings.target_epsilon = None
+    target = cfg.get("algorithm", {}).get("_target_")
+    algorithm = locate_target(target, "algorithm._target_") if target else None
+    try:
+        PrivateUplink(
+            settings,
+            getattr(algorithm, "server_reads", "each"),
+            getattr(algorithm, "uplink_parts", {}),
+            int(cfg.num_clients),
+            float(cfg.participation),
+            int(cfg.rounds),
+            int(cfg.seed),
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
