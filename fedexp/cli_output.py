@@ -53,6 +53,9 @@ def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
     console.print(table)
     # paths, URIs and the `fedexp ui` command: one line each, never wrapped, never markup
     console.print(f"results: {result.output_dir}", soft_wrap=True, markup=False)
+    if "privacy/epsilon" in m:  # client-level DP: what the run spent (docs/privacy.md)
+        eps = m["privacy/epsilon"]
+        console.print(f"privacy: ε = {eps:.4g} spent at the run's privacy.delta", markup=False)
     console.print(result.tracker.describe(), soft_wrap=True, markup=False)
 
 
