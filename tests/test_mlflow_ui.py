@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedexp.tracking.links import ML_VIEW_QUERY, experiment_url, run_url, ui_base
+from fedexp.tracking.links import ML_VIEW_QUERY, experiment_url, run_url, runs_url, ui_base
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -18,6 +18,7 @@ from check_mlflow_ui import chromium  # noqa: E402
 def test_links_carry_the_machine_learning_view():
     assert experiment_url("http://h:5000/", "7") == f"http://h:5000/#/experiments/7?{ML_VIEW_QUERY}"
     assert run_url("http://h:5000", "7", "ab").endswith(f"/#/experiments/7/runs/ab?{ML_VIEW_QUERY}")
+    assert runs_url("http://h:5000", "7") == f"http://h:5000/#/experiments/7/runs?{ML_VIEW_QUERY}"
     assert ui_base("sqlite:///m.db") == "http://127.0.0.1:5000"
     assert ui_base("https://mlflow.example/") == "https://mlflow.example"
 

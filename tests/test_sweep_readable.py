@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import logging
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,15 @@ from fedexp.sweep import (
     sweep_values,
     write_status,
 )
-from fedexp.tracking.links import SHARE_PARAM, SHARE_TAG_PREFIX, shared_view, sweep_view_url
+from fedexp.tracking.links import (
+    SHARE_PARAM,
+    SHARE_TAG_PREFIX,
+    compress_state,
+    group_id,
+    read_shared_view,
+    shared_view,
+    sweep_view_url,
+)
 from helpers import run_cli
 
 TINY = ["rounds=1", "num_clients=3", "device=cpu", "checkpoint_every=0"]
@@ -226,21 +236,63 @@ def test_sweep_values_sizes_colours_and_group_keys():
     assert metric_label("local δ=2") == "local δ:2" and metric_label("lr=1e+38") == "lr:1e_38"
 
 
-def test_shared_view_is_mlflows_share_link_state():
-    key, value = shared_view("sweep", "abc123", [{"mode": "param", "groupByData": "lr"}])
-    assert key == f"{SHARE_TAG_PREFIX}abc123"
-    envelope = json.loads(value)
-    state = json.loads(envelope["state"])  # MLflow 3.17's saved view: a named envelope ...
-    assert envelope["name"] == "sweep" and isinstance(envelope["createdAt"], int)
-    for view in (state, envelope):  # ... and the state itself at the top (earlier MLflow 3)
+def _inflate(text: str) -> dict:
+    """A compressed view state as MLflow 3.17's UI reads it: ``deflate;``, base64, zlib, JSON."""
+    assert text.startswith("deflate;")  # the UI's own prefix (pako's deflate: a zlib stream)
+    return json.loads(zlib.decompress(base64.b64decode(text[len("deflate;") :], validate=True)))
+
+
+def test_shared_view_is_mlflows_saved_view():
+    group = [{"mode": "param", "groupByData": "lr"}, {"mode": "tag", "groupByData": "choice.x"}]
+    key, value = shared_view(
+        "sweep",
+        "abc123",
+        group,
+        ["metrics.`acc/mean`"],
+        created_ms=5,
+        order_by="metrics.`acc/mean`",
+        collapsed=[("0.1", "a"), ("1", None)],
+    )
+    assert key == f"{SHARE_TAG_PREFIX}abc123" == "mlflow.sharedViewState.abc123"
+    envelope = json.loads(value)  # MLflow 3.17's saved view: a named envelope ...
+    assert envelope["name"] == "sweep" and envelope["createdAt"] == envelope["updatedAt"] == 5
+    state = _inflate(envelope["state"])  # ... its state compressed as the UI compresses it
+    assert state == read_shared_view(value)
+    for view in (state, envelope):  # ... and the state itself, plain, at the top (earlier MLflow 3)
         assert view["searchFilter"] == "tags.`mlflow.parentRunId` = 'abc123'"
-        assert view["groupBy"]["groupByKeys"] == [{"mode": "param", "groupByData": "lr"}]
-        assert view["runsHiddenMode"] == "SHOW_ALL"
+        assert view["groupBy"] == {"aggregateFunction": "average", "groupByKeys": group}
+        assert view["runsHiddenMode"] == "SHOW_ALL" and view["useGroupedValuesInCharts"] is True
+        assert view["selectedColumns"] == ["metrics.`acc/mean`"]
+        assert view["orderByKey"] == "metrics.`acc/mean`" and view["orderByAsc"] is False
+        assert view["groupsExpanded"] == {  # MLflow's group ids: <mode>.<key>.<value>, joined
+            "param.lr.0.1,tag.choice.x.a": False,
+            "param.lr.1,tag.choice.x.null": False,
+        }
     url = sweep_view_url("http://h:5000", "7", "abc123")
-    assert url == (
-        "http://h:5000/#/experiments/7?workflowType=machine_learning"
+    assert url == (  # the runs tab: the bare experiment route drops the share key
+        "http://h:5000/#/experiments/7/runs?workflowType=machine_learning"
         f"&{SHARE_PARAM}=abc123&compareRunsMode=CHART"
     )
+    _, ungrouped = shared_view("sweep", "abc123", [])
+    assert read_shared_view(ungrouped)["groupBy"] is None and "selectedColumns" not in ungrouped
+    assert group_id([{"mode": "tag", "groupByData": "choice.algorithm"}], ["local"]) == (
+        "tag.choice.algorithm.local"
+    )
+
+
+def test_read_shared_view_takes_what_mlflow_takes():
+    state = {"searchFilter": "x", "groupBy": None}
+    assert _inflate(compress_state(json.dumps(state))) == state
+    # an envelope with a plain or a compressed state; a bare state, plain or compressed
+    plain = json.dumps({"name": "v", "createdAt": 1, "state": json.dumps(state)})
+    packed = json.dumps({"name": "v", "createdAt": 1.5, "state": compress_state(json.dumps(state))})
+    for value in (plain, packed, json.dumps(state), compress_state(json.dumps(state))):
+        assert read_shared_view(value) == state
+    not_an_envelope = {"name": "v", "createdAt": "1", "state": "{}"}  # createdAt: not a number
+    assert read_shared_view(json.dumps(not_an_envelope)) == not_an_envelope
+    for bad in ("", "[1]", "deflate;!!", json.dumps({"name": "v", "createdAt": 1, "state": "{"})):
+        with pytest.raises(ValueError, match="not a shared view state"):
+            read_shared_view(bad)
 
 
 def test_a_sweep_in_mlflow_names_groups_colours_and_summarises(tmp_path):
@@ -295,14 +347,19 @@ def test_a_sweep_in_mlflow_names_groups_colours_and_summarises(tmp_path):
     artifacts = {a.path for a in client.list_artifacts(pid)}
     assert {"sweep_summary.json", "fedexp_summary.txt"} <= artifacts
 
-    # the link carries a view stored with the experiment; the line says what to group by
+    # the link opens a view stored with the experiment; the line says what it groups by
     view = next(ln for ln in proc.stdout.splitlines() if ln.startswith("view: "))
-    assert f"/#/experiments/{exp.experiment_id}?workflowType=machine_learning" in view
+    assert f"/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning" in view
     assert f"&viewStateShareKey={pid}&compareRunsMode=CHART" in view
-    assert view.endswith("(Group by ▸ algorithm averages the seeds)")
+    assert view.endswith("(opens grouped by algorithm, mean of seeds)")
     stored = client.get_experiment(exp.experiment_id).tags[f"{SHARE_TAG_PREFIX}{pid}"]
-    state = json.loads(json.loads(stored)["state"])
+    state = _inflate(json.loads(stored)["state"])
     assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "choice.algorithm"}]
+    assert state["groupsExpanded"] == {  # a collapsed row per configuration, best first
+        "tag.choice.algorithm.fedavg": False,
+        "tag.choice.algorithm.local": False,
+    }
+    assert state["orderByKey"] == "metrics.`acc/mean`" and state["orderByAsc"] is False
     shown = client.search_runs([exp.experiment_id], filter_string=state["searchFilter"])
     assert {r.info.run_name for r in shown} == set(children)  # MLflow's search takes the filter
 

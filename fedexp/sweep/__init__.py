@@ -23,8 +23,8 @@ the process that launches the sweep, whatever the launcher (sequential, joblib, 
   ``fedexp_status.json``: ok/failed/killed, the error line, run id, final and best headline).
 * ``on_multirun_end``: reads every job's status (a job folder without one counts as failed),
   prints the summary (:class:`SweepSummary`: ok/failed jobs with their errors, the best
-  configuration, the experiment and its link (with what to group by: the varying keys), the
-  ``fedexp report`` command to run), logs the sweep's summary on the parent run
+  configuration, the experiment and its link, which opens the runs grouped by the varying keys,
+  the ``fedexp report`` command to run), logs the sweep's summary on the parent run
   (:func:`summarise`: per configuration the final and best headline, mean over seeds, as
   metrics, a table artifact and the run's description), ends it FAILED if any job failed,
   else FINISHED, and keeps the summary in :data:`last` for the CLI's exit code.
@@ -36,10 +36,10 @@ the process that launches the sweep, whatever the launcher (sequential, joblib, 
   MLflow run leaves nothing in MLflow (its parent run, and the ad-hoc experiment made for it,
   are deleted).
 
-The link (:func:`fedexp.tracking.links.sweep_view_url`) opens MLflow's runs page on a view
-stored with the experiment (the tag ``mlflow.sharedViewState.<parent run id>``, MLflow's own
-"share view" state): this sweep's runs only, grouped by the varying keys other than the seed
-(a param, or the ``choice.<group>`` tag of a config group), every run shown, the chart view.
+The link (:func:`fedexp.tracking.links.sweep_view_url`) opens MLflow's runs tab on a view saved
+with the experiment (tag ``mlflow.sharedViewState.<parent run id>``): this sweep's runs grouped
+by the varying keys but the seed (a param, or a config group's ``choice.<group>`` tag), a row per
+configuration, best first, and in the charts each group's mean and min-max range.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ class SweepCallback(Callback):
 
         The view is MLflow's own shared view state, stored as an experiment tag
         (:func:`fedexp.tracking.links.shared_view`); where it cannot be stored, the plain
-        link to the experiment, with what to click (README, "Sweeps in MLflow").
+        link to the experiment (and None: nothing is grouped).
         """
         from fedexp.tracking.links import shared_view, sweep_view_url, ui_base, ui_command
 
@@ -344,14 +344,17 @@ class SweepCallback(Callback):
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.info.started))
             name = f"sweep {when}: {self.info.parent_run_id[:8]}"
             columns = [f"params.`{k}`" for k in self.info.varying if k not in self.groups]
-            if summary.metric:
-                columns.append(f"metrics.`{summary.metric}`")
+            metric = f"metrics.`{summary.metric}`" if summary.metric else None
+            logged = [{"tag": r.data.tags, "param": r.data.params} for r in self._children()]
+            groups = {tuple(d[k["mode"]].get(k["groupByData"]) for k in keys) for d in logged}
             key, value = shared_view(
                 name,
                 self.info.parent_run_id,
                 keys,
-                columns=columns,
+                columns=[*columns, metric] if metric else columns,
                 created_ms=int(self.info.started * 1000),
+                order_by=metric,
+                collapsed=sorted(groups, key=str) if keys else [],
             )
             parent._call(parent.client.set_experiment_tag, exp_id, key, value)
             url = sweep_view_url(ui_base(parent.uri), exp_id, self.info.parent_run_id)

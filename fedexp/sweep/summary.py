@@ -116,8 +116,8 @@ class SweepSummary:
             parent = f" (parent run {self.parent_run_id})" if self.parent_run_id else ""
             lines.append(f"MLflow experiment: {self.experiment}{parent}")
             if self.link:
-                grouped = f" (Group by ▸ {self.grouped} averages the seeds)" if self.grouped else ""
-                lines.append(f"view: {self.link}{grouped}")
+                by = f" (opens grouped by {self.grouped}, mean of seeds)" if self.grouped else ""
+                lines.append(f"view: {self.link}{by}")
         else:
             lines.append("MLflow: nothing recorded (tracker=none); results in the job folders")
         if self.report is not None and not self.deleted:

@@ -15,23 +15,36 @@ A local store (SQLite, a file store) has no web server of its own: :func:`ui_com
 interpreter, so ``mlflow`` need not be on ``PATH``), written as the user can type it.
 
 A sweep's link opens its runs grouped by the keys that vary (:func:`sweep_view_url`). MLflow's
-URL has no "group by" parameter: grouping is UI state. But MLflow's own "Share" button stores a
-whole view (search filter, group by, columns, which runs are shown) as an experiment tag
-``mlflow.sharedViewState.<key>`` and opens it with ``?viewStateShareKey=<key>``
-(``useSharedExperimentViewState`` in MLflow's UI; 3.17 also lists such a tag, written as a
-named envelope, among the experiment's saved views). :func:`shared_view` writes that tag: this
-sweep's runs (``tags.`mlflow.parentRunId` = '<parent>'``), grouped by the varying keys with
-the mean and the min-max range of each group in the charts, every run shown (MLflow shows the
-first 10 otherwise).
+URL has no "group by" parameter: grouping is UI state. But MLflow's own "Save view" (the views
+menu of the runs page) stores a whole view (search filter, group by, columns, which runs are
+shown) as an experiment tag ``mlflow.sharedViewState.<key>`` and shares it as
+``#/experiments/<id>/runs?viewStateShareKey=<key>&compareRunsMode=<TABLE|CHART>``. MLflow 3.17.2's
+UI (``useSharedExperimentViewState``) reads that parameter on the *runs tab* route only: the bare
+experiment route (``#/experiments/<id>``) redirects to the runs tab keeping ``workflowType`` but
+dropping ``viewStateShareKey`` and ``compareRunsMode``, and a URL that already carries a search
+facet (``searchFilter``, ``orderByKey``, ...) skips the stored view. The tag's value is a saved-view
+envelope, ``{"name", "createdAt", "updatedAt", "state"}`` (ms since the epoch), whose ``state``
+is the view as JSON, compressed as the UI writes it: ``"deflate;"`` + base64 of the zlib stream
+(plain JSON is read too). The UI takes the state's search facets and its UI state (``groupBy``,
+``runsHiddenMode``, ``selectedColumns``, ...; not the per-run ``runsExpanded``/``runsPinned``/
+``runsHidden``/``runsVisibilityMap``) over the defaults. :func:`shared_view` writes that tag: this
+sweep's runs (``tags.`mlflow.parentRunId` = '<parent>'``) grouped by the varying keys, a
+collapsed row per configuration sorted by its mean headline, best first, and in the charts each
+group's mean with its min-max range; every run shown (MLflow shows the first 10 otherwise).
+:func:`read_shared_view` decodes such a tag as the UI does; ``scripts/check_mlflow_ui.py --sweep``
+opens one in headless Chromium and checks that the page is grouped.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
 import shutil
 import sys
+import zlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
@@ -43,6 +56,8 @@ DEFAULT_UI = "http://127.0.0.1:5000"
 DEFAULT_STORE = "sqlite:///mlflow.db"
 #: The URL parameter naming a shared view of an experiment page, and its experiment tag.
 SHARE_PARAM, SHARE_TAG_PREFIX = "viewStateShareKey", "mlflow.sharedViewState."
+#: The prefix of a view state the UI compressed (zlib, then base64).
+DEFLATE_PREFIX = "deflate;"
 
 
 def ui_base(uri: str) -> str:
@@ -55,6 +70,11 @@ def ui_base(uri: str) -> str:
 def experiment_url(base: str, experiment_id: str) -> str:
     """The experiment's runs page in the machine-learning view."""
     return f"{base.rstrip('/')}/#/experiments/{quote(str(experiment_id))}?{ML_VIEW_QUERY}"
+
+
+def runs_url(base: str, experiment_id: str) -> str:
+    """The experiment's runs tab in the machine-learning view (where a shared view opens)."""
+    return f"{base.rstrip('/')}/#/experiments/{quote(str(experiment_id))}/runs?{ML_VIEW_QUERY}"
 
 
 def run_url(base: str, experiment_id: str, run_id: str) -> str:
@@ -125,10 +145,67 @@ def ui_command(uri: str) -> str:
 def sweep_view_url(base: str, experiment_id: str, share_key: str) -> str:
     """A sweep's runs in the machine-learning view, on its shared view (:func:`shared_view`).
 
-    The chart view (``compareRunsMode=CHART``): a chart per metric, a line per group of runs.
+    The runs tab's route (the experiment's own route drops the share key when it redirects), the
+    chart view (``compareRunsMode=CHART``): a chart per metric, a line per group of runs.
     """
-    page = experiment_url(base, experiment_id)
+    page = runs_url(base, experiment_id)
     return f"{page}&{SHARE_PARAM}={quote(share_key)}&compareRunsMode=CHART"
+
+
+def compress_state(text: str) -> str:
+    """A view state as MLflow's UI stores it: ``"deflate;"`` + base64 of the zlib stream."""
+    return DEFLATE_PREFIX + base64.b64encode(zlib.compress(text.encode())).decode("ascii")
+
+
+def decompress_state(text: str) -> str:
+    """The JSON of a stored view state, compressed (:func:`compress_state`) or not."""
+    if not text.startswith(DEFLATE_PREFIX):
+        return text
+    return zlib.decompress(base64.b64decode(text.removeprefix(DEFLATE_PREFIX))).decode()
+
+
+def read_shared_view(value: str) -> dict:
+    """The view state in a ``mlflow.sharedViewState.<key>`` tag's value, read as MLflow 3.17 does.
+
+    A saved-view envelope (JSON: a string ``name``, a number ``createdAt``, a string ``state``:
+    the state's JSON, maybe compressed); else the whole value is the state, its JSON maybe
+    compressed (earlier MLflow 3 releases).
+
+    Raises:
+        ValueError: the value is neither.
+    """
+    try:
+        try:
+            envelope = json.loads(value)
+        except ValueError:
+            envelope = None
+        if (
+            isinstance(envelope, dict)
+            and isinstance(envelope.get("name"), str)
+            and isinstance(envelope.get("createdAt"), int | float)
+            and isinstance(envelope.get("state"), str)
+        ):
+            state = json.loads(decompress_state(envelope["state"]))
+        else:
+            state = json.loads(decompress_state(value))
+    except (ValueError, zlib.error) as exc:
+        raise ValueError(f"not a shared view state: {exc}") from exc
+    if not isinstance(state, dict):
+        raise ValueError("not a shared view state: not a JSON object")
+    return state
+
+
+def group_id(group_by: list[dict[str, str]], values: Sequence[str | None]) -> str:
+    """A group's id in MLflow's runs table: ``tag.choice.algorithm.local,param.lr.0.1``.
+
+    Each group-by key as ``<mode>.<key>.<value>`` (``null`` for a run without the key), joined
+    by commas; the keys of a view's ``groupsExpanded`` (a group is expanded unless it is there
+    as false).
+    """
+    return ",".join(
+        f"{key['mode']}.{key['groupByData']}.{value or 'null'}"
+        for key, value in zip(group_by, values, strict=True)
+    )
 
 
 def shared_view(
@@ -137,6 +214,8 @@ def shared_view(
     group_by: list[dict[str, str]],
     columns: list[str] | None = None,
     created_ms: int = 0,
+    order_by: str | None = None,
+    collapsed: Iterable[Sequence[str | None]] = (),
 ) -> tuple[str, str]:
     """The experiment tag of a sweep's view: ``(key, value)``; its share key is the parent id.
 
@@ -147,26 +226,34 @@ def shared_view(
             (:func:`fedexp.sweep.group_keys`); groups aggregate by their mean.
         columns: the runs table's columns (``params.`partition.delta```, ``metrics.`acc/mean```).
         created_ms: when the view was made (milliseconds since the epoch).
+        order_by: a metric to sort by, highest first (``metrics.`acc/mean```): MLflow sorts
+            the groups by their mean of it, so the best configuration comes first.
+        collapsed: groups shown collapsed, each by its values of the ``group_by`` keys (a row
+            per configuration; a group's runs show when it is expanded).
 
-    The value is MLflow 3.17's saved-view envelope (``name``, ``createdAt``, ``updatedAt``, the
-    state as a JSON string) with the same state at its top level, which is what earlier MLflow
-    3 releases read from the tag.
+    Returns:
+        The tag's key, ``mlflow.sharedViewState.<parent_run_id>``, and its value: MLflow 3.17's
+        saved-view envelope (``name``, ``createdAt``, ``updatedAt``, ``state``: the state's JSON
+        compressed as the UI compresses it), with the same state, plain, at its top level, which
+        is what earlier MLflow 3 releases read from the tag (3.17 reads the envelope first).
     """
     state: dict = {
         "searchFilter": f"tags.`mlflow.parentRunId` = '{parent_run_id}'",
         "groupBy": {"aggregateFunction": "average", "groupByKeys": group_by} if group_by else None,
-        "groupsExpanded": {},
+        "groupsExpanded": {group_id(group_by, v): False for v in collapsed} if group_by else {},
         "runsHiddenMode": "SHOW_ALL",
         "useGroupedValuesInCharts": True,
         "hideEmptyCharts": True,
     }
     if columns:
         state["selectedColumns"] = columns
+    if order_by:
+        state |= {"orderByKey": order_by, "orderByAsc": False}
     envelope = {
         "name": name,
         "createdAt": created_ms,
         "updatedAt": created_ms,
-        "state": json.dumps(state),
+        "state": compress_state(json.dumps(state)),
         **state,
     }
     return f"{SHARE_TAG_PREFIX}{parent_run_id}", json.dumps(envelope)
