@@ -137,3 +137,24 @@ def weighted_mean(updates: Mapping[int, torch.Tensor], weights: dict[int, float]
     stacked = torch.stack([updates[n] for n in clients])
     w = torch.tensor([weights[n] for n in clients], dtype=stacked.dtype, device=stacked.device)
     return (w[:, None] * stacked).sum(dim=0)
+
+
+def update_parts(updates: Mapping[int, Message], clients: list[int]) -> dict[str, torch.Tensor]:
+    """Received updates as ``{part: [m, ...]}`` in ``clients`` order (a bare tensor's part: "")."""
+    if isinstance(updates, StackedUpdates):
+        return {"": updates.stack}
+    first = updates[clients[0]]
+    if isinstance(first, torch.Tensor):
+        return {"": torch.stack([updates[n] for n in clients])}  # type: ignore[misc]
+    return {name: torch.stack([updates[n][name] for n in clients]) for name in first}  # type: ignore[index]
+
+
+def parts_updates(parts: dict[str, torch.Tensor], clients: list[int]) -> Mapping[int, Message]:
+    """:func:`update_parts` undone.
+
+    Bare tensors come back as a :class:`StackedUpdates`, named parts as a dict of each
+    client's parts.
+    """
+    if set(parts) == {""}:
+        return StackedUpdates(clients, parts[""])
+    return {n: {name: p[i] for name, p in parts.items()} for i, n in enumerate(clients)}

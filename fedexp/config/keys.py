@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,14 @@ def _defaults(conf: Path) -> dict[str, str]:
                 if isinstance(option, str) and (conf / str(group)).is_dir():
                     chosen[str(group)] = option
     return chosen
+
+
+def _nested_keys(name: str) -> list[str] | None:
+    """The keys of a run setting that is itself a dataclass (``distributed``), else None."""
+    for f in fields(RunConfig):
+        if f.name == name and is_dataclass(f.default_factory):  # type: ignore[arg-type]
+            return [g.name for g in fields(f.default_factory)]  # type: ignore[arg-type]
+    return None
 
 
 def _keys(node: Any) -> list[str]:
@@ -131,7 +139,16 @@ def unknown_key_errors(args: Sequence[str], conf_dir: str | Path) -> list[str]:
                 errors.append(f"{key}: no such setting{hint} (fedexp run --help lists them)")
             continue
         if group not in chosen:
-            if group in settings:
+            nested = _nested_keys(group)
+            if nested is not None and rest not in nested:
+                close = difflib.get_close_matches(rest, nested, 3)
+                hint = (
+                    f"; did you mean {', '.join(f'{group}.{c}' for c in close)}?" if close else ""
+                )
+                errors.append(
+                    f"{key}: no such setting{hint} (keys of {group}: {', '.join(nested)})"
+                )
+            elif nested is None and group in settings:
                 errors.append(f"{key}: {group} is a plain setting, it has no keys")
             continue
         message = _group_key_error(conf, group, chosen[group], rest.split("."))

@@ -23,6 +23,20 @@ from fedexp.errors import ConfigError
 
 
 @dataclass
+class DistributedConfig:
+    """One run over several processes (``fedexp.engine.launch``).
+
+    Attributes:
+        nproc: processes on this machine; each runs its share of every round's clients
+            (client n on process n mod nproc). 1: one process.
+        backend: torch.distributed's backend: "auto" (NCCL with GPUs, else gloo), "gloo", "nccl".
+    """
+
+    nproc: int = 1
+    backend: str = "auto"
+
+
+@dataclass
 class RunConfig:
     """Settings of one federated run.
 
@@ -88,6 +102,7 @@ class RunConfig:
     compressor: Any = field(default_factory=dict)
     optimizer: Any = field(default_factory=dict)
     privacy: Any = field(default_factory=dict)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     tracker: Any = field(default_factory=dict)
 
 
@@ -181,6 +196,12 @@ def validate(cfg: Mapping[str, Any], clients: Sequence[Any] | None = None) -> No
         return cfg.get(key, defaults.get(key))
 
     errors = _range_errors(get)
+    spread = get("distributed") or {}
+    nproc, backend = spread.get("nproc", 1), spread.get("backend", "auto")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or not 1 <= nproc <= 1024:
+        errors.append(f"distributed.nproc={nproc!r}: expected an integer in [1, 1024]")
+    if backend not in ("auto", "gloo", "nccl"):
+        errors.append(f"distributed.backend={backend!r}: expected auto, gloo or nccl")
     errors += _algorithm_errors(get("algorithm"), get("num_clients"))
     batch = get("batch_size")
     if clients and not errors and batch > 0:

@@ -27,6 +27,7 @@ from fedexp.engine.context import Context
 from fedexp.engine.evaluation import Evaluation
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.pool import TrainPool
+from fedexp.engine.ranks import Ranks, gather_uploads
 from fedexp.engine.transport import (
     PartKey,
     Transport,
@@ -85,6 +86,8 @@ class Engine(Transport, Evaluation):
     pool: TrainPool | None = field(default=None, repr=False)
     #: client-level DP on the uplink (``privacy`` group); None: none
     privacy: PrivateUplink | None = None
+    #: the run's processes (torch.distributed); None: this process alone
+    ranks: Ranks | None = None
     #: the initial server state (derived, not checkpointed), built when a part needs it
     _server0: State | None = field(default=None, repr=False)
 
@@ -100,25 +103,81 @@ class Engine(Transport, Evaluation):
         """The one-off exchange before round 0: client sketches up (dense), server set-up."""
         sketches: dict[int, torch.Tensor] = {}
         codec = DenseCodec()
-        for n, data in enumerate(self.clients):
+        ranks, ledger = self.ranks, self.ledger
+        everyone = list(range(len(self.clients)))
+        if ranks is not None:
+            self.ledger = ByteLedger()
+        for n in everyone if ranks is None else ranks.mine(everyone):
             sketch = self.algorithm.client_sketch(
-                self.ctx, data, rng.generator(self.seed, _SKETCH, n)
+                self.ctx, self.clients[n], rng.generator(self.seed, _SKETCH, n)
             )
             if sketch is None:
                 continue
             payload = codec.encode(sketch.reshape(-1))
             self.ledger.add("up", payload, sketch.numel())
             sketches[n] = codec.decode(payload, sketch.numel()).to(self.ctx.device)
+        if ranks is not None:  # every rank's sketches, in client order
+            got = ranks.gather_tensors({str(n): s for n, s in sketches.items()})
+            found = {int(k): v.to(self.ctx.device) for g in got for k, v in g.items()}
+            sketches = dict(sorted(found.items()))
+            ledger.merge(ranks.gather_json(self.ledger.round_record()))
+            self.ledger = ledger
         self.server = self.algorithm.server_setup(self.ctx, self.server, sketches)
         return {"bytes/setup_up": float(self.ledger.total["up"])}
 
+    def sync_states(self) -> None:
+        """Every rank's clients' states (and channel memories) copied to every rank.
+
+        A rank runs only its own clients, so the others' states it holds are stale; before
+        a checkpoint or the run's files (which rank 0 writes) they are gathered. One
+        process: nothing to do.
+        """
+        ranks = self.ranks
+        if ranks is None:
+            return
+        mine = set(ranks.mine(range(len(self.clients))))
+        named = {f"c/{n}/{k}": v for n in mine for k, v in self.client_states[n].items()}
+        for kind, store in (
+            ("residual", self.residual),
+            ("replica", self.replica),
+            ("reference", self.reference),
+        ):
+            for d in ("up", "down"):
+                for key, v in store[d].items():
+                    if key[0] in mine:
+                        named[f"{kind}/{d}/{_state_key(key)}"] = v
+        for rank, got in enumerate(ranks.gather_tensors(named)):
+            if rank == ranks.rank:
+                continue
+            for n in ranks.mine_of(rank, len(self.clients)):
+                self.client_states[n] = {}
+            for name, v in got.items():
+                head, _, rest = name.partition("/")
+                if head == "c":
+                    n, _, key = rest.partition("/")
+                    self.client_states[int(n)][key] = v.to(self.ctx.device)
+                else:
+                    d, _, key = rest.partition("/")
+                    store = {"residual": self.residual, "replica": self.replica}.get(
+                        head, self.reference
+                    )
+                    store[d][_parse_key(key)] = v.to(self.ctx.device)
+
     # ---------------------------------------------------------------- the round
     def run_round(self) -> dict[str, float]:
-        """Run round ``self.round`` and advance it; returns the round's training metrics."""
+        """Run round ``self.round`` and advance it; returns the round's training metrics.
+
+        Over several processes (:attr:`ranks`) each runs its own clients of the round and
+        counts their messages; the decoded uploads are gathered to every rank, which then
+        takes the same server step.
+        """
         started = time.perf_counter()
         t = self.round
         self.ctx.round = t
         self.ledger.start_round()
+        ranks, ledger = self.ranks, self.ledger
+        if ranks is not None:  # this rank's messages, merged into the run's ledger below
+            self.ledger = ByteLedger()
         if self.privacy is not None:
             sampled = self.privacy.sample(t)
         else:
@@ -126,42 +185,53 @@ class Engine(Transport, Evaluation):
         self.last_sampled = sampled
         # who receives and trains: the sampled clients, or all (Algorithm.all_train)
         everyone = self.algorithm.all_train and len(sampled) < len(self.clients)
-        workers = list(range(len(self.clients))) if everyone else sampled
+        trained = list(range(len(self.clients))) if everyone else sampled
+        workers = trained if ranks is None else ranks.mine(trained)
+        senders = sampled if ranks is None else workers if not everyone else ranks.mine(sampled)
         inbox, result = None, CohortResult(None, [], {})
-        if workers:  # (a Poisson-sampled cohort may be empty)
+        if workers:  # (a Poisson-sampled cohort, or a rank's share of it, may be empty)
             msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
             inbox = self._downlink(workers, [msgs[n] for n in workers])
             result = self._client_work(workers, inbox)
         for n, state in zip(workers, result.states, strict=True):
             self.client_states[n] = state
-        uploads = _uploads(result.updates, workers, sampled)
+        uploads = _uploads(result.updates, workers, senders)
         private: dict[str, float] = {}
+        refs: dict[str, torch.Tensor] = {}
         if self.privacy is not None and uploads is not None:
             refs = self.privacy.references(
                 uploads if isinstance(uploads, dict) else {"": uploads},
-                _uploads(inbox, workers, sampled),
+                _uploads(inbox, workers, senders),
                 self.x0,
             )
-            uploads, private = self.privacy.client_side(t, sampled, uploads, refs)
-        updates, channel = self._uplink(sampled, uploads)
+            uploads, private = self.privacy.client_side(t, senders, uploads, refs)
+        updates, channel = self._uplink(senders, uploads)
+        uploaded = uploads is not None
+        sums = {f"train/{k}": float(v.sum()) for k, v in result.metrics.items()}
+        if ranks is not None:
+            updates, refs, uploaded = gather_uploads(ranks, sampled, senders, updates, refs)
+            sums = ranks.sum_floats({**sums, **{f"channel/{k}": v for k, v in channel.items()}})
+            channel = {k[8:]: v for k, v in sums.items() if k.startswith("channel/")}
+            ledger.merge(ranks.gather_json(self.ledger.round_record()))
+            self.ledger = ledger
         weights = self._weights(updates)
         if self.privacy is not None:
-            if uploads is not None:
+            if uploaded:
                 updates, weights, more = self.privacy.server_side(
                     t, sampled, updates, refs, lossy=not _exact(self.uplink)
                 )
                 private.update(more)
-            private.update(self.privacy.end_round(t, len(sampled), uploads is not None))
+            private.update(self.privacy.end_round(t, len(sampled), uploaded))
         self.server = self.algorithm.server_update(self.ctx, self.server, updates, weights)
         self.round = t + 1
         # the clients' metrics are the mean over who trained, the channel's over who uploaded
-        out = {f"train/{k}": float(v.sum()) / len(workers) for k, v in result.metrics.items()}
+        out = {k: v / len(trained) for k, v in sums.items() if k.startswith("train/")}
         for k, v in channel.items():
             out[f"train/{k}"] = out.get(f"train/{k}", 0.0) + v / len(sampled)
         out.update(private)
         out["clients/sampled"] = float(len(sampled))
-        if workers is not sampled:
-            out["clients/trained"] = float(len(workers))
+        if everyone:
+            out["clients/trained"] = float(len(trained))
         out.update(self.algorithm.server_metrics(self.ctx, self.server))
         out.update(self.ledger.metrics())
         out["time/round_s"] = time.perf_counter() - started
@@ -234,7 +304,7 @@ class Engine(Transport, Evaluation):
         """
         sums: dict[str, float] = {}
         updates: dict[int, Message] = {}
-        if uploads is None:
+        if uploads is None or not sampled:
             return updates, sums
         received = self._send_cohort("up", sampled, uploads)
         if isinstance(received, torch.Tensor):
@@ -321,12 +391,12 @@ def _take(stacked: Stacked | None, index: torch.Tensor) -> Stacked | None:
     return {name: part[index] for name, part in stacked.items()}
 
 
-def _uploads(uploads: Stacked | None, workers: list[int], sampled: list[int]) -> Stacked | None:
-    """The sampled clients' rows of the workers' stacked ``uploads``."""
-    if workers is sampled:
+def _uploads(uploads: Stacked | None, workers: list[int], senders: list[int]) -> Stacked | None:
+    """The senders' rows of the workers' stacked ``uploads``."""
+    if workers is senders or uploads is None:
         return uploads
     where = {n: i for i, n in enumerate(workers)}
-    return _take(uploads, torch.tensor([where[n] for n in sampled]))
+    return _take(uploads, torch.tensor([where[n] for n in senders], dtype=torch.int64))
 
 
 def _merge(results: list[tuple[list[int], CohortResult]], m: int) -> CohortResult:

@@ -24,6 +24,7 @@ from fedexp.metrics import LOWER_IS_BETTER, aggregate
 if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
     from fedexp.engine.context import Context
+    from fedexp.engine.ranks import Ranks
 
 log = logging.getLogger("fedexp")
 
@@ -40,6 +41,7 @@ class Evaluation:
     server: State
     client_states: list[State]
     best: dict[str, torch.Tensor]
+    ranks: Ranks | None
     _cohorts: Callable[[list[int], int], list[tuple[list[int], Cohort]]]
 
     def evaluate(
@@ -59,15 +61,23 @@ class Evaluation:
         per-client metrics are the test split's.
         """
         who = list(range(len(self.clients)) if clients is None else clients)
-        params = self.eval_vectors(who)
-        per_client = self._evaluate_many(params, [self.clients[n] for n in who])
-        for n, m in zip(who, per_client, strict=True):
+        ranks = self.ranks
+        local = who if ranks is None else ranks.mine(who)  # a rank scores its own clients
+        params = self.eval_vectors(local)
+        per_client = self._evaluate_many(params, [self.clients[n] for n in local])
+        for n, m in zip(local, per_client, strict=True):
             m["num_test"] = float(self.clients[n].num_test)
-        val_who = [i for i, n in enumerate(who) if self.clients[n].num_val]
+        val_who = [i for i, n in enumerate(local) if self.clients[n].num_val]
         val_rows = self._evaluate_many(
-            [params[i] for i in val_who], [self.clients[who[i]].validation() for i in val_who]
+            [params[i] for i in val_who], [self.clients[local[i]].validation() for i in val_who]
         )
-        val_weights = [float(self.clients[who[i]].num_val) for i in val_who]
+        val_clients = [local[i] for i in val_who]
+        if ranks is not None:  # every rank's rows, in ``who`` order, on every rank
+            per_client = _in_order(ranks.gather_json([local, per_client]), who)
+            order = [n for n in who if self.clients[n].num_val]
+            val_rows = _in_order(ranks.gather_json([val_clients, val_rows]), order)
+            val_clients = order
+        val_weights = [float(self.clients[n].num_val) for n in val_clients]
         weights = [c["num_test"] for c in per_client]
         keys = [k for k in per_client[0] if k != "num_test"] if per_client else []
         out = aggregate(per_client, weights, keys) if per_client else {}
@@ -75,9 +85,7 @@ class Evaluation:
         if val_rows:
             out.update({f"{_VAL}{k}": v for k, v in aggregate(val_rows, val_weights).items()})
             val_scored = [{f"{_VAL}{k}": v for k, v in row.items()} for row in val_rows]
-            out.update(
-                self._update_best([who[i] for i in val_who], val_scored, list(val_scored[0]))
-            )
+            out.update(self._update_best(val_clients, val_scored, list(val_scored[0])))
         return out, per_client
 
     def eval_vectors(self, who: list[int]) -> list[torch.Tensor]:
@@ -178,3 +186,9 @@ class Evaluation:
             if seen.numel():
                 out[f"{key}/best_mean"] = float(seen.mean())
         return out
+
+
+def _in_order(gathered: list, who: list[int]) -> list[dict[str, float]]:
+    """Rows gathered from the ranks (each ``[clients, rows]``) put in ``who``'s order."""
+    by_client = {n: row for clients, rows in gathered for n, row in zip(clients, rows, strict=True)}
+    return [by_client[n] for n in who]

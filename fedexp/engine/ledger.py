@@ -82,6 +82,28 @@ class ByteLedger:
             out[f"bytes/{key}_cum"] = total
         return out
 
+    def round_record(self) -> dict:
+        """This round's counts (a fresh ledger's, for :meth:`merge` on every rank)."""
+        return {
+            "round": self.round,
+            "round_dense": self.round_dense,
+            "messages": self.messages,
+            "parts_round": self.parts_round,
+        }
+
+    def merge(self, records: Sequence[dict]) -> None:
+        """Add every rank's :meth:`round_record` of this round (a run over several ranks)."""
+        for rec in records:
+            for d in ("up", "down"):
+                self.round[d] += rec["round"][d]
+                self.total[d] += rec["round"][d]
+                self.round_dense[d] += rec["round_dense"][d]
+                self.total_dense[d] += rec["round_dense"][d]
+                self.messages[d] += rec["messages"][d]
+            for key, size in rec["parts_round"].items():
+                self.parts_round[key] = self.parts_round.get(key, 0) + size
+                self.parts_total[key] = self.parts_total.get(key, 0) + size
+
     def to_meta(self) -> dict:
         """Cumulative counters for a checkpoint."""
         return {

@@ -24,19 +24,20 @@ from fedexp.config.instantiate import fresh_dir, instantiate_checked
 from fedexp.config.schema import validate
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import federate
-from fedexp.engine import checkpoint, rng
+from fedexp.engine import checkpoint, launch, rng
 from fedexp.engine.context import Context
 from fedexp.engine.engine import Engine, RoundCallback
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.outputs import CLIENT_TABLE, _table_rows, _write_outputs
 from fedexp.engine.progress import RoundProgress
+from fedexp.engine.ranks import Ranks
 from fedexp.engine.resume import _change_tags, _check_resume, _resume_changes, flatten_config
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import check_model_fits, task_for
 from fedexp.privacy.uplink import PrivateUplink
-from fedexp.tracking.base import Tracker
+from fedexp.tracking.base import NullTracker, Tracker
 from fedexp.tracking.dataset_input import describe_dataset
 from fedexp.tracking.provenance import run_tags
 
@@ -303,6 +304,40 @@ def run(
         out_dir = Path(cfg.output_dir)
     else:  # no folder given (the API): one of its own, never reused (the CLI's does the same)
         out_dir = Path(fresh_dir(f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"))
+    engine.ranks, procs = Ranks.current(), []
+    if engine.ranks is None and cfg.get("distributed", {}).get("nproc", 1) > 1:
+        engine.ranks, procs = launch.start(cfg, str(out_dir), _rank_entry)
+    failed = True
+    try:
+        result = _run(cfg, engine, dataset, out_dir, tracker, callbacks, run_name, tags)
+        failed = False
+        return result
+    finally:
+        if procs:  # the other ranks: waited for, or ended when this one failed
+            launch.stop(procs, failed=failed)
+
+
+def _rank_entry(rank: int, size: int, port: int, config: str, backend: str) -> None:
+    """Rank ``rank`` ≥ 1 of a ``distributed.nproc`` run (:func:`fedexp.engine.launch.start`)."""
+    launch.rank_main(rank, size, port, config, backend, lambda c: run(c, tracker=NullTracker()))
+
+
+def _run(
+    cfg: DictConfig,
+    engine: Engine,
+    dataset: Any,
+    out_dir: Path,
+    tracker: Tracker,
+    callbacks: Iterable[RoundCallback],
+    run_name: str | None,
+    tags: dict[str, str] | None,
+) -> RunResult:
+    """:func:`run` once the engine is built (and, over several processes, the ranks joined).
+
+    Rank 0 (or the only process) keeps the tracker, the progress display, the checkpoints
+    and the run's files; the others take part in every round and evaluation.
+    """
+    leader = engine.ranks is None or engine.ranks.leader
     resume_id, history, client_history = None, [], []
     changes: list[dict[str, Any]] = []  # settings changed on resume, every resume so far
     ckpt_dir = out_dir / "checkpoints"
@@ -371,7 +406,8 @@ def run(
             setup = engine.setup()
             agg, per_client = evaluate(0)
             record({"round": 0.0, **setup, **agg})
-        with RoundProgress(cfg.rounds, engine.round, cfg.progress) as progress:
+        shown = cfg.progress if leader else "none"
+        with RoundProgress(cfg.rounds, engine.round, shown) as progress:
             while engine.round < cfg.rounds:
                 metrics = engine.run_round()
                 t = engine.round
@@ -400,15 +436,23 @@ def run(
                         # the folder's good checkpoint, a rescue's start: this one if healthy
                         "good_round": t if healthy else checkpoint.good_round(ckpt_dir, t),
                     }
-                    checkpoint.save(ckpt_dir, engine.state_tree(), meta)
-                    if healthy:  # good.safetensors: a hard link to it, not a second write
+                    engine.sync_states()  # every rank's clients (one process: nothing)
+                    if leader:
+                        checkpoint.save(ckpt_dir, engine.state_tree(), meta)
+                    if healthy and leader:  # good.safetensors: a hard link, not a second write
                         checkpoint.promote(ckpt_dir)
                 for callback in callbacks:
                     callback(engine, metrics)
         if not per_client:
             _, per_client = engine.evaluate()
         final = dict(history[-1]) if history else {}
-        for path in _write_outputs(out_dir, cfg, per_client, history, engine, client_history):
+        engine.sync_states()
+        written = (
+            []
+            if not leader
+            else _write_outputs(out_dir, cfg, per_client, history, engine, client_history)
+        )
+        for path in written:
             tracker.log_artifact(path)
         if client_history:  # clients_rounds.csv again, as a table MLflow's UI shows as one
             tracker.log_table(_table_rows(client_history), CLIENT_TABLE)

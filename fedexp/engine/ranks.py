@@ -1,0 +1,160 @@
+"""One run over several processes (torch.distributed): who owns which client, and the exchanges.
+
+Every rank holds the whole server state and runs the same server step on the same inputs, so
+the server needs no broadcast; the clients are split among the ranks (client n belongs to rank
+n mod P), each rank runs its own share of the round's cohort, and what the server needs from
+them, the decoded uploads, is gathered to every rank in client order. Sampling, minibatches
+and DP noise come from each client's own (seed, round, client) stream, so no figure depends on
+P but for floating-point summation order.
+
+Tensors cross as safetensors bytes and small records as JSON: nothing is unpickled. The
+backend is gloo (CPU); NCCL on GPUs goes through the same calls with CUDA byte buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from fedexp.contract import Message, parts_updates, update_parts
+
+#: How long a collective may wait for a rank before the run fails (a rank that died).
+TIMEOUT = timedelta(minutes=10)
+
+
+class Ranks:
+    """This process's place in the run: its rank among ``size``.
+
+    Args:
+        rank: this process's rank.
+        size: P, the number of processes.
+        device: where the byte buffers of the collectives live (CPU for gloo).
+    """
+
+    def __init__(self, rank: int, size: int, device: torch.device | str = "cpu") -> None:
+        self.rank, self.size, self.device = rank, size, torch.device(device)
+
+    @classmethod
+    def current(cls) -> Ranks | None:
+        """The initialised process group as :class:`Ranks`, or None for a single process."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return cls(dist.get_rank(), dist.get_world_size(), device)
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one that talks to the tracker and writes the run's files."""
+        return self.rank == 0
+
+    def owner(self, client: int) -> int:
+        """The rank that runs ``client``."""
+        return client % self.size
+
+    def mine(self, clients: Sequence[int]) -> list[int]:
+        """This rank's clients among ``clients``, in their order."""
+        return [n for n in clients if n % self.size == self.rank]
+
+    def mine_of(self, rank: int, num_clients: int) -> range:
+        """The clients of ``rank`` among ``num_clients``."""
+        return range(rank, num_clients, self.size)
+
+    # ------------------------------------------------------------------ exchanges
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order (sizes may differ)."""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.size)]
+        dist.all_gather(sizes, size)
+        longest = max(int(s) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.zeros_like(buf) for _ in range(self.size)]
+        dist.all_gather(bufs, buf)
+        return [bytes(b[: int(s)].cpu().numpy()) for b, s in zip(bufs, sizes, strict=True)]
+
+    def gather_json(self, record: Any) -> list[Any]:
+        """Every rank's JSON-serialisable ``record``, in rank order."""
+        return [json.loads(b) for b in self.gather_bytes(json.dumps(record).encode())]
+
+    def gather_tensors(self, named: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every rank's named tensors (CPU copies), in rank order."""
+        blob = save_tensors({k: v.detach().cpu().clone() for k, v in named.items()})
+        return [load_tensors(b) for b in self.gather_bytes(blob)]
+
+    def gather_rows(
+        self, clients: Sequence[int], mine: Sequence[int], parts: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Each part's rows of every rank, in ``clients`` order.
+
+        ``parts``: this rank's rows ``[len(mine), ...]`` of each part (the same names on every
+        rank that has rows); returns ``[len(clients), ...]`` per part, on the parts' device.
+        """
+        device = next(iter(parts.values())).device if parts else torch.device("cpu")
+        got = self.gather_tensors(
+            {**parts, "__clients__": torch.tensor(list(mine), dtype=torch.int64)}
+        )
+        where = {n: i for i, n in enumerate(clients)}
+        names = sorted({k for g in got for k in g if k != "__clients__"})
+        out = {}
+        for name in names:
+            have = [g for g in got if name in g]  # a rank without rows sends no parts
+            rows = torch.cat([g[name] for g in have])
+            order = torch.cat([g["__clients__"] for g in have])
+            index = torch.tensor([where[int(n)] for n in order], dtype=torch.int64)
+            full = torch.empty((len(clients), *rows.shape[1:]), dtype=rows.dtype)
+            full[index] = rows
+            out[name] = full.to(device)
+        return out
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        """Each key's sum over the ranks (keys missing on a rank count 0)."""
+        total: dict[str, float] = {}
+        for record in self.gather_json(values):
+            for k, v in record.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+
+def init_from_env(backend: str = "auto") -> Ranks | None:
+    """Join the process group the environment describes; None when this process runs alone.
+
+    ``torchrun`` (or :mod:`fedexp.engine.launch`) sets ``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT``.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    if not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=TIMEOUT)
+    return Ranks.current()
+
+
+def gather_uploads(
+    ranks: Ranks,
+    sampled: list[int],
+    senders: list[int],
+    updates: Mapping[int, Message],
+    refs: dict[str, torch.Tensor],
+) -> tuple[Mapping[int, Message], dict[str, torch.Tensor], bool]:
+    """Every rank's decoded uploads (and DP references), in ``sampled`` order on every rank.
+
+    Returns (the round's uploads, their references, whether anyone uploaded).
+    """
+    parts = {f"u/{k}": v for k, v in update_parts(updates, senders).items()} if updates else {}
+    parts.update({f"r/{k}": v for k, v in refs.items()})
+    got = ranks.gather_rows(sampled, senders, parts)
+    ups = {k[2:]: v for k, v in got.items() if k.startswith("u/")}
+    refs = {k[2:]: v for k, v in got.items() if k.startswith("r/")}
+    if not ups:
+        return {}, refs, False
+    return parts_updates(ups, sampled), refs, True

@@ -1,0 +1,101 @@
+"""One run over two processes (torch.distributed, gloo, CPU) logs what one process does
+(issue: beyond one process), for every algorithm config, with and without DP, and resumes on
+another number of processes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from fedexp.engine.launch import _free_port
+from fedexp.engine.runner import run
+from fedexp.tracking.base import NullTracker
+from helpers import CONF, SMALL, compose_config
+
+ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
+BASE = [*SMALL, "num_clients=6", "batch_size=8", "tracker=none", "participation=0.5"]
+
+
+def _overrides(algorithm: str, out: Path, *extra: str) -> list[str]:
+    k = ["algorithm.k=2"] if algorithm == "pfednet" else []
+    return [*BASE, f"algorithm={algorithm}", *k, *extra, f"output_dir={out}"]
+
+
+def _two_ranks(jobs: list[tuple[str, list[str]]], out: Path) -> dict[str, dict]:
+    """Run ``jobs`` over two spawned ranks; rank 0's metrics of each, by name."""
+    import distributed_worker
+
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=distributed_worker.main, args=(r, 2, port, str(out), jobs))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return {name: json.loads((out / f"{name}.json").read_text()) for name, _ in jobs}
+
+
+def _one_rank(overrides: list[str]) -> dict:
+    tracker = NullTracker()
+    run(compose_config(*overrides), tracker=tracker)
+    return {k: {str(s): v for s, v in steps.items()} for k, steps in tracker.metrics.items()}
+
+
+def _differences(one: dict, two: dict) -> list[str]:
+    bad = []
+    for key, steps in one.items():
+        if key.startswith(("time/", "system/")):
+            continue
+        for step, a in steps.items():
+            b = two.get(key, {}).get(step)
+            same = b is not None and (a == b or (math.isnan(a) and math.isnan(b)))
+            if not same and not (b is not None and math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)):
+                bad.append(f"{key}@{step}: {a} vs {b}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory) -> tuple[dict, dict, dict]:
+    """Every algorithm config (and a few with central DP) on one process and on two."""
+    root = tmp_path_factory.mktemp("distributed")
+    jobs = [(a, _overrides(a, root / "runs" / a)) for a in ALGORITHMS]
+    jobs += [
+        (f"{a}+dp", _overrides(a, root / "runs" / f"{a}+dp", "privacy=central"))
+        for a in ("fedavg", "ditto", "fedamp", "feddwa", "ifca")
+    ]
+    two = _two_ranks(jobs, root)
+    one = {name: _one_rank([*o[:-1], f"output_dir={root / 'one' / name}"]) for name, o in jobs}
+    return one, two, dict(jobs)
+
+
+@pytest.mark.parametrize(
+    "name", [*ALGORITHMS, *(f"{a}+dp" for a in ("fedavg", "ditto", "fedamp", "feddwa", "ifca"))]
+)
+def test_two_processes_log_what_one_does(both, name):
+    one, two, _ = both
+    assert one[name].keys() <= two[name].keys()
+    assert not _differences(one[name], two[name])
+    assert "acc/mean" in two[name] and "bytes/up_cum" in two[name]
+
+
+def test_a_run_checkpointed_by_two_processes_resumes_on_one(both, tmp_path):
+    """Checkpoints hold every rank's clients: two processes stop after round 2, one process
+    resumes to round 3 and logs what one process did all along."""
+    one, _, jobs = both
+    first = tmp_path / "first"
+    overrides = [o for o in jobs["ditto"] if not o.startswith(("output_dir", "rounds"))]
+    _two_ranks(
+        [("part", [*overrides, "rounds=2", "checkpoint_every=1", f"output_dir={first}"])], tmp_path
+    )
+    resumed = _one_rank(
+        [*overrides, "rounds=3", f"resume={first / 'checkpoints'}", f"output_dir={first}"]
+    )
+    assert not _differences({k: v for k, v in one["ditto"].items()}, {**resumed})
