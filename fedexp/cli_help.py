@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import re
 import textwrap
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +53,13 @@ examples:
 """
 
 
-def setting_docs() -> dict[str, str]:
-    """``{field: one line of meaning}`` from the ``Attributes`` section of RunConfig's docstring.
+def setting_docs(cls: type = RunConfig) -> dict[str, str]:
+    """``{field: one line of meaning}`` from the ``Attributes`` section of ``cls``'s docstring.
 
     An entry is ``name: text`` indented one level under ``Attributes:``; deeper-indented lines
     continue it and are joined with single spaces.
     """
-    doc = inspect.cleandoc(RunConfig.__doc__ or "")
+    doc = inspect.cleandoc(cls.__doc__ or "")
     section = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
     out: dict[str, str] = {}
     name = None
@@ -112,7 +112,13 @@ def run_settings() -> list[tuple[str, str, str]]:
     docs = setting_docs()
     rows = []
     for f in fields(RunConfig):
-        if f.name in groups or f.default is MISSING:
+        nested = f.default_factory if is_dataclass(f.default_factory) else None
+        if nested is not None:  # distributed.nproc, ...: a row per key of the nested settings
+            sub, subdocs = values.get(f.name) or {}, setting_docs(nested)  # type: ignore[arg-type]
+            for g in fields(nested):  # type: ignore[arg-type]
+                default = sub.get(g.name, g.default)
+                rows.append((f"{f.name}.{g.name}", _yaml(default), subdocs.get(g.name, "")))
+        elif f.name in groups or f.default is MISSING:
             option = groups.get(f.name)
             meaning = f"config group: conf/{f.name}/<option>.yaml (options below)"
             rows.append((f.name, _yaml(option), meaning))

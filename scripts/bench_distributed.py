@@ -31,10 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import compose_config
-
     from fedexp.engine.runner import run
     from fedexp.tracking.base import NullTracker
+    from helpers import compose_config
 
     cfg = compose_config(
         "dataset=synthetic",
@@ -66,7 +65,9 @@ def _worker(args: argparse.Namespace) -> None:
         json.dumps(
             {
                 "round_s": statistics.median(times),
-                "updates_per_s": statistics.median(s / t for s, t in zip(sampled, times)),
+                "updates_per_s": statistics.median(
+                    s / t for s, t in zip(sampled, times, strict=True)
+                ),
                 "acc": result.metrics["acc/mean"],
                 "peak_mib": peak,
                 "peak_child_mib": children,

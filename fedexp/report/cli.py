@@ -25,6 +25,8 @@ def main(argv: list[str]) -> None:
     p = parser()
     args = p.parse_args(argv)
     labels = _labels(args, p)
+    if args.epsilon and args.reach is not None:
+        p.error("--epsilon: not with --reach (it annotates the table of --metric)")
     if args.out:
         _check_out(p, args.out)
     try:

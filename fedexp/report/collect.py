@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -369,6 +370,23 @@ class Agg:
             return min(values) if lower_is_better else max(values)
         tail = values[-self.k :]
         return sum(tail) / len(tail)
+
+
+#: The metric a private run logs every round: ε spent so far, at ``privacy.delta``.
+EPSILON = "privacy/epsilon"
+
+
+def epsilon_of(run: Run) -> float:
+    """The ε ``run`` spent: its final :data:`EPSILON`; ``inf`` for a run without DP.
+
+    A run without DP: ``privacy.mode`` is ``none`` (or not a param: a run made before the
+    ``privacy`` group), or the run logged no :data:`EPSILON`. A logged ε of the largest float
+    is ∞ too: MLflow's SQL store keeps an infinite value so (a run with no noise, z = 0).
+    """
+    if run.params.get("privacy.mode", "none") == "none" or EPSILON not in run.metrics:
+        return math.inf
+    eps = float(run.metrics[EPSILON])
+    return math.inf if eps >= sys.float_info.max else eps
 
 
 def history(client: Any, run_id: str, metric: str) -> list[tuple[int, float]]:

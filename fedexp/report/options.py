@@ -206,6 +206,13 @@ def parser() -> argparse.ArgumentParser:
         "(default: none)",
     )
     look.add_argument(
+        "--epsilon",
+        action="store_true",
+        help="beside each cell, the privacy the cell's runs spent: ε = their final "
+        "privacy/epsilon, mean over the runs, '(n=3, ε=3)'; ∞ for runs without differential "
+        "privacy (privacy=none); CSV: columns epsilon and epsilons (default: off)",
+    )
+    look.add_argument(
         "--order",
         default=None,
         metavar="A,B,C",

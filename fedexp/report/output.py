@@ -2,12 +2,16 @@
 
 Markdown or LaTeX (:func:`write_text`): the statement line, the table, the paired differences
 and the chosen configurations, each table under a line saying what it shows; CSV
-(:func:`write_csv`): a row per cell with the runs' values, seeds and ids.
+(:func:`write_csv`): a row per cell with the runs' values, seeds and ids. With ``--epsilon``
+each cell of the table also says the ε its runs spent (``(n=3, ε=3)``; CSV: ``epsilon``).
 """
 
 from __future__ import annotations
 
+import math
+
 from fedexp.report import render
+from fedexp.report.collect import sort_key
 from fedexp.report.options import _direction, _order
 from fedexp.report.pipeline import Key, Report
 from fedexp.report.stats import summary
@@ -16,6 +20,29 @@ from fedexp.report.stats import summary
 def groups_of(rep: Report) -> dict[Key, list[float]]:
     """The values of each cell's runs."""
     return {k: [rep.values[r.run_id] for r in v] for k, v in rep.cells.items()}
+
+
+def epsilon_notes(rep: Report) -> dict[Key, str]:
+    """``--epsilon``: ``ε=…`` of each cell, the mean of its runs' ε (∞ if one has no DP)."""
+    if not rep.epsilons:
+        return {}
+    out = {}
+    for key, runs in rep.cells.items():
+        if runs:
+            eps = [rep.epsilons[r.run_id] for r in runs]
+            out[key] = f"ε={render.epsilon_text(sum(eps) / len(eps))}"
+    return out
+
+
+def epsilon_statement(rep: Report) -> str:
+    """The statement's words on ``--epsilon``'s ε, with the δ of the runs it was read at."""
+    private = [r for v in rep.cells.values() for r in v if math.isfinite(rep.epsilons[r.run_id])]
+    deltas = sorted({r.params.get("privacy.delta", "?") for r in private}, key=sort_key)
+    at = f" at δ={'/'.join(render.value_text(d) for d in deltas)}" if deltas else ""
+    return (
+        f"; ε: the privacy the runs of a cell spent, their final privacy/epsilon{at}, mean "
+        "over the runs (∞: no differential privacy: privacy=none, or no noise)"
+    )
 
 
 def statement(rep: Report) -> str:
@@ -32,6 +59,7 @@ def statement(rep: Report) -> str:
         f"{a.metric}{chosen}: {agg}, × {rep.scale:g}; each cell: mean ± sample std "
         f"(ddof = 1) over n runs (n=… in the cell)"
         + ("; a cell of one run shows its value alone (n=1: no spread)" if single else "")
+        + (epsilon_statement(rep) if rep.epsilons else "")
         + f"; from {len(rep.runs)} runs of {', '.join(a.experiment)}"
         + (f", sweep {a.sweep}" if a.sweep else "")
         + (f", where {' '.join(a.where)}" if a.where else "")
@@ -103,6 +131,7 @@ def write_text(rep: Report, fmt: str) -> str:
             best=a.best,
             lower_is_better=a.lower_is_better,
             rank_of=a.rank_of,
+            notes=epsilon_notes(rep),
             **common,
         ),
     ]
@@ -123,6 +152,8 @@ def write_csv(rep: Report) -> str:
     a = rep.args
     head = ["row", *a.rows, *a.cols, "metric", "agg", "scale", "mean", "std", "n", "values"]
     head += ["seeds", "run_ids"]
+    if rep.epsilons:
+        head += ["epsilon", "epsilons"]
     if rep.ref is not None:
         head += ["paired_ref", "diff_mean", "diff_std", "diff_n"]
     if rep.choices:
@@ -139,6 +170,9 @@ def write_csv(rep: Report) -> str:
             line += [f"{rep.scale:g}", render.number(mean), _std(std, n), n]
             line += [" ".join(render.number(v) for v in vals)]
             line += [" ".join(x.get("seed") for x in runs), " ".join(x.run_id for x in runs)]
+            if rep.epsilons:
+                eps = [rep.epsilons[x.run_id] for x in runs]
+                line += [render.number(sum(eps) / len(eps)), " ".join(map(render.number, eps))]
             if rep.ref is not None:
                 diffs = [d * rep.scale for d in rep.diffs.get(r + c, [])]
                 dm, ds, dn = summary(diffs)

@@ -5,7 +5,8 @@ The FINISHED runs of the experiments; ``--sweep`` and ``--where`` filters; the r
 (:func:`fedexp.report.collect.latest_per_config`, the number dropped on stderr); cells by the
 ``--rows`` and ``--cols`` values; per cell either the configuration chosen on ``--select-by``
 or the pooling check; values aggregated over rounds by ``--agg``; the paired differences
-(``--paired``). The result, a :class:`Report`, is written by :mod:`fedexp.report.output`.
+(``--paired``); with ``--epsilon`` the ε each shown run spent. The result, a :class:`Report`,
+is written by :mod:`fedexp.report.output`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fedexp.report.collect import (
     by_sweep,
     check_keys,
     check_metric,
+    epsilon_of,
     fetch,
     latest_per_config,
     parse_where,
@@ -58,6 +60,8 @@ class Report:
     diffs: dict[Key, list[float]] = field(default_factory=dict)
     choices: dict[Key, Choice] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: ``--epsilon``: the ε each shown run spent, by run id (``inf``: no DP)
+    epsilons: dict[str, float] = field(default_factory=dict)
 
 
 def select_runs(client: Any, args: argparse.Namespace) -> list[Run]:
@@ -102,7 +106,7 @@ def build(client: Any, args: argparse.Namespace, labels: dict[str, str]) -> Repo
     exempt = {*keys, "seed"}
     cells: dict[Key, list[Run]] = defaultdict(list)
     for r in sorted(runs, key=lambda r: (sort_key(r.get("seed")), r.start_time)):
-        cells[tuple(r.get(k) for k in keys)].append(r)
+        cells[tuple(render.key_value(k, r.get(k)) for k in keys)].append(r)
     scale = args.scale if args.scale is not None else render.default_scale(args.metric)
     rep = Report(args, runs, dict(cells), {}, labels, scale)
     if args.select_by:
@@ -136,6 +140,8 @@ def build(client: Any, args: argparse.Namespace, labels: dict[str, str]) -> Repo
     short: list[str] = []
     shown = [r for v in rep.cells.values() for r in v]
     rep.values = values_of(client, shown, args.metric, args.agg, args.lower_is_better, short)
+    if getattr(args, "epsilon", False):
+        rep.epsilons = {r.run_id: epsilon_of(r) for r in shown}
     if short:
         rep.warnings.append(
             f"--agg {args.agg}: {len(short)} of {len(shown)} runs have fewer than "

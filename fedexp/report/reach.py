@@ -23,7 +23,7 @@ from fedexp.report.collect import (
     latest_per_config,
     sort_key,
 )
-from fedexp.report.render import label_of
+from fedexp.report.render import key_value, label_of
 from fedexp.report.stats import sample_std
 
 
@@ -53,7 +53,7 @@ def reach_runs(
             "curve_bytes": [_at(up, t) for t in steps],
             "curve_metric": [curve[t] for t in steps],
         }
-        out[tuple(run.get(k) for k in keys)].append(row)
+        out[tuple(key_value(k, run.get(k)) for k in keys)].append(row)
     if not out:
         raise FedexpError(f"--metric {metric!r}: no finished run has a history of it")
     return out

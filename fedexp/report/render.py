@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fedexp.report.collect import sort_key
+from fedexp.report.collect import UNSET, sort_key
 
 #: Display names of the algorithms (``choice.algorithm``, conf/algorithm/<name>.yaml).
 ALGORITHM_LABELS = {
@@ -47,7 +47,14 @@ HEADER_NAMES = {
     "partition.alpha": "α",
     "algorithm.mu": "μ",
     "algorithm.lam": "λ",
+    "privacy.target_epsilon": "target ε",
+    "privacy.noise_multiplier": "z",
+    "privacy.clip": "C",
 }
+
+#: Values of a key shown otherwise in rows, columns and CSV: a run of ``privacy=none`` has no
+#: ``privacy.target_epsilon`` (it spends ε = ∞); ``null`` (logged ``None``) sets no target.
+KEY_VALUES = {"privacy.target_epsilon": {UNSET: "∞", "None": "none"}}
 
 #: Metrics that are fractions in [0, 1], reported in percent by default.
 FRACTIONS = ("acc", "bal_acc", "auc", "iou", "label_iou", "dice")
@@ -71,6 +78,18 @@ def default_labels(keys: Sequence[str]) -> dict[str, str]:
 def short(keys: Sequence[str]) -> str:
     """Header name of params: ``choice.algorithm`` -> algorithm, ``partition.delta`` -> δ."""
     return ",".join(HEADER_NAMES.get(k, k.removeprefix("choice.")) for k in keys)
+
+
+def key_value(key: str, value: str) -> str:
+    """The value of ``key`` a table groups by: ``value``, or its :data:`KEY_VALUES` name."""
+    return KEY_VALUES.get(key, {}).get(value, value)
+
+
+def epsilon_text(eps: float) -> str:
+    """ε for a cell: 3 significant digits (``3``, ``2.88``, ``0.62``), whole from 100, ``∞``."""
+    if math.isinf(eps):
+        return "∞"
+    return f"{eps:.0f}" if eps >= 100 else f"{eps:.3g}"
 
 
 def value_text(v: str) -> str:
@@ -114,12 +133,16 @@ def number_format(scale: float) -> str:
 
 @dataclass
 class Cell:
-    """One shown cell: mean and std as text, the number of runs, bold or not."""
+    """One shown cell: mean and std as text, the number of runs, bold or not, a note.
+
+    ``note`` goes after ``n=`` in the parentheses (``--epsilon``: ``ε=3``); empty: none.
+    """
 
     mean: str
     std: str
     n: int
     bold: bool = False
+    note: str = ""
 
 
 @dataclass
@@ -143,6 +166,7 @@ def grid(
     rank_of: str | None = None,
     order: Sequence[str] | None = None,
     labels: Mapping[str, str] | None = None,
+    notes: Mapping[tuple[str, ...], str] | None = None,
 ) -> Grid:
     """The cells of :func:`table` (its arguments), before formatting."""
     import numpy as np
@@ -160,7 +184,8 @@ def grid(
         if not len(v):
             continue
         arr = np.asarray(v, dtype=float) * scale
-        shown[key] = Cell(f"{arr.mean():{fmt}}", f"{sample_std(arr):{fmt}}", len(arr))
+        note = (notes or {}).get(key, "")
+        shown[key] = Cell(f"{arr.mean():{fmt}}", f"{sample_std(arr):{fmt}}", len(arr), note=note)
         if not np.isnan(arr.mean()):
             score[key] = sign * float(f"{arr.mean():{fmt}}")
     top = {c: max((score[r + c] for r in rows if r + c in score), default=None) for c in cols}
@@ -204,6 +229,7 @@ def table(
     order: Sequence[str] | None = None,
     labels: Mapping[str, str] | None = None,
     fmt: str = "markdown",
+    notes: Mapping[tuple[str, ...], str] | None = None,
 ) -> str:
     r"""A table of mean ± sample std (ddof = 1, × ``scale``) with the number of runs per cell.
 
@@ -226,6 +252,7 @@ def table(
         labels: display names of rows and column values (``{"fedavg": "FedAvg"}``), by whole
             label or by value.
         fmt: ``markdown`` (bold ``**…**``) or ``latex`` (booktabs tabular, ``\textbf``).
+        notes: a note per key, shown after ``n=`` (``--epsilon``: ``(n=3, ε=3)``).
     """
     g = grid(
         groups,
@@ -238,19 +265,24 @@ def table(
         rank_of=rank_of,
         order=order,
         labels=labels,
+        notes=notes,
     )
     return latex_grid(g) if fmt == "latex" else markdown_grid(g)
 
 
-def cell_text(mean: str, std: str, n: int, pm: str = "±") -> str:
-    """``mean ± std (n=3)``; a single run's value alone, ``0.81 (n=1)``: it has no spread."""
-    return f"{mean} (n={n})" if n == 1 else f"{mean} {pm} {std} (n={n})"
+def cell_text(mean: str, std: str, n: int, pm: str = "±", note: str = "") -> str:
+    """``mean ± std (n=3)``; a single run's value alone, ``0.81 (n=1)``: it has no spread.
+
+    A ``note`` follows ``n``: ``mean ± std (n=3, ε=3)``.
+    """
+    inside = f"n={n}, {note}" if note else f"n={n}"
+    return f"{mean} ({inside})" if n == 1 else f"{mean} {pm} {std} ({inside})"
 
 
 def _md_cell(cell: Cell | None) -> str:
     if cell is None:
         return ""
-    text = cell_text(cell.mean, cell.std, cell.n)
+    text = cell_text(cell.mean, cell.std, cell.n, note=cell.note)
     return f"**{text}**" if cell.bold else text
 
 
@@ -297,6 +329,8 @@ _TEX_SYMBOLS = {
     "σ": r"$\sigma$",
     "τ": r"$\tau$",
     "±": r"$\pm$",
+    "ε": r"$\varepsilon$",
+    "∞": r"$\infty$",
     "−": r"$-$",
     "≥": r"$\geq$",
     "≤": r"$\leq$",
@@ -313,7 +347,7 @@ def tex(text: str) -> str:
 def _tex_cell(cell: Cell | None) -> str:
     if cell is None:
         return ""
-    text = cell_text(tex(cell.mean), tex(cell.std), cell.n, pm="$\\pm$")
+    text = cell_text(tex(cell.mean), tex(cell.std), cell.n, pm="$\\pm$", note=tex(cell.note))
     return f"\\textbf{{{text}}}" if cell.bold else text
 
 
