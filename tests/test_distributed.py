@@ -17,6 +17,13 @@ from fedexp.tracking.base import NullTracker
 from helpers import CONF, SMALL, compose_config
 
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
+DP_CENTRAL = ("fedavg", "ditto", "fedamp", "feddwa", "ifca")
+#: adaptive clipping (its count summed over the ranks), local DP (participations counted)
+DP_OTHER = {
+    "fedavg+adaptive": ["privacy=adaptive", "privacy.count_stddev=1"],
+    "ditto+local": ["privacy=local"],
+    "fedamp+fixed": ["privacy=central", "privacy.sampling=fixed"],
+}
 BASE = [*SMALL, "num_clients=6", "batch_size=8", "tracker=none", "participation=0.5"]
 
 
@@ -68,17 +75,17 @@ def both(tmp_path_factory) -> tuple[dict, dict, dict]:
     root = tmp_path_factory.mktemp("distributed")
     jobs = [(a, _overrides(a, root / "runs" / a)) for a in ALGORITHMS]
     jobs += [
-        (f"{a}+dp", _overrides(a, root / "runs" / f"{a}+dp", "privacy=central"))
-        for a in ("fedavg", "ditto", "fedamp", "feddwa", "ifca")
+        (f"{a}+dp", _overrides(a, root / "runs" / f"{a}+dp", "privacy=central")) for a in DP_CENTRAL
     ]
+    for name, extra in DP_OTHER.items():
+        algorithm = name.split("+")[0]
+        jobs.append((name, _overrides(algorithm, root / "runs" / name, *extra)))
     two = _two_ranks(jobs, root)
     one = {name: _one_rank([*o[:-1], f"output_dir={root / 'one' / name}"]) for name, o in jobs}
     return one, two, dict(jobs)
 
 
-@pytest.mark.parametrize(
-    "name", [*ALGORITHMS, *(f"{a}+dp" for a in ("fedavg", "ditto", "fedamp", "feddwa", "ifca"))]
-)
+@pytest.mark.parametrize("name", [*ALGORITHMS, *(f"{a}+dp" for a in DP_CENTRAL), *DP_OTHER])
 def test_two_processes_log_what_one_does(both, name):
     one, two, _ = both
     assert one[name].keys() <= two[name].keys()

@@ -40,6 +40,14 @@ def test_clipped_norms_never_exceed_the_bound():
     )
 
 
+def test_joint_norms_in_blocks_of_rows_are_the_whole_stacks_bit_for_bit():
+    g = torch.Generator().manual_seed(4)
+    for shapes in ([(5, 300_000)], [(40_000, 31)], [(7, 3), (7, 200_001)], [(0, 5)]):
+        parts = [torch.randn(*s, generator=g) for s in shapes]
+        whole = torch.sqrt(sum(p.double().square().sum(dim=1) for p in parts))
+        assert torch.equal(joint_norms(parts), whole), shapes
+
+
 def test_named_parts_are_clipped_jointly_and_exact_parts_left_alone():
     up = _uplink(kinds={"a": "update", "b": "update", "c": "exact"}, clip=1.0)
     g = torch.Generator().manual_seed(1)
@@ -96,6 +104,62 @@ def test_noise_on_each_upload_has_std_z_c(mode, reads):
     assert float((corr - torch.eye(5)).abs().max()) < 0.15
 
 
+@pytest.mark.parametrize("mode,reads", [("local", "mean"), ("central", "each")])
+@pytest.mark.parametrize("parts", [("",), ("a", "b")])
+def test_a_clients_noise_does_not_depend_on_the_rest_of_its_cohort(mode, reads, parts):
+    """Each upload's noise is a function of (seed, round, client, part) alone: the same drawn
+    alone or with any cohort; other clients, parts and rounds get other noise. d = 140,001
+    spans three of add_gaussian_rows' blocks (an odd d: a pair cut in half)."""
+    up = _uplink(mode=mode, reads=reads, clip=1.0, noise_multiplier=0.5)
+    d = 140_001
+
+    def noise(t: int, clients: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+        rows = {p: torch.zeros(len(clients), d) for p in parts}
+        if mode == "local":
+            out, _ = up.client_side(t, clients, rows[""] if parts == ("",) else rows, {})
+            out = out if isinstance(out, dict) else {"": out}
+            return {n: {p: out[p][i] for p in parts} for i, n in enumerate(clients)}
+        if parts == ("",):
+            sent = StackedUpdates(clients, rows[""])
+        else:
+            sent = {n: {p: rows[p][i] for p in parts} for i, n in enumerate(clients)}
+        got, _, _ = up.server_side(t, clients, sent, {}, lossy=False)
+        return {n: {p: got[n] if parts == ("",) else got[n][p] for p in parts} for n in clients}
+
+    alone = noise(2, [7])[7]
+    for cohort in ([3, 7, 11], [7, 40], list(range(50))):
+        together = noise(2, cohort)[7]
+        assert all(torch.equal(alone[p], together[p]) for p in parts), cohort
+    first = parts[0]
+    assert float(alone[first].std()) == pytest.approx(0.5, rel=0.02)
+    assert not torch.equal(noise(3, [7])[7][first], alone[first])  # another round
+    assert not torch.equal(noise(2, [7, 8])[8][first], alone[first])  # another client
+    if len(parts) == 2:
+        assert not torch.equal(alone["a"], alone["b"])  # another part
+
+
+def test_the_counter_based_gaussian_draws_are_standard_normal():
+    from scipy import stats
+
+    from fedexp.privacy.mechanisms import normal_pairs
+
+    keys = rng.stream_keys(0, rng.PRIVACY_CLIENT, 0, list(range(4)))
+    draws = normal_pairs(keys, 0, 25_000)
+    assert draws.shape == (4, 50_000) and draws.dtype == torch.float64
+    for row in draws:
+        assert stats.kstest(row.numpy(), "norm").pvalue > 1e-3
+    assert torch.equal(normal_pairs(keys, 10, 20), draws[:, 20:40])  # a range: the same draws
+    scaled = normal_pairs(keys, 3, 9, std=2.5)
+    torch.testing.assert_close(scaled, 2.5 * draws[:, 6:18], rtol=1e-15, atol=0)
+    # the documented definition: Box-Muller over SplitMix64's values mix64(key + j·φ)
+    j = torch.arange(40, dtype=torch.int64)
+    values = rng.mix64(keys[:, None] + j[None, :] * rng._GOLDEN)
+    u = (rng._srl(values, 11).double() + 0.5) * 2.0**-53
+    radius, angle = torch.sqrt(-2 * torch.log(u[:, 0::2])), 2 * math.pi * u[:, 1::2]
+    pairs = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=2)
+    assert torch.equal(pairs.flatten(1), draws[:, :40])
+
+
 def test_a_lossy_codec_cannot_send_more_than_c_to_the_sum():
     up = _uplink(clip=1.0, noise_multiplier=0.0, sampling="fixed", n=4, q=1.0)
     clients = [0, 1, 2, 3]
@@ -129,8 +193,8 @@ def test_adaptive_clipping_tracks_the_median_norm():
     for t in range(300):
         rows = torch.randn(200, 16, generator=g)
         rows = rows / rows.norm(dim=1, keepdim=True) * norms[:, None]
-        up.client_side(t, clients, rows, {})
-        up.end_round(t, 200, True)
+        _, counts = up.client_side(t, clients, rows, {})
+        up.end_round(t, clients, True, counts)
     assert up.clip == pytest.approx(float(norms.median()), rel=0.1)
 
 

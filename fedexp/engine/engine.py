@@ -208,20 +208,22 @@ class Engine(Transport, Evaluation):
         updates, channel = self._uplink(senders, uploads)
         uploaded = uploads is not None
         sums = {f"train/{k}": float(v.sum()) for k, v in result.metrics.items()}
+        sums.update(private)  # DP counts (uploads, unclipped)
         if ranks is not None:
             updates, refs, uploaded = gather_uploads(ranks, sampled, senders, updates, refs)
             sums = ranks.sum_floats({**sums, **{f"channel/{k}": v for k, v in channel.items()}})
             channel = {k[8:]: v for k, v in sums.items() if k.startswith("channel/")}
             ledger.merge(ranks.gather_json(self.ledger.round_record()))
             self.ledger = ledger
+        private = {k: v for k, v in sums.items() if k.startswith("privacy/")}
         weights = self._weights(updates)
         if self.privacy is not None:
+            counts, private = private, {}
             if uploaded:
-                updates, weights, more = self.privacy.server_side(
+                updates, weights, private = self.privacy.server_side(
                     t, sampled, updates, refs, lossy=not _exact(self.uplink)
                 )
-                private.update(more)
-            private.update(self.privacy.end_round(t, len(sampled), uploaded))
+            private.update(self.privacy.end_round(t, sampled, uploaded, counts))
         self.server = self.algorithm.server_update(self.ctx, self.server, updates, weights)
         self.round = t + 1
         # the clients' metrics are the mean over who trained, the channel's over who uploaded

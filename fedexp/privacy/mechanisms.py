@@ -11,10 +11,35 @@ from collections.abc import Sequence
 
 import torch
 
+#: entries of the float64 copy :func:`joint_norms` squares at a time (8 MiB)
+_NORM_BLOCK = 1 << 20
+
+
+def _square_sums(part: torch.Tensor) -> torch.Tensor:
+    """[m] each row's sum of squares in float64, a few rows at a time.
+
+    About :data:`_NORM_BLOCK` entries a block: each row's sum is the one the whole part's
+    would give, bit for bit (tested).
+    """
+    rows = max(1, _NORM_BLOCK // max(1, part.shape[1]))
+    if len(part) <= rows:
+        return part.to(torch.float64).square().sum(dim=1)
+    return torch.cat(
+        [
+            part[r : r + rows].to(torch.float64).square().sum(dim=1)
+            for r in range(0, len(part), rows)
+        ]
+    )
+
 
 def joint_norms(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[m] the L2 norm of each client's parts taken together (``parts``: ``[m, d_i]`` each)."""
-    total = sum(p.to(torch.float64).square().sum(dim=1) for p in parts)
+    """[m] the L2 norm of each client's parts taken together (``parts``: ``[m, d_i]`` each).
+
+    Σ over the parts of each row's sum of squares in float64, then √. Squared a few rows at a
+    time, a part's float64 copy stays small (a cohort of 30 VGG8 uploads, d = 1.1 M: 8x faster
+    than squaring the whole ``[m, d]`` copy).
+    """
+    total = sum(_square_sums(p) for p in parts)
     return torch.sqrt(total)  # type: ignore[arg-type]
 
 
@@ -37,6 +62,73 @@ def gaussian(
     """``numel`` draws of N(0, std²) from ``generator`` (CPU), on ``like``'s device and dtype."""
     draw = torch.randn(numel, generator=generator, dtype=torch.float64)
     return (std * draw).to(device=like.device, dtype=like.dtype)
+
+
+#: pairs of draws :func:`add_gaussian_rows` computes at a time (its temporaries: ~1 MiB each)
+_BLOCK = 1 << 16
+#: SplitMix64's constants (:func:`fedexp.engine.rng.mix64`'s) as signed 64-bit integers
+_PHI = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX = ((30, 0xBF58476D1CE4E5B9 - (1 << 64)), (27, 0x94D049BB133111EB - (1 << 64)), (31, 0))
+
+
+def normal_pairs(keys: torch.Tensor, start: int, stop: int, std: float = 1.0) -> torch.Tensor:
+    """``[m, 2(stop − start)]`` float64 N(0, std²): draws 2·start to 2·stop − 1 of each stream.
+
+    Stream i is SplitMix64 seeded with ``keys[i]`` (int64, CPU): its j-th value is
+    ``mix64(keys[i] + j·φ)`` (:func:`fedexp.engine.rng.mix64`, here computed in place), taken
+    in pairs (2p, 2p + 1) through the Box-Muller transform (Box and Muller 1958): with
+    u = (⌊v / 2¹¹⌋ + ½)·2⁻⁵³ ∈ (0, 1] of each value v, draw 2p = std·√(−2 ln u₁)·cos(2π u₂)
+    and draw 2p + 1 = std·√(−2 ln u₁)·sin(2π u₂) (|draw| < 8.7·std). Counter-based: a row's
+    draws depend on its key and their positions alone, not on the other rows nor on the
+    range asked for; every operation is element-wise, so the CPU's vector code gives each
+    entry the same bits wherever it falls in a block (tested).
+    """
+    m, n = keys.shape[0], stop - start
+    z = torch.arange(2 * start + 1, 2 * stop + 1, dtype=torch.int64).mul_(_PHI)
+    z = keys[:, None] + z[None, :]  # keys + j·φ + φ: mix64's argument plus its increment
+    t = torch.empty_like(z)
+    for shift, multiplier in _MIX:  # z ^= z >>> shift; z *= multiplier (wrapping)
+        torch.bitwise_right_shift(z, shift, out=t)
+        z.bitwise_xor_(t.bitwise_and_((1 << (64 - shift)) - 1))
+        if multiplier:
+            z.mul_(multiplier)
+    torch.bitwise_right_shift(z, 11, out=t)
+    u = t.bitwise_and_((1 << 53) - 1).to(torch.float64).add_(0.5).mul_(2.0**-53).view(m, n, 2)
+    radius = u[..., 0].log().mul_(-2.0).sqrt_().mul_(std)
+    angle = u[..., 1].mul(2.0 * math.pi)
+    out = torch.empty(m, n, 2, dtype=torch.float64)
+    torch.cos(angle, out=out[..., 0])
+    torch.sin(angle, out=out[..., 1])
+    return out.mul_(radius[..., None]).view(m, 2 * n)
+
+
+def add_gaussian_rows(rows: torch.Tensor, keys: torch.Tensor, std: float) -> None:
+    """Add N(0, std²) to every entry of ``rows`` ``[m, d]`` in place, row i from stream ``keys[i]``.
+
+    Row i gets the first d draws of :func:`normal_pairs`' stream ``keys[i]`` (computed on the
+    CPU in float64, in blocks of :data:`_BLOCK` pairs, cast to the rows' dtype and device),
+    so a client's noise is a function of its key alone: the same whichever clients share its
+    cohort, and in whatever order.
+
+    Args:
+        rows: ``[m, d]`` floating rows, any device.
+        keys: int64 ``[m]`` stream keys (e.g. :func:`fedexp.engine.rng.stream_keys`).
+        std: the noise's standard deviation.
+    """
+    m, d = rows.shape
+    half = (d + 1) // 2
+    if m == 0 or half == 0:
+        return
+    keys = keys.to("cpu", torch.int64)
+    span = min(half, _BLOCK)  # pairs a block takes from each of its rows
+    per = max(1, _BLOCK // span)  # rows a block takes
+    for r0 in range(0, m, per):
+        r1 = min(m, r0 + per)
+        for p0 in range(0, half, span):
+            p1 = min(half, p0 + span)
+            c0, c1 = 2 * p0, min(d, 2 * p1)
+            noise = normal_pairs(keys[r0:r1], p0, p1, std)[:, : c1 - c0]
+            rows[r0:r1, c0:c1] += noise.to(device=rows.device, dtype=rows.dtype)
 
 
 def update_noise_multiplier(total: float, count_stddev: float) -> float:

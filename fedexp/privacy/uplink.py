@@ -30,6 +30,7 @@ from fedexp.engine import rng
 from fedexp.privacy import accountant
 from fedexp.privacy.mechanisms import (
     adaptive_clip,
+    add_gaussian_rows,
     clip_factors,
     gaussian,
     joint_norms,
@@ -50,6 +51,19 @@ def _like(stacked: Stacked, parts: dict[str, torch.Tensor]) -> Stacked:
 
 def _tag(name: str) -> tuple[int, ...]:
     return (zlib.crc32(name.encode()),) if name else ()
+
+
+def _noise_keys(
+    seed: int, purpose: int, round_: int, clients: list[int], name: str
+) -> torch.Tensor:
+    """[m] keys of the clients' noise streams of part ``name`` in ``round_`` (one a client).
+
+    The (seed, ``purpose``, round, client) stream keys (:func:`fedexp.engine.rng.stream_keys`),
+    mixed with the part's CRC-32 for a named part: each client's noise is a function of these
+    alone, whichever clients share its cohort (:func:`.mechanisms.add_gaussian_rows`).
+    """
+    keys = rng.stream_keys(seed, purpose, round_, clients)
+    return rng.mix64(keys ^ zlib.crc32(name.encode())) if name else keys
 
 
 class PrivateUplink:
@@ -110,7 +124,6 @@ class PrivateUplink:
         self.participations = torch.zeros(num_clients, dtype=torch.int64)
         #: rounds that released something (a round whose cohort was empty counts too)
         self.released = 0
-        self._unclipped = 0.0
         self._uploads_nothing = False
         self.unprotected = [f"part {name!r}" for name, k in sorted(kinds.items()) if k == "exact"]
         if sketch:
@@ -201,7 +214,12 @@ class PrivateUplink:
     def client_side(
         self, round_: int, clients: list[int], uploads: Stacked, refs: dict[str, torch.Tensor]
     ) -> tuple[Stacked, dict[str, float]]:
-        """Step 1: every upload clipped (and, for local DP, noised) before the codec."""
+        """Step 1: every upload clipped (and, for local DP, noised) before the codec.
+
+        Returns the uploads and their counts: how many, and how many were within C (the
+        clients' bits of adaptive clipping), summed over the ranks by the engine and passed
+        to :meth:`end_round`.
+        """
         parts = _parts(uploads)
         changes = self._changes(parts, refs)
         if not changes:
@@ -209,21 +227,22 @@ class PrivateUplink:
         norms = joint_norms(list(changes.values()))
         factors = clip_factors(norms, self.clip)
         clipped = bool((factors < 1).any())
-        self._unclipped = float((norms <= self.clip).sum())
-        self.participations[torch.tensor(clients, dtype=torch.int64)] += 1
+        counts = {
+            "privacy/uploads": float(len(clients)),
+            "privacy/unclipped": float((norms <= self.clip).sum()),
+        }
         noisy = self.settings.mode == "local" and self.noise_multiplier > 0
         if not (clipped or noisy):
-            return uploads, {"privacy/clipped": 0.0}
+            return uploads, counts
         std = self.noise_multiplier * self.clip
         for name, v in changes.items():
             v = v * factors.to(v)[:, None] if clipped else v.clone()
-            if noisy:
-                for i, n in enumerate(clients):
-                    gen = rng.generator(self.seed, rng.PRIVACY_CLIENT, round_, n, *_tag(name))
-                    v[i] += gaussian(gen, v.shape[1], std, v)
+            if noisy:  # all the cohort's rows at once, each row from its client's stream
+                keys = _noise_keys(self.seed, rng.PRIVACY_CLIENT, round_, clients, name)
+                add_gaussian_rows(v, keys, std)
             changes[name] = v
         out = self._rebuild(parts, changes, refs)
-        return _like(uploads, out), {"privacy/clipped": float((factors < 1).double().mean())}
+        return _like(uploads, out), counts
 
     def server_side(
         self,
@@ -253,25 +272,35 @@ class PrivateUplink:
         std = z * self.clip
         metrics["privacy/noise_std"] = std / self.expected if self.summed else std
         for name, v in changes.items():
-            v = v * scale
+            v = v * scale  # a new tensor: the noise goes on it in place
             if z > 0 and self.summed:  # one draw on the sum: each row carries ξ/E
                 gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, *_tag(name))
-                v = v + gaussian(gen, v.shape[1], std / self.expected, v)[None, :]
-            elif z > 0:  # a draw per upload
-                v = v.clone()
-                for i, n in enumerate(clients):
-                    gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, n, *_tag(name))
-                    v[i] += gaussian(gen, v.shape[1], std, v)
+                v.add_(gaussian(gen, v.shape[1], std / self.expected, v)[None, :])
+            elif z > 0:  # a draw per upload, all at once, each from its client's stream
+                keys = _noise_keys(self.seed, rng.PRIVACY_SERVER, round_, clients, name)
+                add_gaussian_rows(v, keys, std)
             changes[name] = v
         out = self._rebuild(parts, changes, refs)
         return _from_parts(updates, clients, out), weights, metrics
 
-    def end_round(self, round_: int, count: int, uploaded: bool) -> dict[str, float]:
+    def end_round(
+        self, round_: int, clients: list[int], uploaded: bool, counts: dict[str, float]
+    ) -> dict[str, float]:
         """Count the round, update the adaptive clip from its noised count; ε so far.
 
-        ``uploaded``: whether the round's cohort sent anything (an algorithm that never
-        uploads, local training, spends no privacy; an empty cohort's round still counts).
+        Args:
+            round_: the round.
+            clients: who uploaded (the whole cohort, every rank's).
+            uploaded: whether the cohort sent anything (an algorithm that never uploads,
+                local training, spends no privacy; an empty cohort's round still counts).
+            counts: :meth:`client_side`'s counts, summed over the ranks.
         """
+        count = len(clients)
+        out = {}
+        if counts.get("privacy/uploads"):
+            out["privacy/clipped"] = 1 - counts["privacy/unclipped"] / counts["privacy/uploads"]
+        if uploaded and clients:
+            self.participations[torch.tensor(clients, dtype=torch.int64)] += 1
         if count > 0 and not uploaded:
             self._uploads_nothing = True
         if not self._uploads_nothing:
@@ -281,14 +310,14 @@ class PrivateUplink:
             noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * self.count_stddev
             self.clip = adaptive_clip(
                 self.clip,
-                self._unclipped,
+                counts.get("privacy/unclipped", 0.0),
                 count,
                 self.expected,
                 noise,
                 self.settings.target_quantile,
                 self.settings.clip_lr,
             )
-        return {"privacy/epsilon": self.epsilon(self.released)}
+        return {**out, "privacy/epsilon": self.epsilon(self.released)}
 
     # ------------------------------------------------------------------ checkpoint
     def state(self) -> dict[str, torch.Tensor]:
