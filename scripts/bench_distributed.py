@@ -5,8 +5,10 @@ Issue "Beyond one process": ``distributed.nproc=P`` splits every round's clients
 step. This script runs the same configuration with ``distributed.nproc=1`` and ``=P`` in one
 invocation (interleaved, ``--repeats`` times), reads each round's ``time/round_s`` (rank 0's
 wall time of the round, the gather included) and reports the median over the rounds after
-the first, the client updates per second (sampled clients / round time), the ratio P / 1, the
-peak resident memory of the processes and whether the final accuracy agrees.
+the first, the client updates per second (sampled clients / round time), the ratio to one
+process with one torch thread, the peak resident memory of the processes and whether the
+final accuracy agrees. One process is also run with a torch thread per core (the P ranks
+get one thread each).
 
 Workload: synthetic tabular data (20 features, ``--samples`` per client), logistic
 regression, ``participation`` 0.1, 5 local SGD steps of batch 8, dense messages, no tracker.
@@ -31,10 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+
     from fedexp.engine.runner import run
     from fedexp.tracking.base import NullTracker
     from helpers import compose_config
 
+    if args.nproc == 1:
+        torch.set_num_threads(args.threads)
     cfg = compose_config(
         "dataset=synthetic",
         f"dataset.num_samples={args.clients * args.samples}",
@@ -76,7 +82,7 @@ def _worker(args: argparse.Namespace) -> None:
     )
 
 
-def _measure(algorithm: str, nproc: int, args: argparse.Namespace) -> dict:
+def _measure(algorithm: str, nproc: int, threads: int, args: argparse.Namespace) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -91,6 +97,8 @@ def _measure(algorithm: str, nproc: int, args: argparse.Namespace) -> dict:
         str(args.samples),
         "--rounds",
         str(args.rounds),
+        "--threads",
+        str(threads),
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -107,6 +115,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--algorithms", nargs="+", default=["fedavg", "ditto"])
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--algorithm", default="fedavg", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -117,22 +126,26 @@ def main() -> None:
         f"N = {args.clients:,} clients, q = 0.1, {args.rounds} rounds (the first not timed), "
         f"{args.repeats} repeats, medians; P = {args.nproc} against 1\n"
     )
-    print("| algorithm | P | round (s) | client updates/s | ratio | peak RSS (MiB) | acc |")
+    cores = os.cpu_count() or 1
+    sides = [(1, 1), (1, cores), (args.nproc, 1)]  # (P, torch threads of a process)
+    head = "| algorithm | P × threads | round (s) | client updates/s | vs 1 × 1 | peak RSS (MiB) |"
+    print(head + " acc |")
     print("|---|---|---|---|---|---|---|")
     for algorithm in args.algorithms:
-        runs: dict[int, list[dict]] = {1: [], args.nproc: []}
+        runs: dict[tuple[int, int], list[dict]] = {side: [] for side in sides}
         for _ in range(args.repeats):
-            for p in (1, args.nproc):
-                runs[p].append(_measure(algorithm, p, args))
-        base = statistics.median(r["updates_per_s"] for r in runs[1])
-        for p, rows in runs.items():
+            for p, threads in sides:
+                runs[(p, threads)].append(_measure(algorithm, p, threads, args))
+        base = statistics.median(r["updates_per_s"] for r in runs[(1, 1)])
+        for (p, threads), rows in runs.items():
             rate = statistics.median(r["updates_per_s"] for r in rows)
             peak = max(r["peak_mib"] for r in rows)
             child = max(r["peak_child_mib"] for r in rows)
             mem = f"{peak:.0f}" + (f" + {child:.0f} a rank" if p > 1 else "")
+            round_s = statistics.median(r["round_s"] for r in rows)
             print(
-                f"| {algorithm} | {p} | {statistics.median(r['round_s'] for r in rows):.3f} "
-                f"| {rate:,.0f} | {rate / base:.2f} | {mem} | {rows[-1]['acc']:.4f} |"
+                f"| {algorithm} | {p} × {threads} | {round_s:.3f} | {rate:,.0f} "
+                f"| {rate / base:.2f} | {mem} | {rows[-1]['acc']:.4f} |"
             )
 
 
