@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fedexp.contract import Message, Stacked, StackedUpdates
+from fedexp.contract import Message, Stacked, parts_updates, update_parts
 from fedexp.engine import rng
 from fedexp.privacy import accountant
 from fedexp.privacy.mechanisms import (
@@ -258,7 +258,7 @@ class PrivateUplink:
         metrics = {"privacy/clip": self.clip}
         if self.settings.mode != "central" or m == 0:
             return updates, weights, metrics
-        parts = _stacked_parts(updates, clients)
+        parts = update_parts(updates, clients)
         changes = self._changes(parts, refs)
         if not changes:
             return updates, weights, metrics
@@ -281,7 +281,7 @@ class PrivateUplink:
                 add_gaussian_rows(v, keys, std)
             changes[name] = v
         out = self._rebuild(parts, changes, refs)
-        return _from_parts(updates, clients, out), weights, metrics
+        return parts_updates(out, clients), weights, metrics
 
     def end_round(
         self, round_: int, clients: list[int], uploaded: bool, counts: dict[str, float]
@@ -348,24 +348,3 @@ class PrivateUplink:
         if self.unprotected:
             text += f"; not covered: {', '.join(self.unprotected)}"
         return text
-
-
-def _stacked_parts(updates: Mapping[int, Message], clients: list[int]) -> dict[str, torch.Tensor]:
-    """The decoded uploads as ``{part: [m, ...]}`` in ``clients`` order."""
-    if isinstance(updates, StackedUpdates):
-        return {"": updates.stack}
-    first = updates[clients[0]]
-    if isinstance(first, torch.Tensor):
-        return {"": torch.stack([updates[n] for n in clients])}  # type: ignore[misc]
-    return {name: torch.stack([updates[n][name] for n in clients]) for name in first}  # type: ignore[index]
-
-
-def _from_parts(
-    updates: Mapping[int, Message], clients: list[int], parts: dict[str, torch.Tensor]
-) -> Mapping[int, Message]:
-    """:func:`_stacked_parts` undone, in the form ``updates`` had."""
-    if isinstance(updates, StackedUpdates):
-        return StackedUpdates(clients, parts[""])
-    if set(parts) == {""} and isinstance(updates[clients[0]], torch.Tensor):
-        return {n: parts[""][i] for i, n in enumerate(clients)}
-    return {n: {name: p[i] for name, p in parts.items()} for i, n in enumerate(clients)}
