@@ -326,8 +326,15 @@ class Engine(Transport, Evaluation):
             return {}
         if self.algorithm.weighting == "uniform":
             return {n: 1.0 / len(updates) for n in updates}
-        total = sum(self.clients[n].num_train for n in updates)
-        return {n: self.clients[n].num_train / total for n in updates}
+        if self.pool is not None:  # the training-set sizes at once (a property call each: slow)
+            ids = torch.tensor(list(updates), dtype=torch.int64)
+            sizes = dict(
+                zip(updates, self.pool.size[ids.to(self.pool.size.device)].tolist(), strict=True)
+            )
+        else:
+            sizes = {n: self.clients[n].num_train for n in updates}
+        total = sum(sizes.values())
+        return {n: sizes[n] / total for n in updates}
 
     # ----------------------------------------------------------- checkpointing
     def state_tree(self) -> dict[str, Any]:

@@ -102,14 +102,16 @@ class Ranks:
         got = self.gather_tensors(
             {**parts, "__clients__": torch.tensor(list(mine), dtype=torch.int64)}
         )
-        where = {n: i for i, n in enumerate(clients)}
+        ids = torch.tensor(list(clients), dtype=torch.int64)
+        where = torch.full((int(ids.max()) + 1 if len(ids) else 0,), -1, dtype=torch.int64)
+        where[ids] = torch.arange(len(ids))  # a client's row in ``clients`` order
         names = sorted({k for g in got for k in g if k != "__clients__"})
         out = {}
         for name in names:
             have = [g for g in got if name in g]  # a rank without rows sends no parts
             rows = torch.cat([g[name] for g in have])
             order = torch.cat([g["__clients__"] for g in have])
-            index = torch.tensor([where[int(n)] for n in order], dtype=torch.int64)
+            index = where[order]
             full = torch.empty((len(clients), *rows.shape[1:]), dtype=rows.dtype)
             full[index] = rows
             out[name] = full.to(device)
