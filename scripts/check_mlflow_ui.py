@@ -404,27 +404,8 @@ def check(out: Path, plain: bool = False) -> int:
         exp = client.get_experiment_by_name("ui-check")
         run = client.search_runs([exp.experiment_id])[0]
         name = run.info.run_name
-        port = _free_port()
-        server = subprocess.Popen(  # noqa: S603
-            [
-                str(BIN / "mlflow"),
-                "server",
-                "--backend-store-uri",
-                store,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--workers",
-                "1",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=tmp,
-        )
+        server, base = _server(store, tmp)
         try:
-            base = f"http://127.0.0.1:{port}"
-            _wait(f"{base}/health", 60)
             url = experiment_url(base, exp.experiment_id)
             dom = _browser(binary, url, "--dump-dom").stdout
             out.parent.mkdir(parents=True, exist_ok=True)
