@@ -18,7 +18,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedexp.cli_output import describe_stop, print_table
 from fedexp.errors import ConfigError, FedexpError, Terminated
@@ -135,9 +135,11 @@ def _checked(cfg: DictConfig) -> None:
 
     check_targets(cfg, "")
     validate(cfg)
+    from fedexp.cli_distributed import check_place
     from fedexp.config.groups import check_groups
 
     check_groups(cfg)
+    check_place(cfg)  # distributed.* against torchrun's or the SLURM job's processes
 
 
 def _prepare(cfg: DictConfig, hc: DictConfig) -> dict[str, str]:
@@ -338,10 +340,11 @@ def _hydra_run(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from fedexp.cli_distributed import group_job
+
     hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN:
-        return _sweep_job(cfg, hc)
-    return _single_run(cfg, hc)
+    job = _sweep_job if hc.mode == RunMode.MULTIRUN else _single_run
+    return group_job(cfg, hc, job, _checked)  # torchrun, a SLURM job's tasks: one group
 
 
 def _hydra_main() -> Callable[[], Any]:
@@ -389,15 +392,6 @@ def _wants_help(args: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in args)
 
 
-def _launcher_option(args: list[str]) -> str | None:
-    """The option of a ``hydra/launcher=OPTION`` override, or None."""
-    for arg in args:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if sep and key == "hydra/launcher":
-            return value
-    return None
-
-
 def main() -> None:
     """Entry point: ``fedexp run [hydra overrides]``."""
     args = sys.argv[1:]
@@ -421,12 +415,10 @@ def main() -> None:
         sys.exit(2)
     bad = _hydra_code_override(args[1:])
     if bad:
-        print(
-            f"fedexp: error: {bad}: Hydra settings that name code (callbacks, _target_, "
-            "logging classes) cannot be overridden; only fedexp's own classes can be configured",
-            file=sys.stderr,
+        _refuse(
+            f"{bad}: Hydra settings that name code (callbacks, _target_, logging classes) "
+            "cannot be overridden; only fedexp's own classes can be configured"
         )
-        sys.exit(USAGE)
     from fedexp.config.keys import unknown_key_errors
     from fedexp.config.schema import override_errors
 
@@ -434,23 +426,21 @@ def main() -> None:
     early = _group_option_errors(args[1:]) or unknown_key_errors(args[1:], CONFIG_DIR)
     early = early or override_errors(args[1:])
     if early:
-        print(f"fedexp: error: {'; '.join(early)}", file=sys.stderr)
-        sys.exit(USAGE)
+        _refuse("; ".join(early))
     from fedexp.search_space import search_space_errors
 
     # -m hparams_search=lr lr='interval(1, 0.1)': one line, not the Optuna sweeper's traceback
     tuning = search_space_errors(args[1:])
     if tuning:
-        print(f"fedexp: error: {'; '.join(tuning)}", file=sys.stderr)
-        sys.exit(USAGE)
-    launcher = _launcher_option(args[1:])
-    if launcher is not None:
-        from fedexp.sweep import NO_SLURM, slurm_missing
+        _refuse("; ".join(tuning))
+    from fedexp.cli_distributed import prepare_argv
 
-        if slurm_missing(launcher):  # before Hydra makes a folder or anything runs
-            print(f"fedexp: error: {NO_SLURM}", file=sys.stderr)
-            sys.exit(1)
-    sys.argv = [sys.argv[0], *args[1:]]
+    # before Hydra makes a folder or anything runs: hydra/launcher=slurm without sbatch (exit
+    # 1); torchrun: no sweep, distributed.* agreeing; distributed.nodes=K: one SLURM job (-m)
+    hydra_args, refused, code = prepare_argv(args[1:])
+    if refused:
+        _refuse(refused, code)
+    sys.argv = [sys.argv[0], *hydra_args]
     try:
         _hydra_main()()
     except (SystemExit, KeyboardInterrupt) as exc:  # Hydra reported an error, or Ctrl-C
@@ -459,6 +449,15 @@ def main() -> None:
     sweep = sys.modules.get("fedexp.sweep")
     if sweep is not None and sweep.last is not None and sweep.last.failed:
         sys.exit(1)  # the summary above names the failed jobs
+
+
+def _refuse(message: str, code: int = USAGE) -> NoReturn:
+    """``fedexp: error: <message>`` and exit ``code``; under torchrun rank 0 alone prints it."""
+    from fedexp.cli_distributed import quiet
+
+    if not quiet():
+        print(f"fedexp: error: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 def _end_unfinished_sweep(exc: BaseException) -> None:

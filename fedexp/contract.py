@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from fedexp.data.federated import ClientData
+    from fedexp.data.client import ClientData
 
 State = dict[str, torch.Tensor]
 #: What crosses the network: one tensor, or named parts (IFCA: the k cluster models down).

@@ -10,11 +10,19 @@ process with one torch thread, the peak resident memory of the processes and whe
 final accuracy agrees. One process is also run with a torch thread per core (the P ranks
 get one thread each).
 
-Workload: synthetic tabular data (20 features, ``--samples`` per client), logistic
+Workload: synthetic tabular data (``--features``, ``--samples`` per client), logistic
 regression, ``participation`` 0.1, 5 local SGD steps of batch 8, dense messages, no tracker.
+
+The parent polls /proc for every process of a run (rank 0 and the ranks it starts) and
+reports each one's peak resident memory: all of it (``VmRSS``, which counts the pages of
+``store=disk``'s memory-mapped files that are in memory) and the anonymous part (``RssAnon``:
+what is not the files).
 
     python scripts/bench_distributed.py                               # N = 100,000, P = 2
     python scripts/bench_distributed.py --clients 10000 --algorithms fedavg --rounds 5
+    # 10^6 Ditto clients (d = 31), their data and states on disk, 3 rounds:
+    python scripts/bench_distributed.py --clients 1000000 --samples 10 --features 30 \
+        --algorithms ditto --rounds 3 --repeats 1 --store disk --sides 1x1 2x1
 """
 
 from __future__ import annotations
@@ -22,10 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +52,7 @@ def _worker(args: argparse.Namespace) -> None:
     cfg = compose_config(
         "dataset=synthetic",
         f"dataset.num_samples={args.clients * args.samples}",
+        f"dataset.num_features={args.features}",
         "dataset.num_sites=10",
         "model=logreg",
         "partition=iid",
@@ -59,14 +68,13 @@ def _worker(args: argparse.Namespace) -> None:
         "tracker=none",
         "device=cpu",
         f"distributed.nproc={args.nproc}",
+        f"store={args.store}",
         f"output_dir=/tmp/bench_distributed/{args.algorithm}-{args.nproc}",
     )
     tracker = NullTracker()
     result = run(cfg, tracker=tracker)
     times = [v for _, v in sorted(tracker.metrics["time/round_s"].items())][1:]
     sampled = [v for _, v in sorted(tracker.metrics["clients/sampled"].items())][1:]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(
         json.dumps(
             {
@@ -75,42 +83,71 @@ def _worker(args: argparse.Namespace) -> None:
                     s / t for s, t in zip(sampled, times, strict=True)
                 ),
                 "acc": result.metrics["acc/mean"],
-                "peak_mib": peak,
-                "peak_child_mib": children,
             }
         )
     )
 
 
+def _memory(pid: int) -> dict[str, int]:
+    """``VmRSS`` and ``RssAnon`` of process ``pid`` in MiB (empty once it has gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    found = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon"):
+            found[key] = int(value.split()[0]) // 1024
+    return found
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the ranks it started)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 def _measure(algorithm: str, nproc: int, threads: int, args: argparse.Namespace) -> dict:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        "--algorithm",
-        algorithm,
-        "--nproc",
-        str(nproc),
-        "--clients",
-        str(args.clients),
-        "--samples",
-        str(args.samples),
-        "--rounds",
-        str(args.rounds),
-        "--threads",
-        str(threads),
-    ]
+    cmd = [sys.executable, __file__, "--worker", "--algorithm", algorithm, "--nproc", str(nproc)]
+    for key in ("clients", "samples", "features", "rounds", "store"):
+        cmd += [f"--{key}", str(getattr(args, key))]
+    cmd += ["--threads", str(threads)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if out.returncode:
-        raise SystemExit(f"{algorithm} P={nproc} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peaks: dict[int, dict[str, int]] = {}  # pid -> peak of each figure
+    while proc.poll() is None:  # (the pipes hold the little the worker prints)
+        for pid in _tree(proc.pid):
+            for key, value in _memory(pid).items():
+                peak = peaks.setdefault(pid, {})
+                peak[key] = max(peak.get(key, 0), value)
+        time.sleep(0.2)
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"{algorithm} P={nproc} failed:\n{err[-3000:]}")
+    found = json.loads(out.strip().splitlines()[-1])
+    ranks = [p for p in peaks.values() if p.get("VmRSS", 0) > 200]  # not the spawn helper
+    found["rss_mib"] = max(p.get("VmRSS", 0) for p in ranks)
+    found["anon_mib"] = max(p.get("RssAnon", 0) for p in ranks)
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=100_000)
-    parser.add_argument("--samples", type=int, default=20, help="training rows a client")
+    parser.add_argument("--samples", type=int, default=20, help="rows a client (train + test)")
+    parser.add_argument("--features", type=int, default=20)
+    parser.add_argument("--store", default="memory", choices=["memory", "disk"])
+    parser.add_argument(
+        "--sides", nargs="+", default=None, help="P x threads to run, e.g. 1x1 2x1 (default: all)"
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
@@ -124,28 +161,31 @@ def main() -> None:
         return
     print(
         f"N = {args.clients:,} clients, q = 0.1, {args.rounds} rounds (the first not timed), "
-        f"{args.repeats} repeats, medians; P = {args.nproc} against 1\n"
+        f"{args.repeats} repeats, medians; store={args.store}\n"
     )
     cores = os.cpu_count() or 1
     sides = [(1, 1), (1, cores), (args.nproc, 1)]  # (P, torch threads of a process)
-    head = "| algorithm | P × threads | round (s) | client updates/s | vs 1 × 1 | peak RSS (MiB) |"
-    print(head + " acc |")
-    print("|---|---|---|---|---|---|---|")
+    if args.sides:
+        sides = [(int(a), int(b)) for a, _, b in (side.partition("x") for side in args.sides)]
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    head = "| algorithm | P × threads | round (s) | client updates/s | vs 1 × 1 |"
+    print(head + " peak RSS a process (MiB) | of it not files (MiB) | acc |")
+    print("|---|---|---|---|---|---|---|---|")
     for algorithm in args.algorithms:
         runs: dict[tuple[int, int], list[dict]] = {side: [] for side in sides}
         for _ in range(args.repeats):
             for p, threads in sides:
                 runs[(p, threads)].append(_measure(algorithm, p, threads, args))
-        base = statistics.median(r["updates_per_s"] for r in runs[(1, 1)])
+        base = statistics.median(r["updates_per_s"] for r in runs.get((1, 1), runs[sides[0]]))
         for (p, threads), rows in runs.items():
             rate = statistics.median(r["updates_per_s"] for r in rows)
-            peak = max(r["peak_mib"] for r in rows)
-            child = max(r["peak_child_mib"] for r in rows)
-            mem = f"{peak:.0f}" + (f" + {child:.0f} a rank" if p > 1 else "")
+            rss = max(r["rss_mib"] for r in rows)
+            anon = max(r["anon_mib"] for r in rows)
             round_s = statistics.median(r["round_s"] for r in rows)
             print(
                 f"| {algorithm} | {p} × {threads} | {round_s:.3f} | {rate:,.0f} "
-                f"| {rate / base:.2f} | {mem} | {rows[-1]['acc']:.4f} |"
+                f"| {rate / base:.2f} | {rss:,.0f} ({rss / total:.1%} of {total / 1024:.0f} GiB) "
+                f"| {anon:,.0f} | {rows[-1]['acc']:.4f} |"
             )
 
 

@@ -35,7 +35,7 @@ from fedexp.contract import (
     State,
     weighted_mean,
 )
-from fedexp.data.federated import ClientData
+from fedexp.data.client import ClientData
 from fedexp.engine.context import Context
 
 __all__ = [

@@ -32,7 +32,7 @@ from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedper import FedPer
 from fedexp.config.ranges import NonNegative, Range
-from fedexp.data.federated import ClientData
+from fedexp.data.client import ClientData
 from fedexp.engine.context import Context
 from fedexp.engine.solver import unstack_states
 

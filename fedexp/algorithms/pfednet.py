@@ -27,7 +27,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
 from fedexp.config.ranges import NonNegative, NonNegativeInt, Positive, PositiveInt, Range
-from fedexp.data.federated import ClientData
+from fedexp.data.client import ClientData
 from fedexp.engine import solver
 from fedexp.engine.context import Context
 from fedexp.graph import (

@@ -47,7 +47,7 @@ import torch
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Fraction, NonNegativeInt, Range
-from fedexp.data.federated import ClientData
+from fedexp.data.client import ClientData
 from fedexp.engine import rng
 from fedexp.engine.context import Context
 from fedexp.engine.objective import Aux, Objective

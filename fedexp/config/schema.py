@@ -27,13 +27,17 @@ class DistributedConfig:
     """One run over several processes (``fedexp.engine.launch``).
 
     Attributes:
-        nproc: processes on this machine; each runs its share of every round's clients
-            (client n on process n mod nproc). 1: one process.
+        nproc: processes on this machine (on each node); each runs its share of every
+            round's clients (client n on process n mod the processes). 1: one process (under
+            torchrun: as many as torchrun started).
         backend: torch.distributed's backend: "auto" (NCCL with GPUs, else gloo), "gloo", "nccl".
+        nodes: machines the run spans: with hydra/launcher=slurm one SLURM job of nodes ×
+            nproc tasks (or torchrun on each node); 1: this machine.
     """
 
     nproc: int = 1
     backend: str = "auto"
+    nodes: int = 1
 
 
 @dataclass
@@ -72,6 +76,14 @@ class RunConfig:
         threads: torch CPU threads of this job; 0 = PyTorch's default for a single run and
             cores / parallel jobs in a parallel sweep (two jobs each using every core stall
             each other's small kernels on a 2-core machine).
+        store: where the clients' data and states live: "memory", or "disk" (files in
+            ``store_dir`` mapped into memory, so the resident memory follows the round's
+            clients, not the population; CPU runs; the files go when the run ends).
+        store_dir: the folder of ``store=disk``'s files (null: the system's temporary folder).
+        client_table_limit: keep every client's metrics of every evaluated round (the table
+            clients_rounds.csv, MLflow's per-client table, the clients plot) in runs of at
+            most this many clients; larger runs write only the last round's clients.csv (a
+            row per client per evaluation is gigabytes at 10^6 clients).
     """
 
     rounds: int = 50
@@ -95,6 +107,9 @@ class RunConfig:
     output_dir: str | None = None
     threads: int = 0
     eval_participants: bool = False
+    store: str = "memory"
+    store_dir: str | None = None
+    client_table_limit: int = 10000
     dataset: Any = field(default_factory=dict)
     model: Any = field(default_factory=dict)
     partition: Any = field(default_factory=dict)
@@ -110,6 +125,7 @@ class RunConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "progress": ("auto", "bar", "log", "none"),
     "sampling": ("shuffle", "replacement"),
+    "store": ("memory", "disk"),
 }
 
 #: Algorithm keys that count other clients, so must stay below ``num_clients``, by target.
@@ -155,6 +171,7 @@ def _range_errors(get: Any) -> list[str]:
     need("test_fraction", lambda v: 0 < v < 1, "a fraction in (0, 1)")
     need("val_fraction", lambda v: 0 <= v < 1, "a fraction in [0, 1) (0: no validation split)")
     need("threads", lambda v: v >= 0, "≥ 0 (0: PyTorch's default)", integer=True)
+    need("client_table_limit", lambda v: v >= 0, "≥ 0 (0: no per-client table)", integer=True)
     for key, choices in CHOICES.items():
         if get(key) not in choices:
             errors.append(f"{key}={get(key)!r}: expected one of {', '.join(choices)}")
@@ -198,8 +215,9 @@ def validate(cfg: Mapping[str, Any], clients: Sequence[Any] | None = None) -> No
     errors = _range_errors(get)
     spread = get("distributed") or {}
     nproc, backend = spread.get("nproc", 1), spread.get("backend", "auto")
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or not 1 <= nproc <= 1024:
-        errors.append(f"distributed.nproc={nproc!r}: expected an integer in [1, 1024]")
+    for key, value in (("nproc", nproc), ("nodes", spread.get("nodes", 1))):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1024:
+            errors.append(f"distributed.{key}={value!r}: expected an integer in [1, 1024]")
     if backend not in ("auto", "gloo", "nccl"):
         errors.append(f"distributed.backend={backend!r}: expected auto, gloo or nccl")
     errors += _algorithm_errors(get("algorithm"), get("num_clients"))

@@ -1,141 +1,63 @@
-"""Device-resident federated data: each client's train/val/test tensors, index-draw batches."""
+"""Device-resident federated data: each client's train/val/test splits, as one table.
+
+:class:`ClientData` and :class:`PoolRows` live in :mod:`fedexp.data.client` (re-exported).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from fedexp.data.client import ClientData, PoolRows
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.partitions import ClientSplit
-from fedexp.engine.rng import Stream
+from fedexp.engine.pool import ClientTable
 from fedexp.errors import ConfigError, DataError
 
+__all__ = ["ClientData", "PoolRows", "federate", "train_test_split", "validation_split"]
 
-class PoolRows:
-    """Rows ``[start, stop)`` of a pool's ``x`` and ``y`` (a client's pooled training set).
 
-    What a pooled :class:`ClientData` field holds instead of a tensor view: a view object
-    costs ~600 bytes (two or four a client, 120-240 MB at 100,000 clients); this one is
-    shared by the client's fields and the view is made when read.
+# Clients up to this size take the list-based fast path of the splits below; larger ones (where
+# numpy's vectorised set operations win over Python lists) take the general path.
+_SMALL_CLIENT = 256
+
+
+def _small_groups(
+    indices: np.ndarray, labels: np.ndarray
+) -> tuple[list[int], list[list[int]]] | None:
+    """A small client's indices, and its indices by label, for the fast path of the splits.
+
+    Returns:
+        (the indices as a list, one list per label in ascending label order holding that
+        label's indices in their order in ``indices``), or None where the fast path does not
+        apply: no 1-d integer index array of 1 to ``_SMALL_CLIENT`` distinct entries, or
+        labels that are not integers.
     """
-
-    __slots__ = ("pool", "row", "start", "stop")
-
-    def __init__(self, pool: object, row: int, start: int, stop: int) -> None:
-        self.pool, self.row, self.start, self.stop = pool, row, start, stop
-
-
-class _Tensor:
-    """A ClientData tensor field that may hold :class:`PoolRows` (read as a view of the pool).
-
-    The value lives in the slot ``_<name>`` (ClientData has no per-instance dict).
-    """
-
-    def __init__(self, part: str | None) -> None:
-        self.part = part  # "x" or "y": which of the pool's tensors; None: no pooled value
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.slot = name, "_" + name
-
-    def __get__(self, obj: object, objtype: type | None = None) -> torch.Tensor | None:
-        if obj is None:
-            if self.part is None:
-                return None  # dataclasses: the field's default
-            raise AttributeError(self.name)  # dataclasses: a field without a default
-        value = getattr(obj, self.slot)
-        if type(value) is PoolRows:
-            return getattr(value.pool, self.part)[value.start : value.stop]
-        return value
-
-    def __set__(self, obj: object, value: torch.Tensor | PoolRows | None) -> None:
-        setattr(obj, self.slot, value)
-
-
-@dataclass
-class ClientData:
-    """One client's data on the device.
-
-    Attributes:
-        x_train, y_train: training inputs and targets.
-        x_test, y_test: the client's own test split.
-        x_val, y_val: the validation split carved out of the client's training data
-            (``val_fraction``, for tuning); None when there is none.
-
-    The run's training pool (``fedexp.engine.pool.TrainPool``) may set the training fields
-    (and the test ones when they are the same tensors) to :class:`PoolRows`; they still read
-    as tensors (views of the pool made on access). Slots, no instance dict: ~200 bytes a
-    client less (issue 14's 100,000 clients).
-    """
-
-    __slots__ = ("_x_train", "_y_train", "_x_test", "_y_test", "_x_val", "_y_val")
-
-    x_train: torch.Tensor = _Tensor("x")
-    y_train: torch.Tensor = _Tensor("y")
-    x_test: torch.Tensor = _Tensor("x")
-    y_test: torch.Tensor = _Tensor("y")
-    x_val: torch.Tensor | None = _Tensor(None)
-    y_val: torch.Tensor | None = _Tensor(None)
-
-    @property
-    def num_train(self) -> int:
-        """Number of training samples."""
-        rows = self._y_train
-        if type(rows) is PoolRows:
-            return rows.stop - rows.start
-        return int(rows.shape[0])
-
-    def pooled(self, pool: object = None) -> PoolRows | None:
-        """The pool rows this client's training set is, or None when it is not pooled.
-
-        Args:
-            pool: the pool it must be in (None: any pool).
-        """
-        x = self._x_train
-        if type(x) is PoolRows and x is self._y_train and (pool is None or x.pool is pool):
-            return x
+    if not (
+        type(indices) is np.ndarray
+        and indices.ndim == 1
+        and 0 < indices.size <= _SMALL_CLIENT
+        and indices.dtype.kind in "iu"
+        and indices.dtype.isnative
+        and isinstance(labels, np.ndarray)
+    ):
         return None
-
-    @property
-    def num_test(self) -> int:
-        """Number of test samples."""
-        return int(self.y_test.shape[0])
-
-    @property
-    def num_val(self) -> int:
-        """Number of validation samples (0 without a validation split)."""
-        return 0 if self.y_val is None else int(self.y_val.shape[0])
-
-    def validation(self) -> ClientData:
-        """This client with its validation split in the place of its test split.
-
-        What evaluation reads is the test split; this view makes it read the validation
-        examples instead (the training data are the same tensors, nothing is copied).
-
-        Raises:
-            DataError: the client has no validation split.
-        """
-        if self.x_val is None or self.y_val is None or self.num_val == 0:
-            raise DataError("this client has no validation split (set val_fraction > 0)")
-        return ClientData(self.x_train, self.y_train, self.x_val, self.y_val)
-
-    def batch(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next minibatch of ``generator``'s stream; ``size <= 0`` is the full batch.
-
-        A client's round stream (:class:`fedexp.engine.rng.Stream`) gives its counter-based
-        indices (shuffled passes or with replacement, as the stream's ``sampling``; the same a
-        cohort draw gives); any other generator draws uniformly with ``randint``.
-        """
-        if size <= 0:
-            return self.x_train, self.y_train
-        dev = self.y_train.device
-        if isinstance(generator, Stream):
-            idx = generator.indices(size, self.num_train, dev)
+    y = labels[indices]
+    if y.ndim != 1 or y.dtype.kind not in "iu":
+        return None
+    values: list[int] = indices.tolist()
+    if len(set(values)) != len(values):
+        return None  # np.setdiff1d would drop the duplicates: the general path
+    by_label: dict[int, list[int]] = {}
+    for v, c in zip(values, y.tolist(), strict=True):
+        if c in by_label:
+            by_label[c].append(v)
         else:
-            idx = torch.randint(self.num_train, (size,), generator=generator).to(dev)
-        return self.x_train[idx], self.y_train[idx]
+            by_label[c] = [v]
+    return values, [by_label[c] for c in sorted(by_label)]
 
 
 def train_test_split(
@@ -146,6 +68,37 @@ def train_test_split(
     At least one sample goes to each side.
     """
     rng = np.random.default_rng([seed, 21, client])
+    small = _small_groups(indices, labels)
+    if small is None:
+        return _train_test_split_general(indices, labels, test_fraction, rng)
+    # The general path on a small client with distinct indices, on lists: shuffling a list
+    # makes the same draws, and the same order, as permuting an array of its length, and
+    # the set difference of distinct values is the sorted remainder.
+    values, groups = small
+    test: list[int] = []
+    if min(len(g) for g in groups) >= 2:
+        for g in groups:
+            rng.shuffle(g)
+            test += g[: int(round(test_fraction * len(g)))]
+    else:
+        perm = values.copy()
+        rng.shuffle(perm)
+        test = perm[: int(round(test_fraction * len(perm)))]
+    if not test:
+        perm = values.copy()
+        rng.shuffle(perm)
+        test = perm[:1]
+    drawn = set(test)
+    train = [v for v in sorted(values) if v not in drawn]
+    if not train:
+        train, test = test[:1], test[1:]
+    return np.array(train, dtype=indices.dtype), np.array(sorted(test), dtype=indices.dtype)
+
+
+def _train_test_split_general(
+    indices: np.ndarray, labels: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`train_test_split` for any input, drawing from the client's ``rng``."""
     test: list[np.ndarray] = []
     y = labels[indices]
     classes, counts = np.unique(y, return_counts=True)
@@ -191,6 +144,34 @@ def validation_split(
     if val_fraction <= 0 or len(train_idx) < 2:
         return train_idx, empty
     rng = np.random.default_rng([seed, 22, client])
+    # (a float fraction only: the general path multiplies it by numpy int counts)
+    small = _small_groups(train_idx, labels) if isinstance(val_fraction, float) else None
+    if small is None:
+        return _validation_split_general(train_idx, labels, val_fraction, rng)
+    # The general path on lists, as in train_test_split.
+    values, groups = small
+    val: list[int] = []
+    if min(len(g) for g in groups) >= 2:
+        for g in groups:
+            rng.shuffle(g)
+            val += g[: min(int(round(val_fraction * len(g))), len(g) - 1)]
+    else:
+        perm = values.copy()
+        rng.shuffle(perm)
+        val = perm[: min(int(round(val_fraction * len(perm))), len(perm) - 1)]
+    if not val:
+        perm = values.copy()
+        rng.shuffle(perm)
+        val = perm[:1]
+    drawn = set(val)
+    train = [v for v in sorted(values) if v not in drawn]
+    return np.array(train, dtype=train_idx.dtype), np.array(sorted(val), dtype=train_idx.dtype)
+
+
+def _validation_split_general(
+    train_idx: np.ndarray, labels: np.ndarray, val_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`validation_split` past its early return, for any input, drawing from ``rng``."""
     y = labels[train_idx]
     classes, counts = np.unique(y, return_counts=True)
     if counts.min() >= 2:
@@ -235,8 +216,12 @@ def federate(
     seed: int,
     device: torch.device,
     val_fraction: float = 0.0,
-) -> list[ClientData]:
+    folder: Path | None = None,
+) -> Sequence[ClientData]:
     """Partition ``data`` over clients, split each 80/20 and move the tensors to ``device``.
+
+    The clients come as a :class:`fedexp.engine.pool.ClientTable`: each split of every
+    client in one array (memory-mapped files in ``folder`` when one is given, CPU only).
 
     The partition returns index arrays or a :class:`ClientSplit`; the channels it lists for a
     client are set to zero in that client's training, validation and test inputs (pFedNet's
@@ -277,30 +262,13 @@ def federate(
     x_all = torch.from_numpy(np.ascontiguousarray(data.x))
     y_all = torch.from_numpy(np.ascontiguousarray(data.y))
     labels = data.labels
-    clients = []
+    splits: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
     for n, idx in enumerate(parts):
         train_idx, test_idx = train_test_split(idx, labels, test_fraction, seed, n)
         if len(train_idx) == 0 or len(test_idx) == 0:
             raise DataError(f"client {n} has {len(idx)} sample(s): no train/test split possible")
         train_idx, val_idx = validation_split(train_idx, labels, val_fraction, seed, n)
-        tr, te = torch.from_numpy(train_idx), torch.from_numpy(test_idx)
-        x_train, x_test = x_all[tr], x_all[te]  # copies: zeroing never touches data.x
-        x_val = y_val = None
-        if len(val_idx):
-            va = torch.from_numpy(val_idx)
-            x_val, y_val = x_all[va], y_all[va].to(device)
-        if n in zero:
-            for x in (x_train, x_test, x_val):
-                if x is not None:
-                    x[:, zero[n]] = 0.0
-        clients.append(
-            ClientData(
-                x_train.to(device),
-                y_all[tr].to(device),
-                x_test.to(device),
-                y_all[te].to(device),
-                None if x_val is None else x_val.to(device),
-                y_val,
-            )
-        )
-    return clients
+        for kept, rows in zip(splits, (train_idx, test_idx, val_idx), strict=True):
+            kept.append(rows)
+    # copies: zeroing never touches data.x
+    return ClientTable.build(x_all, y_all, splits, device, folder, zero)

@@ -22,7 +22,15 @@ NumClasses = Annotated[int, Range(ge=2, note="a classification needs two classes
 
 def scale_to_unit_interval(x: np.ndarray) -> np.ndarray:
     """Scale each column to [-1, 1] (constant columns become 0)."""
-    lo, hi = x.min(axis=0), x.max(axis=0)
+    return _scale_columns(x, x.min(axis=0), x.max(axis=0))
+
+
+def _scale_columns(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Map each column of ``x`` from [lo, hi] to [-1, 1]; columns with ``hi == lo`` become 0.
+
+    Every operation is elementwise, so scaling a block of rows with the whole table's ``lo`` and
+    ``hi`` gives exactly the rows that scaling the whole table gives.
+    """
     span = np.where(hi > lo, hi - lo, 1.0)
     return (2.0 * (x - lo) / span - 1.0) * (hi > lo)
 
@@ -141,6 +149,14 @@ def csv_table(path: str, label: str, group: str | None = None) -> ArrayDataset:
     )
 
 
+#: Rows of ``x`` that :func:`synthetic_tabular` draws, and holds in float64, at a time.
+SYNTHETIC_CHUNK_ROWS = 2**16
+
+#: Bytes a block's per-row site models (rows × features × classes float64) may take at most;
+#: wide tables with many classes get blocks of fewer than :data:`SYNTHETIC_CHUNK_ROWS` rows.
+SYNTHETIC_CHUNK_BYTES = 2**25
+
+
 def synthetic_tabular(
     num_samples: PositiveInt = 2000,
     num_features: PositiveInt = 20,
@@ -155,6 +171,13 @@ def synthetic_tabular(
     shift; labels are the argmax of the site's logits plus Gumbel noise. ``groups`` holds the
     site, so the ``natural`` partition gives each client one site's data.
 
+    The table is built in blocks of rows, so memory stays near the float32 output
+    (``num_samples * num_features * 4`` bytes) plus the logits (``num_samples * num_classes * 8``)
+    and a block: the raw float64 inputs are drawn twice from the same generator state, once for
+    the logits and the columns' ranges and once to scale them into the output. A generator's
+    normal and Gumbel draws in consecutive blocks equal one draw of the whole, and every step is
+    row-wise (or an exact min/max), so the arrays are bit for bit those of a one-shot build.
+
     Args:
         num_samples: rows n ≥ 1.
         num_features: feature columns ≥ 1.
@@ -163,13 +186,36 @@ def synthetic_tabular(
         heterogeneity: scale ≥ 0 of the sites' model and input differences (0: one model).
         seed: seed ≥ 0 of the generator.
     """
+    n, f, c = num_samples, num_features, num_classes
     rng = np.random.default_rng(seed)
-    w = rng.normal(size=(num_features, num_classes))
-    sites = rng.integers(0, num_sites, size=num_samples)
-    shift = rng.normal(scale=heterogeneity, size=(num_sites, num_features))
-    w_site = w[None] + heterogeneity * rng.normal(size=(num_sites, num_features, num_classes))
-    x = rng.normal(size=(num_samples, num_features)) + shift[sites]
-    logits = np.einsum("nf,nfc->nc", x, w_site[sites]) + rng.gumbel(size=(num_samples, num_classes))
-    y = logits.argmax(axis=1).astype(np.int64)
-    x = scale_to_unit_interval(x).astype(np.float32)
-    return ArrayDataset("synthetic", x, y, num_classes, sites.astype(str))
+    w = rng.normal(size=(f, c))
+    sites = rng.integers(0, num_sites, size=n)
+    shift = rng.normal(scale=heterogeneity, size=(num_sites, f))
+    w_site = w[None] + heterogeneity * rng.normal(size=(num_sites, f, c))
+    # The raw inputs come next in the stream; a copy of the generator replays them later.
+    replay = np.random.Generator(np.random.PCG64())
+    replay.bit_generator.state = rng.bit_generator.state
+    step = max(1, min(SYNTHETIC_CHUNK_ROWS, SYNTHETIC_CHUNK_BYTES // (8 * f * c)))
+    blocks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+    logits = np.empty((n, c))
+    lo = np.full(f, np.inf)
+    hi = np.full(f, -np.inf)
+    for rows in blocks:
+        site = sites[rows]
+        x = rng.normal(size=(rows.stop - rows.start, f)) + shift[site]
+        logits[rows] = np.einsum("nf,nfc->nc", x, w_site[site])
+        np.minimum(lo, x.min(axis=0), out=lo)
+        np.maximum(hi, x.max(axis=0), out=hi)
+    y = np.empty(n, dtype=np.int64)
+    for rows in blocks:
+        y[rows] = (logits[rows] + rng.gumbel(size=(rows.stop - rows.start, c))).argmax(axis=1)
+    del logits
+
+    out = np.empty((n, f), dtype=np.float32)
+    for rows in blocks:
+        x = replay.normal(size=(rows.stop - rows.start, f)) + shift[sites[rows]]
+        out[rows] = _scale_columns(x, lo, hi).astype(np.float32)
+    return ArrayDataset(
+        "synthetic", out, y, num_classes, sites.astype(f"<U{len(str(num_sites - 1))}")
+    )  # (no wider than the ids)

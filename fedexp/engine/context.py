@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fedexp.contract import Cohort
-from fedexp.data.federated import ClientData
+from fedexp.data.client import ClientData
 from fedexp.engine import solver
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.optim import SGD, Optimizer

@@ -11,8 +11,9 @@ do not depend on the grouping or the order.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,13 +22,15 @@ from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
 from fedexp.contract import Cohort, CohortResult, Message, Stacked, StackedUpdates, State
-from fedexp.data.federated import ClientData
+from fedexp.data.client import ClientData
 from fedexp.engine import rng
+from fedexp.engine.checkpoint import flatten_state, unflatten_state
 from fedexp.engine.context import Context
 from fedexp.engine.evaluation import Evaluation
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.pool import TrainPool
-from fedexp.engine.ranks import Ranks, gather_uploads
+from fedexp.engine.ranks import Ranks, gather_uploads, reduce_uploads
+from fedexp.engine.states import ClientStates
 from fedexp.engine.transport import (
     PartKey,
     Transport,
@@ -73,7 +76,8 @@ class Engine(Transport, Evaluation):
     round: int = 0
     ledger: ByteLedger = field(default_factory=ByteLedger)
     server: State = field(default_factory=dict)
-    client_states: list[State] = field(default_factory=list)
+    #: every client's state (``fedexp.engine.states``), made in ``__post_init__``
+    client_states: ClientStates = field(init=False)
     #: per direction, (client, part) -> error-feedback residual / replica / last message
     residual: dict[str, dict[PartKey, torch.Tensor]] = field(default_factory=_per_direction)
     replica: dict[str, dict[PartKey, torch.Tensor]] = field(default_factory=_per_direction)
@@ -88,15 +92,24 @@ class Engine(Transport, Evaluation):
     privacy: PrivateUplink | None = None
     #: the run's processes (torch.distributed); None: this process alone
     ranks: Ranks | None = None
+    #: where the clients' states are memory-mapped (``store=disk``); None: in memory
+    store: Path | None = None
     #: the initial server state (derived, not checkpointed), built when a part needs it
     _server0: State | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.pool = TrainPool.of(self.clients) if self.clients else None
         self.server = self.algorithm.init_server(self.ctx, self.x0)
-        self.client_states = [
-            self.algorithm.init_client(self.ctx, self.x0, n) for n in range(len(self.clients))
-        ]
+        self.client_states = self._fresh_states()
+        if self.clients:  # states are made when read: one now, so that bad settings fail here
+            self.algorithm.init_client(self.ctx, self.x0, 0)
+
+    def _fresh_states(self) -> ClientStates:
+        """Every client at its initial state (made when read: nothing is stored until then)."""
+        algo, ctx, x0 = self.algorithm, self.ctx, self.x0
+        return ClientStates(
+            len(self.clients), lambda n: algo.init_client(ctx, x0, n), ctx.device, self.store
+        )
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> dict[str, float]:
@@ -136,7 +149,7 @@ class Engine(Transport, Evaluation):
         if ranks is None:
             return
         mine = set(ranks.mine(range(len(self.clients))))
-        named = {f"c/{n}/{k}": v for n in mine for k, v in self.client_states[n].items()}
+        named = flatten_state({"c": self.client_states.export(sorted(mine))})
         for kind, store in (
             ("residual", self.residual),
             ("replica", self.replica),
@@ -149,14 +162,11 @@ class Engine(Transport, Evaluation):
         for rank, got in enumerate(ranks.gather_tensors(named)):
             if rank == ranks.rank:
                 continue
-            for n in ranks.mine_of(rank, len(self.clients)):
-                self.client_states[n] = {}
+            theirs = {k: v for k, v in got.items() if k.startswith("c/")}
+            self.client_states.load(unflatten_state(theirs).get("c", {}))
             for name, v in got.items():
                 head, _, rest = name.partition("/")
-                if head == "c":
-                    n, _, key = rest.partition("/")
-                    self.client_states[int(n)][key] = v.to(self.ctx.device)
-                else:
+                if head != "c":
                     d, _, key = rest.partition("/")
                     store = {"residual": self.residual, "replica": self.replica}.get(
                         head, self.reference
@@ -193,8 +203,7 @@ class Engine(Transport, Evaluation):
             msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
             inbox = self._downlink(workers, [msgs[n] for n in workers])
             result = self._client_work(workers, inbox)
-        for n, state in zip(workers, result.states, strict=True):
-            self.client_states[n] = state
+        self.client_states.write(workers, result.states)
         uploads = _uploads(result.updates, workers, senders)
         private: dict[str, float] = {}
         refs: dict[str, torch.Tensor] = {}
@@ -210,7 +219,12 @@ class Engine(Transport, Evaluation):
         sums = {f"train/{k}": float(v.sum()) for k, v in result.metrics.items()}
         sums.update(private)  # DP counts (uploads, unclipped)
         if ranks is not None:
-            updates, refs, uploaded = gather_uploads(ranks, sampled, senders, updates, refs)
+            if self.privacy is None and self.algorithm.server_reads == "mean":
+                # the server reads only Σ ω_n u_n: the ranks' sums, added by all_reduce
+                weights = self._weights(sampled)
+                updates, uploaded = reduce_uploads(ranks, sampled, senders, updates, weights)
+            else:  # every upload, to every rank
+                updates, refs, uploaded = gather_uploads(ranks, sampled, senders, updates, refs)
             sums = ranks.sum_floats({**sums, **{f"channel/{k}": v for k, v in channel.items()}})
             channel = {k[8:]: v for k, v in sums.items() if k.startswith("channel/")}
             ledger.merge(ranks.gather_json(self.ledger.round_record()))
@@ -269,7 +283,7 @@ class Engine(Transport, Evaluation):
         for rows, cohort in groups:
             index = None if len(groups) == 1 else torch.tensor(rows, device=ctx.device)
             model_in = inbox if index is None else _take(inbox, index)
-            states = [self.client_states[n] for n in cohort.clients]
+            states = self.client_states.rows(cohort.clients)
             results.append((rows, algo.client_update(ctx, model_in, states, cohort)))
         return results[0][1] if len(results) == 1 else _merge(results, len(sampled))
 
@@ -321,20 +335,21 @@ class Engine(Transport, Evaluation):
             return StackedUpdates(sampled, torch.stack([updates[n] for n in sampled])), sums
         return updates, sums
 
-    def _weights(self, updates: dict[int, Message]) -> dict[int, float]:
-        if not updates:
+    def _weights(self, senders: Iterable[int]) -> dict[int, float]:
+        """The aggregation weights ω_n of ``senders`` (ids, or the received uploads' keys)."""
+        clients = list(senders)
+        if not clients:
             return {}
         if self.algorithm.weighting == "uniform":
-            return {n: 1.0 / len(updates) for n in updates}
+            return {n: 1.0 / len(clients) for n in clients}
         if self.pool is not None:  # the training-set sizes at once (a property call each: slow)
-            ids = torch.tensor(list(updates), dtype=torch.int64)
-            sizes = dict(
-                zip(updates, self.pool.size[ids.to(self.pool.size.device)].tolist(), strict=True)
-            )
+            ids = torch.tensor(clients, dtype=torch.int64)
+            counts = self.pool.size[ids.to(self.pool.size.device)].tolist()
+            sizes = dict(zip(clients, counts, strict=True))
         else:
-            sizes = {n: self.clients[n].num_train for n in updates}
+            sizes = {n: self.clients[n].num_train for n in clients}
         total = sum(sizes.values())
-        return {n: sizes[n] / total for n in updates}
+        return {n: sizes[n] / total for n in clients}
 
     # ----------------------------------------------------------- checkpointing
     def state_tree(self) -> dict[str, Any]:
@@ -352,7 +367,7 @@ class Engine(Transport, Evaluation):
         }
         tree = {
             "server": self.server,
-            "client": {str(n): s for n, s in enumerate(self.client_states)},
+            "clients": self.client_states.export(),
             "channel": channel,
             "best": dict(self.best),
         }
@@ -364,11 +379,11 @@ class Engine(Transport, Evaluation):
         """Restore what :meth:`state_tree` saved."""
         dev = self.ctx.device
         self.server = {k: v.to(dev) for k, v in tree.get("server", {}).items()}
-        clients = tree.get("client", {})
-        self.client_states = [
-            {k: v.to(dev) for k, v in clients.get(str(n), {}).items()}
-            for n in range(len(self.clients))
-        ]
+        self.client_states = self._fresh_states()
+        if "clients" in tree:
+            self.client_states.load(tree["clients"])
+        else:  # a checkpoint of a version that saved each client's state on its own
+            self.client_states.load_per_client(tree.get("client", {}))
         channel = tree.get("channel", {})
         for kind, store in (
             ("residual", self.residual),

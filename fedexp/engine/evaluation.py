@@ -17,7 +17,7 @@ import torch
 from torch.func import vmap
 
 from fedexp.contract import Cohort, State
-from fedexp.data.federated import ClientData
+from fedexp.data.client import ClientData
 from fedexp.engine import rng
 from fedexp.metrics import LOWER_IS_BETTER, aggregate
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
     from fedexp.engine.context import Context
     from fedexp.engine.ranks import Ranks
+    from fedexp.engine.states import ClientStates
 
 log = logging.getLogger("fedexp")
 
@@ -39,7 +40,7 @@ class Evaluation:
     algorithm: Algorithm
     clients: Sequence[ClientData]
     server: State
-    client_states: list[State]
+    client_states: ClientStates
     best: dict[str, torch.Tensor]
     ranks: Ranks | None
     _cohorts: Callable[[list[int], int], list[tuple[list[int], Cohort]]]
@@ -64,13 +65,15 @@ class Evaluation:
         ranks = self.ranks
         local = who if ranks is None else ranks.mine(who)  # a rank scores its own clients
         params = self.eval_vectors(local)
-        per_client = self._evaluate_many(params, [self.clients[n] for n in local])
-        for n, m in zip(local, per_client, strict=True):
-            m["num_test"] = float(self.clients[n].num_test)
-        val_who = [i for i, n in enumerate(local) if self.clients[n].num_val]
+        data = [self.clients[n] for n in local]  # (a ClientTable makes each when read)
+        per_client = self._evaluate_many(params, data)
+        for d, m in zip(data, per_client, strict=True):
+            m["num_test"] = float(d.num_test)
+        val_who = [i for i, d in enumerate(data) if d.num_val]
         val_rows = self._evaluate_many(
-            [params[i] for i in val_who], [self.clients[local[i]].validation() for i in val_who]
+            [params[i] for i in val_who], [data[i].validation() for i in val_who]
         )
+        del data
         val_clients = [local[i] for i in val_who]
         if ranks is not None:  # every rank's rows, in ``who`` order, on every rank
             per_client = _in_order(ranks.gather_json([local, per_client]), who)
@@ -96,10 +99,13 @@ class Evaluation:
         """
         algo, ctx = self.algorithm, self.ctx
         if not algo.eval_with_data:
-            return [algo.eval_params(ctx, self.server, self.client_states[n], n) for n in who]
+            states = self.client_states.rows(who)
+            return [
+                algo.eval_params(ctx, self.server, s, n) for s, n in zip(states, who, strict=True)
+            ]
         out: list[torch.Tensor] = [torch.empty(0)] * len(who)
         for rows, cohort in self._cohorts(who, rng.EVAL):
-            states = [self.client_states[n] for n in cohort.clients]
+            states = self.client_states.rows(cohort.clients)
             vectors = algo.eval_models(ctx, self.server, states, cohort).detach()
             for i, vector in zip(rows, vectors, strict=True):
                 out[i] = vector

@@ -9,11 +9,15 @@ minibatch rows with one index: ``offset[client] + index``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import overload
 
+import numpy as np
 import torch
 
-from fedexp.data.federated import ClientData, PoolRows
+from fedexp.data.client import ClientData, PoolRows
 
 
 class TrainPool:
@@ -38,6 +42,8 @@ class TrainPool:
         Theirs if :meth:`clients_of` made them (in this order), else a new one (which copies
         or adopts their tensors and rebinds their fields).
         """
+        if isinstance(clients, ClientTable):
+            return clients.pool
         first = clients[0].pooled()
         if first is not None and isinstance(first.pool, cls):
             pool = first.pool
@@ -153,3 +159,129 @@ def _consecutive_views(parts: list[torch.Tensor]) -> torch.Tensor | None:
         pos += p.shape[0] * row
     rows = (pos - base.data_ptr()) // row if row else 0
     return base[:rows]
+
+
+#: Rows copied into a pooled split at a time (bounds the temporary copy of a large data set).
+_CHUNK = 1 << 16
+
+
+def mapped_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, folder: Path | None, name: str
+) -> torch.Tensor:
+    """An uninitialised tensor: in memory, or (CPU, with ``folder``) a shared mapped file."""
+    if folder is None or device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.bin"
+    path.unlink(missing_ok=True)
+    count = math.prod(shape)
+    return torch.from_file(str(path), shared=True, size=max(count, 1), dtype=dtype)[:count].view(
+        shape
+    )
+
+
+def _split(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: Sequence[np.ndarray],
+    device: torch.device,
+    folder: Path | None,
+    name: str,
+) -> TrainPool:
+    """Rows ``parts[n]`` of ``x``/``y`` for every client n, concatenated (a pool of one split)."""
+    sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    index = np.concatenate(parts) if len(parts) else np.zeros(0, dtype=np.int64)
+    total = len(index)
+    pool = TrainPool.__new__(TrainPool)
+    pool.x = mapped_empty((total, *x.shape[1:]), x.dtype, device, folder, f"{name}_x")
+    pool.y = mapped_empty((total, *y.shape[1:]), y.dtype, device, folder, f"{name}_y")
+    for a in range(0, total, _CHUNK):
+        rows = torch.from_numpy(index[a : a + _CHUNK].astype(np.int64, copy=False))
+        pool.x[a : a + len(rows)] = x[rows].to(device)
+        pool.y[a : a + len(rows)] = y[rows].to(device)
+    size = torch.from_numpy(sizes)
+    pool.size, pool.offset = size.to(device), (torch.cumsum(size, 0) - size).to(device)
+    pool.starts = np.cumsum(sizes) - sizes  # read when a client's data are made
+    pool.sizes = sizes
+    return pool
+
+
+class ClientTable(Sequence[ClientData]):
+    """Every client's data as pooled splits; client n's :class:`ClientData` made when read.
+
+    A list of N ClientData objects costs a few hundred bytes a client besides the data; the
+    table holds each split (training, test, validation) as one array with each client's
+    offset and size, so a population of 10^6 clients costs its data and four int64 arrays,
+    and with a folder the arrays are memory-mapped files (only the pages a round reads stay
+    in memory). The training split is the engine's :class:`TrainPool`.
+
+    Args:
+        train, test: the splits' pools (``_split``).
+        val: the validation split's, or None.
+    """
+
+    def __init__(self, train: TrainPool, test: TrainPool, val: TrainPool | None) -> None:
+        self.pool, self.test, self.val = train, test, val
+
+    @classmethod
+    def build(
+        cls,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        splits: tuple[Sequence[np.ndarray], Sequence[np.ndarray], Sequence[np.ndarray]],
+        device: torch.device,
+        folder: Path | None = None,
+        zero: dict[int, list[int]] | None = None,
+    ) -> ClientTable:
+        """The table of every client's (training, test, validation) rows of ``x`` and ``y``.
+
+        Args:
+            x: the data set's inputs.
+            y: its targets.
+            splits: per client, its training, test and validation sample indices.
+            device: where the splits live.
+            folder: where their files go (memory-mapped, CPU only); None: in memory.
+            zero: per client, input channels set to zero in all its splits.
+        """
+        train, test, val = splits
+        pools = [
+            _split(x, y, p, device, folder, name) for p, name in ((train, "train"), (test, "test"))
+        ]
+        has_val = any(len(v) for v in val)
+        table = cls(*pools, _split(x, y, val, device, folder, "val") if has_val else None)
+        for n, channels in (zero or {}).items():
+            for pool in (table.pool, table.test, table.val):
+                if pool is not None:
+                    a = int(pool.starts[n])
+                    pool.x[a : a + int(pool.sizes[n]), channels] = 0.0
+        return table
+
+    def __len__(self) -> int:
+        return len(self.pool.sizes)
+
+    @overload
+    def __getitem__(self, n: int) -> ClientData: ...
+
+    @overload
+    def __getitem__(self, n: slice) -> list[ClientData]: ...
+
+    def __getitem__(self, n: int | slice) -> ClientData | list[ClientData]:
+        if isinstance(n, slice):
+            return [self[i] for i in range(len(self))[n]]
+        size = len(self.pool.sizes)
+        if not -size <= n < size:
+            raise IndexError(f"client {n} of {size}")
+        n %= size
+        train, test, val = self.pool, self.test, self.val
+        a, k = int(train.starts[n]), int(train.sizes[n])
+        rows = PoolRows(train, n, a, a + k)
+        b, j = int(test.starts[n]), int(test.sizes[n])
+        held = PoolRows(test, n, b, b + j)
+        if val is None or not val.sizes[n]:
+            return ClientData(rows, rows, held, held)  # type: ignore[arg-type]
+        c = int(val.starts[n])
+        kept = PoolRows(val, n, c, c + int(val.sizes[n]))
+        return ClientData(rows, rows, held, held, kept, kept)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[ClientData]:
+        return (self[n] for n in range(len(self)))

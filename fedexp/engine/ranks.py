@@ -160,3 +160,48 @@ def gather_uploads(
     if not ups:
         return {}, refs, False
     return parts_updates(ups, sampled), refs, True
+
+
+def reduce_uploads(
+    ranks: Ranks,
+    sampled: list[int],
+    senders: list[int],
+    updates: Mapping[int, Message],
+    weights: dict[int, float],
+) -> tuple[Mapping[int, Message], bool]:
+    """The round's weighted mean upload, summed over the ranks with ``all_reduce``.
+
+    For a server that reads the uploads only through Σ_n ω_n u_n (``server_reads="mean"``):
+    each rank sums its own senders' weighted rows and one ``all_reduce`` adds the ranks'
+    sums, instead of gathering every row to every rank. Returns that mean as the one upload
+    of the first sampled client (to which the server then gives weight 1: the same weighted
+    mean), and whether anyone uploaded.
+
+    Args:
+        ranks: the run's processes.
+        sampled: the round's senders over all ranks, ascending.
+        senders: this rank's senders.
+        updates: this rank's decoded uploads.
+        weights: every sampled client's weight ω_n.
+    """
+    parts = update_parts(updates, senders) if updates else {}
+    shapes = {k: [list(v.shape[1:]), str(v.dtype).removeprefix("torch.")] for k, v in parts.items()}
+    known: dict[str, list] = {}
+    for record in ranks.gather_json(shapes):  # a rank without senders learns the parts here
+        known.update(record)
+    if not known:
+        return {}, False
+    device = next(iter(parts.values())).device if parts else ranks.device
+    sums = {}
+    for name, (shape, dtype) in sorted(known.items()):
+        if name in parts:
+            v = parts[name]
+            w = torch.tensor([weights[n] for n in senders], dtype=v.dtype, device=v.device)
+            total = (w @ v.reshape(len(senders), -1)).reshape(shape)
+        else:
+            total = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+        wire = total.to(ranks.device)
+        dist.all_reduce(wire)
+        sums[name] = wire.to(device)
+    rows = {k: v.unsqueeze(0) for k, v in sums.items()}
+    return parts_updates(rows, sampled[:1]), True

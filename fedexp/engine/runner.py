@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from fedexp.engine.outputs import CLIENT_TABLE, _table_rows, _write_outputs
 from fedexp.engine.progress import RoundProgress
 from fedexp.engine.ranks import Ranks
 from fedexp.engine.resume import _change_tags, _check_resume, _resume_changes, flatten_config
+from fedexp.engine.states import scratch_folder
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
@@ -101,6 +104,7 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
     device = resolve_device(cfg.device)
     data = instantiate_checked(cfg.dataset, "dataset")
     partition = instantiate_checked(cfg.partition, "partition")
+    store = scratch_folder(cfg.get("store", "memory"), cfg.get("store_dir"), device)
     clients = federate(
         data,
         partition,
@@ -109,6 +113,7 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
         cfg.seed,
         device,
         val_fraction=cfg.get("val_fraction", 0.0),
+        folder=store,
     )
     validate(cfg, clients)  # the run settings' ranges, and batch_size against the data
     module, personal_patterns = build_model(
@@ -145,7 +150,10 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
         participation=cfg.participation,
         x0=model.initial(),
         privacy=privacy,
+        store=None if store is None else store / "states",
     )
+    if store is not None:  # the files go with the engine (or at exit)
+        weakref.finalize(engine, shutil.rmtree, store, True)
     return engine, data
 
 
@@ -295,6 +303,9 @@ def run(
         run_name: MLflow run name.
         tags: extra MLflow tags (e.g. the sweep's overrides); they win over provenance tags.
     """
+    nodes = cfg.get("distributed", {}).get("nodes", 1)
+    if nodes > 1 and Ranks.current() is None:  # the CLI starts them: torchrun or SLURM
+        raise ConfigError(f"distributed.nodes={nodes}: no process group spans the nodes")
     if tracker is None:  # first: an unreachable tracking server fails before anything is built
         tracker = instantiate_checked(cfg.tracker, "tracker")
     engine, data = _build(cfg)
@@ -385,8 +396,9 @@ def _run(
         agg, rows = engine.evaluate(clients)
         agg["time/eval_s"] = time.perf_counter() - started
         who = range(len(engine.clients)) if clients is None else clients
-        for n, row in zip(who, rows, strict=True):
-            client_history.append({"round": float(t), "client": float(n), **row})
+        if len(engine.clients) <= cfg.get("client_table_limit", 10000):
+            for n, row in zip(who, rows, strict=True):
+                client_history.append({"round": float(t), "client": float(n), **row})
         return agg, rows
 
     try:

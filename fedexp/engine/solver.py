@@ -38,7 +38,7 @@ from fedexp.engine.rng import Stream, minibatch_indices
 from fedexp.errors import DivergenceError
 
 if TYPE_CHECKING:
-    from fedexp.data.federated import ClientData
+    from fedexp.data.client import ClientData
     from fedexp.engine.context import Context
 
 log = logging.getLogger("fedexp")

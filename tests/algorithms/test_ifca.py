@@ -163,6 +163,7 @@ def test_ifca_separates_two_groups_with_opposite_labels(small_cfg):
 
     def flipped(*overrides):
         engine = build_engine(small_cfg("partition=iid", "num_clients=6", *overrides))
+        engine.clients = list(engine.clients)  # (a ClientTable makes each client when read)
         for n in range(0, 6, 2):
             c = engine.clients[n]
             engine.clients[n] = dataclasses.replace(c, y_train=1 - c.y_train, y_test=1 - c.y_test)

@@ -51,4 +51,9 @@ def run_case(
         metrics = engine.run_round()
         metrics.update(engine.evaluate()[0])
         history.append({k: float(v) for k, v in sorted(metrics.items()) if not k.startswith(_SKIP)})
-    return _flatten(engine.state_tree()), history
+    tree = engine.state_tree()
+    # every client's state as the recording holds it (one entry a client, initial ones too);
+    # the tree saves them stacked by key since issue 25
+    del tree["clients"]
+    tree["client"] = {str(n): s for n, s in enumerate(engine.client_states)}
+    return _flatten(tree), history

@@ -1,0 +1,149 @@
+"""The clients' states stacked by key (fedexp.engine.states) and their data as one table
+(fedexp.engine.pool.ClientTable), in memory or memory-mapped on disk (issue 25: populations
+larger than memory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedexp.engine.pool import ClientTable
+from fedexp.engine.runner import build_engine, run
+from fedexp.engine.states import ClientStates, scratch_folder
+from fedexp.errors import ConfigError
+from fedexp.tracking.base import NullTracker
+from helpers import compose_config
+
+
+def _init(n: int) -> dict[str, torch.Tensor]:
+    return {"v": torch.full((3,), float(n)), "k": torch.tensor([n], dtype=torch.int64)}
+
+
+@pytest.fixture(params=["memory", "disk"])
+def store(request, tmp_path) -> ClientStates:
+    folder = None if request.param == "memory" else tmp_path / "states"
+    return ClientStates(5, _init, "cpu", folder)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def test_a_client_never_written_reads_as_its_initial_state_and_costs_nothing(store):
+    assert store.nbytes == 0  # nothing stored before a client is written
+    assert all(_equal(store[n], _init(n)) for n in range(5))
+    assert _equal(store[-1], _init(4)) and len(store[1:3]) == 2
+    with pytest.raises(IndexError):
+        store[5]
+    assert store.nbytes == 0
+
+
+def test_written_states_read_back_with_their_keys_dtypes_and_values(store):
+    a = {"v": torch.tensor([1.0, 2.0, 3.0]), "opt.m": torch.ones(3, dtype=torch.float64)}
+    b = {"v": torch.tensor([4.0, 5.0, 6.0])}  # no optimiser state: the key is unset
+    store.write([3, 1], [a, b])
+    assert _equal(store[3], a) and _equal(store[1], b)
+    assert _equal(store[0], _init(0))  # others untouched
+    store[3] = b  # a key missing from the new state goes
+    assert _equal(store[3], b)
+    # a value whose shape differs from its column's is kept aside, for that client only
+    odd = {"v": torch.arange(5.0)}
+    store[2] = odd
+    assert _equal(store[2], odd) and _equal(store[1], b)
+    store[2] = b
+    assert _equal(store[2], b)
+    assert [sorted(s) for s in store] == [["k", "v"], ["v"], ["v"], ["v"], ["k", "v"]]
+
+
+def test_export_and_load_carry_the_written_states_only(store, tmp_path):
+    store.write([0, 2], [{"v": torch.ones(3)}, {"v": torch.arange(7.0)}])  # 2: loose
+    tree = store.export()
+    assert tree["written"].tolist() == [0, 2]
+    other = ClientStates(5, _init, "cpu", tmp_path / "other")
+    other.load(tree)
+    assert all(_equal(store[n], other[n]) for n in range(5))
+    part = ClientStates(5, _init, "cpu")
+    part.load(store.export([2, 3]))  # client 3 was never written: not carried
+    assert _equal(part[2], store[2]) and _equal(part[0], _init(0))
+    old = ClientStates(5, _init, "cpu")  # a checkpoint of an earlier version: per client
+    old.load_per_client({"1": {"v": torch.zeros(3)}})
+    assert _equal(old[1], {"v": torch.zeros(3)})
+
+
+def test_a_disk_store_keeps_its_columns_in_files(tmp_path):
+    disk = ClientStates(1000, _init, "cpu", tmp_path / "s")
+    disk.write(list(range(0, 1000, 10)), [{"v": torch.ones(3)}] * 100)
+    files = list((tmp_path / "s").glob("*.bin"))
+    assert len(files) == 1 and files[0].stat().st_size == 1000 * 3 * 4
+    assert torch.equal(disk[990]["v"], torch.ones(3)) and _equal(disk[991], _init(991))
+
+
+def test_the_table_reads_each_split_as_views_of_one_array():
+    engine = build_engine(compose_config("num_clients=4", "val_fraction=0.25", "device=cpu"))
+    table = engine.clients
+    assert isinstance(table, ClientTable) and len(table) == 4
+    assert engine.pool is table.pool  # the engine's training pool is the table's
+    for n, c in enumerate(table):
+        assert c.x_train._base is table.pool.x and c.x_test._base is table.test.x
+        assert c.num_train == int(table.pool.size[n]) and c.num_val > 0
+        assert c.pooled(table.pool).row == n
+    with pytest.raises(IndexError):
+        table[4]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm=ditto",),
+        ("algorithm=fedrep", "compressor=stc", "participation=0.5"),  # residuals, sub-cohorts
+        ("algorithm=ifca", "algorithm.k=2"),  # an integer state
+        ("algorithm=pfedsop", "optimizer=adam"),  # optimiser state in the client's
+    ],
+)
+def test_a_run_with_its_clients_on_disk_equals_the_run_in_memory(overrides, tmp_path):
+    results = {}
+    for store in ("memory", "disk"):
+        cfg = compose_config(
+            *overrides,
+            "rounds=3",
+            "num_clients=6",
+            f"store={store}",
+            f"store_dir={tmp_path / 'store'}",
+            output_dir=tmp_path / store,
+        )
+        results[store] = run(cfg, tracker=NullTracker())
+    a, b = results["memory"], results["disk"]
+    assert a.metrics.pop("time/eval_s") >= 0 and b.metrics.pop("time/eval_s") >= 0
+    for r in (a, b):
+        r.metrics = {k: v for k, v in r.metrics.items() if not k.startswith("time/")}
+    assert a.metrics == b.metrics and a.per_client == b.per_client
+    assert list((tmp_path / "store").iterdir()) == []  # the run's files went with it
+
+
+def test_a_checkpoint_saves_the_states_stacked_and_resumes(tmp_path):
+    args = ("algorithm=ditto", "num_clients=6", "participation=0.5", "store=disk")
+    whole = run(compose_config(*args, "rounds=4", output_dir=tmp_path / "a"), tracker=NullTracker())
+    run(
+        compose_config(*args, "rounds=2", "checkpoint_every=2", output_dir=tmp_path / "b"),
+        tracker=NullTracker(),
+    )
+    ckpt = tmp_path / "b" / "checkpoints"
+    cfg = compose_config(*args, "rounds=4", f"resume={ckpt}", output_dir=tmp_path / "c")
+    again = run(cfg, tracker=NullTracker())
+    assert again.metrics["acc/mean"] == pytest.approx(whole.metrics["acc/mean"], rel=1e-6)
+
+
+def test_store_settings_a_run_cannot_meet_are_refused_in_one_line(tmp_path):
+    assert scratch_folder("memory", None, torch.device("cpu")) is None
+    with pytest.raises(ConfigError, match="store=disk.*device=cuda"):
+        scratch_folder("disk", None, torch.device("cuda"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=f"store_dir={blocker}/sub"):
+        scratch_folder("disk", str(blocker / "sub"), torch.device("cpu"))
+    made = scratch_folder("disk", str(tmp_path / "new"), torch.device("cpu"))
+    assert made is not None and Path(made).parent == tmp_path / "new"

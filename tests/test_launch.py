@@ -1,0 +1,274 @@
+"""One run over processes started from outside (issue "Beyond one process", its launch parts).
+
+``torchrun --standalone --nproc-per-node 2 -m fedexp run ...`` writes what one process writes,
+in one folder, with one MLflow run; a SLURM job of several nodes is checked off-cluster: the
+sbatch script submitit would submit (a fake ``sbatch`` keeps it), the torch.distributed
+variables a task derives from SLURM's, and a job of two tasks run by submitit's local
+executor, which goes through the same code in each task.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pandas as pd
+import pytest
+
+from fedexp.cli_distributed import (
+    FOLLOWER_OVERRIDES,
+    Place,
+    check_place,
+    env_place,
+    export_submitit_env,
+    prepare_argv,
+)
+from fedexp.engine.runner import run
+from fedexp.errors import ConfigError
+from fedexp.tracking.base import NullTracker
+from helpers import compose_config, run_cli
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+TINY = [
+    "dataset=synthetic",
+    "num_clients=4",
+    "rounds=2",
+    "progress=none",
+    "checkpoint_every=0",
+    "device=cpu",
+]
+#: The variables of a group; a test's child processes start without them.
+GROUP_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SUBMITIT_EXECUTOR",
+)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in GROUP_VARS}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return {**env, "PYTHONWARNINGS": "ignore", **extra}
+
+
+def _table(path: Path) -> pd.DataFrame:
+    """A run's CSV without its wall-clock columns."""
+    frame = pd.read_csv(path)
+    return frame[[c for c in frame.columns if not c.startswith(("time/", "system/"))]]
+
+
+def _same_files(one: Path, other: Path) -> None:
+    for name in ("rounds.csv", "clients.csv", "clients_rounds.csv"):
+        pd.testing.assert_frame_equal(
+            _table(one / name), _table(other / name), check_exact=False, rtol=1e-4, atol=1e-6
+        )
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The tiny run's folder, on one process."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    run(compose_config(*TINY, "tracker=none", output_dir=out), tracker=NullTracker())
+    return out
+
+
+def test_torchrun_two_processes_write_what_one_does(one_process, tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = [f"tracker.uri={uri}", "tracker.experiment=launch", "tracker.system_metrics=false"]
+    proc = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "fedexp", "run", *TINY] + tracker,
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "distributed: 2 processes on 1 node(s), started by torchrun" in proc.stdout
+    assert proc.stdout.count("results: ") == 1  # rank 0 alone prints the end of the run
+    assert "fedexp:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    folders = list((tmp_path / "outputs").glob("*/*"))
+    assert len(folders) == 1, folders  # rank 1 made no folder of its own
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["mlruns", "outputs"]
+    _same_files(one_process, folders[0])
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("launch").experiment_id])
+    assert len(runs) == 1
+    final = pd.read_csv(one_process / "rounds.csv").iloc[-1]
+    assert runs[0].data.metrics["acc/mean"] == pytest.approx(final["acc/mean"], rel=1e-4)
+
+
+def test_torchrun_refuses_a_disagreeing_nproc_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "fedexp", "run"]
+        + ["distributed.nproc=3", *TINY],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0  # torchrun's own status; each process exited 2
+    assert proc.stderr.count("fedexp: error:") == 1, proc.stderr
+    assert "distributed.nproc=3 disagrees with torchrun's 2 processes per node" in proc.stderr
+    assert "exitcode  : 2" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before Hydra made a folder
+
+
+TORCHRUN_RANK_1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["-m", "seed=0,1"], "-m: a sweep cannot run under torchrun"),
+        (["distributed.nproc=3"], "distributed.nproc=3 disagrees with torchrun's 2 processes"),
+        (["distributed.nodes=2"], "distributed.nodes=2 disagrees with torchrun's 1 node(s)"),
+    ],
+)
+def test_torchrun_refusals(args, needle):
+    with mock.patch.dict(os.environ, TORCHRUN_RANK_1):
+        _, error, code = prepare_argv(args)
+    assert code == 2 and needle in error
+
+
+def test_torchrun_ranks_after_the_first_make_no_hydra_folders():
+    with mock.patch.dict(os.environ, TORCHRUN_RANK_1):
+        assert env_place() == Place(1, 2, 1, 2, "torchrun")
+        args, error, _ = prepare_argv(["rounds=2", "distributed.nproc=2"])
+    assert error is None and args == ["rounds=2", "distributed.nproc=2", *FOLLOWER_OVERRIDES]
+    with mock.patch.dict(os.environ, {**TORCHRUN_RANK_1, "RANK": "0", "LOCAL_RANK": "0"}):
+        assert prepare_argv(["rounds=2"]) == (["rounds=2"], None, 0)
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch) -> Path:
+    """``sbatch`` and ``srun`` on PATH; sbatch copies its script to ``$FEDEXP_SBATCH_COPY``
+    and fails, so that nothing waits for a job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/sh\ncp "$1" "$FEDEXP_SBATCH_COPY"\necho "sbatch: not a cluster" >&2\nexit 1\n'
+    )
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return bin_dir
+
+
+def test_nodes_need_the_slurm_launcher(fake_slurm, monkeypatch):
+    for var in GROUP_VARS:
+        monkeypatch.delenv(var, raising=False)
+    _, error, code = prepare_argv(["distributed.nodes=2"])
+    assert code == 2 and "distributed.nodes=2: more than one machine needs" in error
+    _, error, code = prepare_argv(["distributed.nodes=0"])
+    assert code == 2 and error == "distributed.nodes=0: expected an integer in [1, 1024]"
+    args, error, _ = prepare_argv(["hydra/launcher=slurm", "distributed.nodes=2"])
+    assert error is None and args == ["-m", "hydra/launcher=slurm", "distributed.nodes=2"]
+    _, error, _ = prepare_argv(["-m", "hydra/launcher=slurm", "distributed.nodes=1,2"])
+    assert "cannot be swept" in error
+    _, error, _ = prepare_argv(
+        ["hydra/launcher=slurm", "distributed.nodes=2", "distributed.nproc=1,2"]
+    )
+    assert "distributed.nproc=1,2: not swept" in error
+    monkeypatch.setenv("PATH", "/nonexistent")
+    _, error, code = prepare_argv(["hydra/launcher=slurm", "distributed.nodes=2"])
+    assert code == 1 and "sbatch not found" in error
+
+
+def test_nodes_without_slurm_exit_2_before_anything_runs(tmp_path):
+    proc = run_cli("run", "distributed.nodes=2", *TINY, cwd=tmp_path, env=_env())
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "fedexp: error: distributed.nodes=2: more than one machine needs hydra/launcher=slurm "
+        "(one SLURM job of 2 nodes × distributed.nproc tasks each), or torchrun on each node"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_slurm_job_asks_for_nodes_and_tasks_per_node(fake_slurm, tmp_path):
+    script = tmp_path / "job.sh"
+    work = tmp_path / "work"
+    work.mkdir()
+    overrides = ["hydra/launcher=slurm", "distributed.nodes=2", "distributed.nproc=4"]
+    proc = run_cli(
+        "run",
+        *overrides,
+        *TINY,
+        "tracker=none",
+        cwd=work,
+        env=_env(PATH=os.environ["PATH"], FEDEXP_SBATCH_COPY=str(script)),
+        timeout=120,
+    )
+    assert proc.returncode != 0  # the fake sbatch refuses the job
+    text = script.read_text()
+    assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=4\n" in text
+    assert "#SBATCH --gpus-per-node=1\n" in text  # conf/hydra/launcher/slurm.yaml's
+    assert "export SUBMITIT_EXECUTOR=slurm" in text
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "-m submitit.core._submit" in srun
+    assert not (work / "outputs").exists()  # submitted as a sweep of one job (-m added)
+    pickles = list((work / "multirun").glob("*/*/.submitit/*.pkl"))
+    assert pickles and all(b"fedexp.cli" in p.read_bytes() for p in pickles)  # fedexp's job
+
+
+SLURM_TASK = {
+    "SUBMITIT_EXECUTOR": "slurm",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": "8",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+}
+
+
+def test_a_slurm_task_derives_its_rank_from_slurm_variables():
+    env = {k: v for k, v in os.environ.items() if k not in GROUP_VARS}
+    with mock.patch.dict(os.environ, {**env, **SLURM_TASK}, clear=True):
+        assert export_submitit_env() is not None
+        place = env_place()
+        exported = {k: os.environ[k] for k in GROUP_VARS[:-1]}
+        cfg = compose_config("distributed.nodes=2", "distributed.nproc=4")
+        check_place(cfg)  # agrees with the job
+        with pytest.raises(ConfigError, match="distributed.nproc=3 disagrees with the SLURM"):
+            check_place(compose_config("distributed.nodes=2", "distributed.nproc=3"))
+    assert place == Place(5, 8, 1, 4, "the SLURM job") and place.nodes == 2
+    assert exported["RANK"] == "5" and exported["WORLD_SIZE"] == "8"
+    assert exported["LOCAL_RANK"] == "1" and exported["LOCAL_WORLD_SIZE"] == "4"
+    assert exported["MASTER_ADDR"] == "gpu07"
+    assert 20000 <= int(exported["MASTER_PORT"]) <= 60000
+
+
+def test_a_job_of_two_submitit_tasks_is_one_run(one_process, tmp_path):
+    """submitit's local executor runs a job's tasks as SLURM would (its own variables)."""
+    proc = run_cli(
+        "run",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        "distributed.nproc=2",
+        *TINY,
+        "tracker=none",
+        cwd=tmp_path,
+        env=_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (job,) = list((tmp_path / "multirun").glob("*/*/0"))
+    _same_files(one_process, job)
+    logs = sorted(job.parent.glob(".submitit/*/*_log.out"))
+    assert len(logs) == 2
+    assert "distributed: 2 processes on 1 node(s), started by the local job" in logs[0].read_text()
+    assert "fedexp" not in logs[1].read_text()  # rank 1 prints nothing
