@@ -16,7 +16,8 @@ regression, ``participation`` 0.1, 5 local SGD steps of batch 8, dense messages,
 The parent polls /proc for every process of a run (rank 0 and the ranks it starts) and
 reports each one's peak resident memory: all of it (``VmRSS``, which counts the pages of
 ``store=disk``'s memory-mapped files that are in memory) and the anonymous part (``RssAnon``:
-what is not the files).
+what is not the files), and rank 0's anonymous memory at the end of each round (after the
+build: what the rounds hold).
 
     python scripts/bench_distributed.py                               # N = 100,000, P = 2
     python scripts/bench_distributed.py --clients 10000 --algorithms fedavg --rounds 5
@@ -72,7 +73,12 @@ def _worker(args: argparse.Namespace) -> None:
         f"output_dir=/tmp/bench_distributed/{args.algorithm}-{args.nproc}",
     )
     tracker = NullTracker()
-    result = run(cfg, tracker=tracker)
+    rounds_anon: list[int] = []  # rank 0's anonymous memory after each round (MiB)
+
+    def keep(engine: object, metrics: dict) -> None:
+        rounds_anon.append(_memory(os.getpid())["RssAnon"])
+
+    result = run(cfg, tracker=tracker, callbacks=[keep])
     times = [v for _, v in sorted(tracker.metrics["time/round_s"].items())][1:]
     sampled = [v for _, v in sorted(tracker.metrics["clients/sampled"].items())][1:]
     print(
@@ -83,6 +89,7 @@ def _worker(args: argparse.Namespace) -> None:
                     s / t for s, t in zip(sampled, times, strict=True)
                 ),
                 "acc": result.metrics["acc/mean"],
+                "round_anon_mib": max(rounds_anon),
             }
         )
     )
@@ -169,8 +176,8 @@ def main() -> None:
         sides = [(int(a), int(b)) for a, _, b in (side.partition("x") for side in args.sides)]
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
     head = "| algorithm | P × threads | round (s) | client updates/s | vs 1 × 1 |"
-    print(head + " peak RSS a process (MiB) | of it not files (MiB) | acc |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(head + " peak RSS a process (MiB) | of it not files (MiB) | rounds, not files | acc |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for algorithm in args.algorithms:
         runs: dict[tuple[int, int], list[dict]] = {side: [] for side in sides}
         for _ in range(args.repeats):
@@ -185,7 +192,8 @@ def main() -> None:
             print(
                 f"| {algorithm} | {p} × {threads} | {round_s:.3f} | {rate:,.0f} "
                 f"| {rate / base:.2f} | {rss:,.0f} ({rss / total:.1%} of {total / 1024:.0f} GiB) "
-                f"| {anon:,.0f} | {rows[-1]['acc']:.4f} |"
+                f"| {anon:,.0f} | {max(r['round_anon_mib'] for r in rows):,.0f} "
+                f"| {rows[-1]['acc']:.4f} |"
             )
 
 

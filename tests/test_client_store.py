@@ -147,3 +147,23 @@ def test_store_settings_a_run_cannot_meet_are_refused_in_one_line(tmp_path):
         scratch_folder("disk", str(blocker / "sub"), torch.device("cpu"))
     made = scratch_folder("disk", str(tmp_path / "new"), torch.device("cpu"))
     assert made is not None and Path(made).parent == tmp_path / "new"
+
+
+@pytest.mark.parametrize(
+    "overrides", [("algorithm=ditto",), ("algorithm=fedavg_ft", "val_fraction=0.25")]
+)
+def test_evaluating_the_clients_a_block_at_a_time_changes_no_figure(overrides, monkeypatch):
+    from fedexp.engine import evaluation
+
+    engine = build_engine(compose_config(*overrides, "num_clients=7", "device=cpu"))
+    engine.setup()
+    engine.run_round()
+    whole = engine.evaluate()
+    monkeypatch.setattr(evaluation, "_BLOCK", 3)  # blocks of 3, 3 and 1 clients
+    engine.best = {}
+    agg, rows = engine.evaluate()
+    # (batched forward passes over other clients together: equal up to rounding)
+    assert agg == pytest.approx(whole[0], rel=1e-6, abs=1e-9)
+    assert len(rows) == len(whole[1]) == 7
+    for got, want in zip(rows, whole[1], strict=True):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9)

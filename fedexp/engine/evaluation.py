@@ -31,6 +31,8 @@ log = logging.getLogger("fedexp")
 
 #: Prefix of the metrics on the clients' validation splits (``val_fraction > 0``).
 _VAL = "val/"
+#: Clients whose parameter vectors are made at once when every client is evaluated.
+_BLOCK = 1 << 16
 
 
 class Evaluation:
@@ -64,17 +66,14 @@ class Evaluation:
         who = list(range(len(self.clients)) if clients is None else clients)
         ranks = self.ranks
         local = who if ranks is None else ranks.mine(who)  # a rank scores its own clients
-        params = self.eval_vectors(local)
-        data = [self.clients[n] for n in local]  # (a ClientTable makes each when read)
-        per_client = self._evaluate_many(params, data)
-        for d, m in zip(data, per_client, strict=True):
-            m["num_test"] = float(d.num_test)
-        val_who = [i for i, d in enumerate(data) if d.num_val]
-        val_rows = self._evaluate_many(
-            [params[i] for i in val_who], [data[i].validation() for i in val_who]
-        )
-        del data
-        val_clients = [local[i] for i in val_who]
+        per_client: list[dict[str, float]] = []
+        val_rows: list[dict[str, float]] = []
+        val_clients: list[int] = []
+        for start in range(0, len(local), _BLOCK):  # a block of clients' vectors at a time
+            rows, val, scored = self._evaluate_block(local[start : start + _BLOCK])
+            per_client += rows
+            val_rows += val
+            val_clients += scored
         if ranks is not None:  # every rank's rows, in ``who`` order, on every rank
             per_client = _in_order(ranks.gather_json([local, per_client]), who)
             order = [n for n in who if self.clients[n].num_val]
@@ -90,6 +89,25 @@ class Evaluation:
             val_scored = [{f"{_VAL}{k}": v for k, v in row.items()} for row in val_rows]
             out.update(self._update_best(val_clients, val_scored, list(val_scored[0])))
         return out, per_client
+
+    def _evaluate_block(
+        self, local: list[int]
+    ) -> tuple[list[dict[str, float]], list[dict[str, float]], list[int]]:
+        """Clients ``local`` on their test (and validation) splits.
+
+        Returns (their test metrics with ``num_test``, the validation metrics of those with a
+        validation split, who those are).
+        """
+        params = self.eval_vectors(local)
+        data = [self.clients[n] for n in local]  # (a ClientTable makes each when read)
+        rows = self._evaluate_many(params, data)
+        for d, m in zip(data, rows, strict=True):
+            m["num_test"] = float(d.num_test)
+        val_who = [i for i, d in enumerate(data) if d.num_val]
+        val = self._evaluate_many(
+            [params[i] for i in val_who], [data[i].validation() for i in val_who]
+        )
+        return rows, val, [local[i] for i in val_who]
 
     def eval_vectors(self, who: list[int]) -> list[torch.Tensor]:
         """The parameter vector each client of ``who`` is evaluated with.
