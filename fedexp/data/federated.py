@@ -20,44 +20,22 @@ from fedexp.errors import ConfigError, DataError
 __all__ = ["ClientData", "PoolRows", "federate", "train_test_split", "validation_split"]
 
 
-# Clients up to this size take the list-based fast path of the splits below; larger ones (where
-# numpy's vectorised set operations win over Python lists) take the general path.
-_SMALL_CLIENT = 256
+def _by_label(indices: np.ndarray, labels: np.ndarray) -> tuple[list, list[list]]:
+    """A client's indices as a list, and one list per label (ascending) of its indices.
 
-
-def _small_groups(
-    indices: np.ndarray, labels: np.ndarray
-) -> tuple[list[int], list[list[int]]] | None:
-    """A small client's indices, and its indices by label, for the fast path of the splits.
-
-    Returns:
-        (the indices as a list, one list per label in ascending label order holding that
-        label's indices in their order in ``indices``), or None where the fast path does not
-        apply: no 1-d integer index array of 1 to ``_SMALL_CLIENT`` distinct entries, or
-        labels that are not integers.
+    Lists, not arrays: the splits below run once per client, and on a client of a few dozen
+    samples numpy's per-call overhead (``np.unique``, ``np.setdiff1d``) is most of the work.
+    Shuffling a list with ``Generator.shuffle`` makes the same draws, and the same order, as
+    ``Generator.permutation`` of an array of its length.
     """
-    if not (
-        type(indices) is np.ndarray
-        and indices.ndim == 1
-        and 0 < indices.size <= _SMALL_CLIENT
-        and indices.dtype.kind in "iu"
-        and indices.dtype.isnative
-        and isinstance(labels, np.ndarray)
-    ):
-        return None
-    y = labels[indices]
-    if y.ndim != 1 or y.dtype.kind not in "iu":
-        return None
-    values: list[int] = indices.tolist()
-    if len(set(values)) != len(values):
-        return None  # np.setdiff1d would drop the duplicates: the general path
-    by_label: dict[int, list[int]] = {}
-    for v, c in zip(values, y.tolist(), strict=True):
-        if c in by_label:
-            by_label[c].append(v)
+    values = np.asarray(indices).tolist()
+    groups: dict = {}
+    for v, c in zip(values, np.asarray(labels)[indices].tolist(), strict=True):
+        if c in groups:
+            groups[c].append(v)
         else:
-            by_label[c] = [v]
-    return values, [by_label[c] for c in sorted(by_label)]
+            groups[c] = [v]
+    return values, [groups[c] for c in sorted(groups)]
 
 
 def train_test_split(
@@ -65,17 +43,13 @@ def train_test_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-client split, stratified by label where every class has two samples (pFedNet §VI).
 
-    At least one sample goes to each side.
+    At least one sample goes to each side. Returns (training, test) indices, each sorted; the
+    training indices without repeats.
     """
     rng = np.random.default_rng([seed, 21, client])
-    small = _small_groups(indices, labels)
-    if small is None:
-        return _train_test_split_general(indices, labels, test_fraction, rng)
-    # The general path on a small client with distinct indices, on lists: shuffling a list
-    # makes the same draws, and the same order, as permuting an array of its length, and
-    # the set difference of distinct values is the sorted remainder.
-    values, groups = small
-    test: list[int] = []
+    dtype = np.asarray(indices).dtype
+    values, groups = _by_label(indices, labels)
+    test: list = []
     if min(len(g) for g in groups) >= 2:
         for g in groups:
             rng.shuffle(g)
@@ -88,34 +62,10 @@ def train_test_split(
         perm = values.copy()
         rng.shuffle(perm)
         test = perm[:1]
-    drawn = set(test)
-    train = [v for v in sorted(values) if v not in drawn]
+    train = sorted(set(values).difference(test))
     if not train:
         train, test = test[:1], test[1:]
-    return np.array(train, dtype=indices.dtype), np.array(sorted(test), dtype=indices.dtype)
-
-
-def _train_test_split_general(
-    indices: np.ndarray, labels: np.ndarray, test_fraction: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`train_test_split` for any input, drawing from the client's ``rng``."""
-    test: list[np.ndarray] = []
-    y = labels[indices]
-    classes, counts = np.unique(y, return_counts=True)
-    if counts.min() >= 2:
-        for c in classes:
-            idx = rng.permutation(indices[y == c])
-            test.append(idx[: int(round(test_fraction * len(idx)))])
-        test_idx = np.concatenate(test)
-    else:
-        perm = rng.permutation(indices)
-        test_idx = perm[: int(round(test_fraction * len(perm)))]
-    if len(test_idx) == 0:
-        test_idx = rng.permutation(indices)[:1]
-    train_idx = np.setdiff1d(indices, test_idx)
-    if len(train_idx) == 0:
-        train_idx, test_idx = test_idx[:1], test_idx[1:]
-    return np.sort(train_idx), np.sort(test_idx)
+    return np.array(train, dtype=dtype), np.array(sorted(test), dtype=dtype)
 
 
 def validation_split(
@@ -144,17 +94,14 @@ def validation_split(
     if val_fraction <= 0 or len(train_idx) < 2:
         return train_idx, empty
     rng = np.random.default_rng([seed, 22, client])
-    # (a float fraction only: the general path multiplies it by numpy int counts)
-    small = _small_groups(train_idx, labels) if isinstance(val_fraction, float) else None
-    if small is None:
-        return _validation_split_general(train_idx, labels, val_fraction, rng)
-    # The general path on lists, as in train_test_split.
-    values, groups = small
-    val: list[int] = []
+    dtype = np.asarray(train_idx).dtype
+    values, groups = _by_label(train_idx, labels)
+    val: list = []
     if min(len(g) for g in groups) >= 2:
         for g in groups:
             rng.shuffle(g)
-            val += g[: min(int(round(val_fraction * len(g))), len(g) - 1)]
+            count = np.int64(len(g))  # (a class count: an int64, as np.unique's counts were)
+            val += g[: min(int(round(val_fraction * count)), len(g) - 1)]
     else:
         perm = values.copy()
         rng.shuffle(perm)
@@ -163,29 +110,8 @@ def validation_split(
         perm = values.copy()
         rng.shuffle(perm)
         val = perm[:1]
-    drawn = set(val)
-    train = [v for v in sorted(values) if v not in drawn]
-    return np.array(train, dtype=train_idx.dtype), np.array(sorted(val), dtype=train_idx.dtype)
-
-
-def _validation_split_general(
-    train_idx: np.ndarray, labels: np.ndarray, val_fraction: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`validation_split` past its early return, for any input, drawing from ``rng``."""
-    y = labels[train_idx]
-    classes, counts = np.unique(y, return_counts=True)
-    if counts.min() >= 2:
-        parts = []
-        for c, count in zip(classes, counts, strict=True):
-            idx = rng.permutation(train_idx[y == c])
-            parts.append(idx[: min(int(round(val_fraction * count)), count - 1)])
-        val_idx = np.concatenate(parts)
-    else:
-        perm = rng.permutation(train_idx)
-        val_idx = perm[: min(int(round(val_fraction * len(perm))), len(perm) - 1)]
-    if len(val_idx) == 0:
-        val_idx = rng.permutation(train_idx)[:1]
-    return np.setdiff1d(train_idx, val_idx), np.sort(val_idx)
+    train = sorted(set(values).difference(val))
+    return np.array(train, dtype=dtype), np.array(sorted(val), dtype=dtype)
 
 
 def _zeroing(split: ClientSplit, x_shape: tuple[int, ...]) -> dict[int, list[int]]:
