@@ -28,8 +28,8 @@ from fedexp.engine.checkpoint import flatten_state, unflatten_state
 from fedexp.engine.context import Context
 from fedexp.engine.evaluation import Evaluation
 from fedexp.engine.ledger import ByteLedger
-from fedexp.engine.pool import TrainPool
-from fedexp.engine.ranks import Ranks, gather_uploads, reduce_uploads
+from fedexp.engine.pool import ClientTable, TrainPool
+from fedexp.engine.ranks import Ranks, add_floats, gather_uploads, reduce_uploads
 from fedexp.engine.states import ClientStates
 from fedexp.engine.transport import (
     PartKey,
@@ -225,9 +225,11 @@ class Engine(Transport, Evaluation):
                 updates, uploaded = reduce_uploads(ranks, sampled, senders, updates, weights)
             else:  # every upload, to every rank
                 updates, refs, uploaded = gather_uploads(ranks, sampled, senders, updates, refs)
-            sums = ranks.sum_floats({**sums, **{f"channel/{k}": v for k, v in channel.items()}})
+            mine = {**sums, **{f"channel/{k}": v for k, v in channel.items()}}
+            records = ranks.gather_json([mine, self.ledger.round_record()])  # one exchange
+            sums = add_floats([r[0] for r in records])
             channel = {k[8:]: v for k, v in sums.items() if k.startswith("channel/")}
-            ledger.merge(ranks.gather_json(self.ledger.round_record()))
+            ledger.merge([r[1] for r in records])
             self.ledger = ledger
         private = {k: v for k, v in sums.items() if k.startswith("privacy/")}
         weights = self._weights(updates)
@@ -293,16 +295,17 @@ class Engine(Transport, Evaluation):
         Each cohort's clients draw from their (seed, ``purpose``, round, client) streams.
         """
         ctx = self.ctx
+        data = self.client_data(clients)
         groups: dict[Hashable, list[int]] = {}
-        for i, n in enumerate(clients):
-            groups.setdefault(ctx.work_key(self.clients[n]), []).append(i)
+        for i, d in enumerate(data):
+            groups.setdefault(ctx.work_key(d), []).append(i)
         out = []
         for rows in groups.values():
             members = [clients[i] for i in rows]
             ids = torch.tensor(members, dtype=torch.int64, device=ctx.device)
             cohort = Cohort(
                 clients=members,
-                data=[self.clients[n] for n in members],
+                data=[data[i] for i in rows],
                 rows=ids,
                 keys=rng.stream_keys(self.seed, purpose, self.round, ids),
                 draws=torch.zeros(len(members), dtype=torch.int64, device=ctx.device),
@@ -310,6 +313,12 @@ class Engine(Transport, Evaluation):
             )
             out.append((rows, cohort))
         return out
+
+    def client_data(self, clients: Sequence[int]) -> list[ClientData]:
+        """The data of ``clients`` (a table's made at once)."""
+        if isinstance(self.clients, ClientTable):
+            return self.clients.many(clients)
+        return [self.clients[n] for n in clients]
 
     def _uplink(
         self, sampled: list[int], uploads: Stacked | None

@@ -46,6 +46,7 @@ class Evaluation:
     best: dict[str, torch.Tensor]
     ranks: Ranks | None
     _cohorts: Callable[[list[int], int], list[tuple[list[int], Cohort]]]
+    client_data: Callable[[Sequence[int]], list[ClientData]]
 
     def evaluate(
         self, clients: Sequence[int] | None = None
@@ -99,7 +100,7 @@ class Evaluation:
         validation split, who those are).
         """
         params = self.eval_vectors(local)
-        data = [self.clients[n] for n in local]  # (a ClientTable makes each when read)
+        data = self.client_data(local)
         rows = self._evaluate_many(params, data)
         for d, m in zip(data, rows, strict=True):
             m["num_test"] = float(d.num_test)

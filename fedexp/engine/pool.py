@@ -206,6 +206,12 @@ def _split(
     return pool
 
 
+#: Populations up to this many clients keep the ClientData objects their table made.
+_KEEP = 1 << 17
+#: ClientData's slots of the (training, test, validation) splits' inputs and targets.
+_SLOTS = (("_x_train", "_y_train"), ("_x_test", "_y_test"), ("_x_val", "_y_val"))
+
+
 class ClientTable(Sequence[ClientData]):
     """Every client's data as pooled splits; client n's :class:`ClientData` made when read.
 
@@ -222,6 +228,9 @@ class ClientTable(Sequence[ClientData]):
 
     def __init__(self, train: TrainPool, test: TrainPool, val: TrainPool | None) -> None:
         self.pool, self.test, self.val = train, test, val
+        # up to _KEEP clients (~300 bytes each) the objects made are kept for the next read
+        size = len(train.sizes)
+        self._made: list[ClientData | None] | None = [None] * size if size <= _KEEP else None
 
     @classmethod
     def build(
@@ -266,22 +275,47 @@ class ClientTable(Sequence[ClientData]):
     def __getitem__(self, n: slice) -> list[ClientData]: ...
 
     def __getitem__(self, n: int | slice) -> ClientData | list[ClientData]:
-        if isinstance(n, slice):
-            return [self[i] for i in range(len(self))[n]]
         size = len(self.pool.sizes)
+        if isinstance(n, slice):
+            return self.many(range(size)[n])
         if not -size <= n < size:
             raise IndexError(f"client {n} of {size}")
-        n %= size
-        train, test, val = self.pool, self.test, self.val
-        a, k = int(train.starts[n]), int(train.sizes[n])
-        rows = PoolRows(train, n, a, a + k)
-        b, j = int(test.starts[n]), int(test.sizes[n])
-        held = PoolRows(test, n, b, b + j)
-        if val is None or not val.sizes[n]:
-            return ClientData(rows, rows, held, held)  # type: ignore[arg-type]
-        c = int(val.starts[n])
-        kept = PoolRows(val, n, c, c + int(val.sizes[n]))
-        return ClientData(rows, rows, held, held, kept, kept)  # type: ignore[arg-type]
+        return self.many([n % size])[0]
+
+    def many(self, clients: Sequence[int]) -> list[ClientData]:
+        """The data of ``clients``, in their order (made at once: a round's cohort)."""
+        made = self._made
+        if made is not None and all(made[n] is not None for n in clients):
+            return [made[n] for n in clients]  # type: ignore[misc]
+        ids = np.asarray(clients, dtype=np.int64)
+        fields = []
+        for pool in (self.pool, self.test, self.val):
+            if pool is None:
+                fields.append(None)
+                continue
+            starts, sizes = pool.starts[ids], pool.sizes[ids]
+            fields.append((pool, starts.tolist(), (starts + sizes).tolist(), sizes.tolist()))
+        out = []
+        for i, n in enumerate(ids.tolist()):
+            c = ClientData.__new__(ClientData)  # its slots set directly: a cohort's worth fast
+            for field, (x_slot, y_slot) in zip(fields, _SLOTS, strict=True):
+                rows = None
+                if field is not None and field[3][i]:
+                    rows = PoolRows.__new__(PoolRows)
+                    rows.pool, rows.row, rows.start, rows.stop = (
+                        field[0],
+                        n,
+                        field[1][i],
+                        field[2][i],
+                    )
+                setattr(c, x_slot, rows)
+                setattr(c, y_slot, rows)
+            out.append(c)
+        if made is not None:
+            for n, c in zip(ids.tolist(), out, strict=True):
+                made[n] = made[n] or c
+            return [made[n] for n in ids.tolist()]  # type: ignore[misc]
+        return out
 
     def __iter__(self) -> Iterator[ClientData]:
         return (self[n] for n in range(len(self)))

@@ -117,13 +117,14 @@ class Ranks:
             out[name] = full.to(device)
         return out
 
-    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
-        """Each key's sum over the ranks (keys missing on a rank count 0)."""
-        total: dict[str, float] = {}
-        for record in self.gather_json(values):
-            for k, v in record.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
+
+def add_floats(records: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each key's sum over the ranks' records (a key missing from one counts 0)."""
+    total: dict[str, float] = {}
+    for record in records:
+        for k, v in record.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
 
 
 def init_from_env(backend: str = "auto") -> Ranks | None:
