@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 
+#: Clients the end-of-run table lists (the rest are in clients.csv).
+SHOWN_CLIENTS = 50
+
+
 def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
     """The per-client table of a finished run, where its results are, how to view them."""
     from rich.console import Console
@@ -34,9 +38,14 @@ def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
     keys = [k for k in result.per_client[0] if k != "num_test"]
     for col in ("client", "test n", *keys):
         table.add_column(col, justify="right")
-    for n, row in enumerate(result.per_client):
+    shown = result.per_client[:SHOWN_CLIENTS]  # a run of 10^6 clients: its first rows
+    for n, row in enumerate(shown):
         cells = ["—" if math.isnan(row[k]) else f"{row[k]:.4f}" for k in keys]
         table.add_row(str(n), str(int(row["num_test"])), *cells)
+    if len(result.per_client) > len(shown):
+        more = len(result.per_client) - len(shown)
+        table.add_row(f"… {more:,} more", "", *["" for _ in keys])
+        table.caption += f"; every client's row: {Path(result.output_dir) / 'clients.csv'}"
     m = result.metrics
     # rows named for what they are (the best_mean row is no best client: the caption says
     # what it is), short enough that 80 columns hold a segmentation run's seven

@@ -167,3 +167,23 @@ def test_evaluating_the_clients_a_block_at_a_time_changes_no_figure(overrides, m
     assert len(rows) == len(whole[1]) == 7
     for got, want in zip(rows, whole[1], strict=True):
         assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+def test_the_end_of_run_table_lists_the_first_clients_of_a_large_run(capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from fedexp.cli_output import SHOWN_CLIENTS, print_table
+
+    monkeypatch.setenv("COLUMNS", "120")
+    row = {"acc": 0.5, "loss": 0.7, "num_test": 2.0}
+    result = SimpleNamespace(
+        per_client=[row] * (SHOWN_CLIENTS + 1234),
+        metrics={"acc/mean": 0.5, "loss/mean": 0.7},
+        output_dir=Path("/runs/x"),
+        tracker=SimpleNamespace(describe=lambda: "MLflow run"),
+    )
+    print_table(result)
+    out = capsys.readouterr().out
+    cells = [ln.split("│")[1].strip() for ln in out.splitlines() if ln.count("│") > 2]
+    assert cells[:SHOWN_CLIENTS] == [str(n) for n in range(SHOWN_CLIENTS)]
+    assert cells[SHOWN_CLIENTS] == "… 1,234 more" and "/runs/x/clients.csv" in out
