@@ -1,42 +1,17 @@
 """The list-based ``train_test_split`` / ``validation_split`` give exactly the old arrays.
 
-The references below are verbatim copies of the two functions as they were before the fast
-paths (only renamed); recorded golden results depend on every array they return.
+The references are the two functions as they were before (verbatim, renamed): the old
+validation split below, the old train/test split frozen in tests/test_tuning_split.py.
+Recorded golden results depend on every array they return.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_tuning_split import _reference_train_test_split  # the old split, frozen there
 
 from fedexp.data.federated import train_test_split, validation_split
-
-
-def _reference_train_test_split(
-    indices: np.ndarray, labels: np.ndarray, test_fraction: float, seed: int, client: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-client split, stratified by label where every class has two samples (pFedNet §VI).
-
-    At least one sample goes to each side.
-    """
-    rng = np.random.default_rng([seed, 21, client])
-    test: list[np.ndarray] = []
-    y = labels[indices]
-    classes, counts = np.unique(y, return_counts=True)
-    if counts.min() >= 2:
-        for c in classes:
-            idx = rng.permutation(indices[y == c])
-            test.append(idx[: int(round(test_fraction * len(idx)))])
-        test_idx = np.concatenate(test)
-    else:
-        perm = rng.permutation(indices)
-        test_idx = perm[: int(round(test_fraction * len(perm)))]
-    if len(test_idx) == 0:
-        test_idx = rng.permutation(indices)[:1]
-    train_idx = np.setdiff1d(indices, test_idx)
-    if len(train_idx) == 0:
-        train_idx, test_idx = test_idx[:1], test_idx[1:]
-    return np.sort(train_idx), np.sort(test_idx)
 
 
 def _reference_validation_split(
