@@ -38,6 +38,31 @@ def _by_label(indices: np.ndarray, labels: np.ndarray) -> tuple[list, list[list]
     return values, [groups[c] for c in sorted(groups)]
 
 
+def _draw(
+    values: list, groups: list[list], rng: np.random.Generator, take: Callable[[list, bool], int]
+) -> list:
+    """The indices a split moves out of ``values`` (at least one).
+
+    ``take(group, True)`` of each label's group when every label has two samples, else
+    ``take(values, False)`` of them all; each group (or a copy of ``values``) is shuffled
+    first, in order, from ``rng``.
+    """
+    if min(len(g) for g in groups) >= 2:
+        drawn: list = []
+        for g in groups:
+            rng.shuffle(g)
+            drawn += g[: take(g, True)]
+    else:
+        perm = values.copy()
+        rng.shuffle(perm)
+        drawn = perm[: take(perm, False)]
+    if not drawn:
+        perm = values.copy()
+        rng.shuffle(perm)
+        drawn = perm[:1]
+    return drawn
+
+
 def train_test_split(
     indices: np.ndarray, labels: np.ndarray, test_fraction: float, seed: int, client: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -49,19 +74,7 @@ def train_test_split(
     rng = np.random.default_rng([seed, 21, client])
     dtype = np.asarray(indices).dtype
     values, groups = _by_label(indices, labels)
-    test: list = []
-    if min(len(g) for g in groups) >= 2:
-        for g in groups:
-            rng.shuffle(g)
-            test += g[: int(round(test_fraction * len(g)))]
-    else:
-        perm = values.copy()
-        rng.shuffle(perm)
-        test = perm[: int(round(test_fraction * len(perm)))]
-    if not test:
-        perm = values.copy()
-        rng.shuffle(perm)
-        test = perm[:1]
+    test = _draw(values, groups, rng, lambda g, _: int(round(test_fraction * len(g))))
     train = sorted(set(values).difference(test))
     if not train:
         train, test = test[:1], test[1:]
@@ -96,20 +109,12 @@ def validation_split(
     rng = np.random.default_rng([seed, 22, client])
     dtype = np.asarray(train_idx).dtype
     values, groups = _by_label(train_idx, labels)
-    val: list = []
-    if min(len(g) for g in groups) >= 2:
-        for g in groups:
-            rng.shuffle(g)
-            count = np.int64(len(g))  # (a class count: an int64, as np.unique's counts were)
-            val += g[: min(int(round(val_fraction * count)), len(g) - 1)]
-    else:
-        perm = values.copy()
-        rng.shuffle(perm)
-        val = perm[: min(int(round(val_fraction * len(perm))), len(perm) - 1)]
-    if not val:
-        perm = values.copy()
-        rng.shuffle(perm)
-        val = perm[:1]
+
+    def take(g: list, by_label: bool) -> int:
+        count = np.int64(len(g)) if by_label else len(g)  # (np.unique's counts were int64)
+        return min(int(round(val_fraction * count)), len(g) - 1)  # one stays in training
+
+    val = _draw(values, groups, rng, take)
     train = sorted(set(values).difference(val))
     return np.array(train, dtype=dtype), np.array(sorted(val), dtype=dtype)
 

@@ -97,7 +97,7 @@ class ClientStates(Sequence[State]):
         if not any(written):
             return out
         for key, col in self._cols.items():
-            has = (self._has[key][ids] & self._written[ids]).tolist()
+            has = self._has[key][ids].tolist()  # (set only by a write, which marks written)
             if not any(has):
                 continue
             values = col[ids.to(col.device)]
