@@ -31,3 +31,45 @@ def main(rank: int, size: int, port: int, out: str, jobs: list[tuple[str, list[s
                 (Path(out) / f"{name}.json").write_text(json.dumps(metrics))
     finally:
         dist.destroy_process_group()
+
+
+def exchanges(rank: int, size: int, port: int, out: str, limit: int) -> None:
+    """Rank ``rank`` of tests/test_rank_exchange.py: gathers bytes of many lengths and adds
+    weighted upload sums (``limit``: :func:`~fedexp.engine.ranks.sums_record`'s); rank 0
+    writes what it got to ``<out>/exchanges.json``."""
+    import torch
+
+    from fedexp.engine.ranks import SHORT, Ranks, reduce_uploads, sums_record, weighted_sums
+
+    _join(rank, size, port, "gloo")
+    try:
+        ranks = Ranks.current()
+        lengths = [0, 1, SHORT - 8, SHORT - 7, 3 * SHORT + 5]
+        got = {}
+        for mine in lengths:  # every rank a different length: rank r sends mine + r bytes
+            data = bytes((rank * 31 + i) % 251 for i in range(mine + rank))
+            got[str(mine)] = [list(b) for b in ranks.gather_bytes(data)]
+        # uploads of clients 0..5 (rank r: n % size == r), two parts of two dtypes
+        senders = [n for n in range(6) if n % size == rank]
+        gen = torch.Generator().manual_seed(7)
+        a = torch.randn(6, 3, 4, generator=gen)
+        b = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+        w = torch.arange(1, 7, dtype=torch.float64) / 21
+        parts = {"a": a[senders], "b": b[senders]}
+        own = weighted_sums(parts, w[senders])
+        records = ranks.gather_json(sums_record(own, limit))
+        updates, uploaded = reduce_uploads(ranks, list(range(6)), own, records)
+        mean = updates[0]
+        got["mean"] = {k: v.reshape(-1).tolist() for k, v in mean.items()}
+        got["uploaded"] = uploaded
+        got["inline"] = [r[1] is not None for r in records]
+        # a round in which rank 1 has no sender: it learns the parts from rank 0's record
+        alone = [n for n in senders if n % 2 == 0] if rank == 0 else []
+        own = weighted_sums({"a": a[alone], "b": b[alone]}, w[alone]) if alone else {}
+        records = ranks.gather_json(sums_record(own, limit))
+        updates, _ = reduce_uploads(ranks, [0, 2, 4], own, records)
+        got["rank 0 alone"] = {k: v.reshape(-1).tolist() for k, v in updates[0].items()}
+        if rank == 0:
+            (Path(out) / "exchanges.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()

@@ -21,7 +21,15 @@ import torch
 from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
-from fedexp.contract import Cohort, CohortResult, Message, Stacked, StackedUpdates, State
+from fedexp.contract import (
+    Cohort,
+    CohortResult,
+    Message,
+    Stacked,
+    StackedUpdates,
+    State,
+    update_parts,
+)
 from fedexp.data.client import ClientData
 from fedexp.engine import rng
 from fedexp.engine.checkpoint import flatten_state, unflatten_state
@@ -29,7 +37,14 @@ from fedexp.engine.context import Context
 from fedexp.engine.evaluation import Evaluation
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.pool import ClientTable, TrainPool
-from fedexp.engine.ranks import Ranks, add_floats, gather_uploads, reduce_uploads
+from fedexp.engine.ranks import (
+    Ranks,
+    add_floats,
+    gather_uploads,
+    reduce_uploads,
+    sums_record,
+    weighted_sums,
+)
 from fedexp.engine.states import ClientStates
 from fedexp.engine.transport import (
     PartKey,
@@ -219,18 +234,23 @@ class Engine(Transport, Evaluation):
         sums = {f"train/{k}": float(v.sum()) for k, v in result.metrics.items()}
         sums.update(private)  # DP counts (uploads, unclipped)
         if ranks is not None:
-            if self.privacy is None and self.algorithm.server_reads == "mean":
-                # the server reads only Σ ω_n u_n: the ranks' sums, added by all_reduce
-                weights = self._weights(sampled)
-                updates, uploaded = reduce_uploads(ranks, sampled, senders, updates, weights)
-            else:  # every upload, to every rank
-                updates, refs, uploaded = gather_uploads(ranks, sampled, senders, updates, refs)
+            # a server that reads only Σ ω_n u_n gets the ranks' sums, not every row
+            mean = self.privacy is None and self.algorithm.server_reads == "mean"
+            own = {}
+            if mean and updates:
+                weights = self._weight_tensor(senders, sampled)
+                own = weighted_sums(update_parts(updates, senders), weights)
             mine = {**sums, **{f"channel/{k}": v for k, v in channel.items()}}
-            records = ranks.gather_json([mine, self.ledger.round_record()])  # one exchange
+            # one exchange of the records: metrics, messages, the uploads' sums (or shapes)
+            records = ranks.gather_json([mine, self.ledger.round_record(), sums_record(own)])
             sums = add_floats([r[0] for r in records])
             channel = {k[8:]: v for k, v in sums.items() if k.startswith("channel/")}
             ledger.merge([r[1] for r in records])
             self.ledger = ledger
+            if mean:
+                updates, uploaded = reduce_uploads(ranks, sampled, own, [r[2] for r in records])
+            else:  # every upload, to every rank
+                updates, refs, uploaded = gather_uploads(ranks, sampled, senders, updates, refs)
         private = {k: v for k, v in sums.items() if k.startswith("privacy/")}
         weights = self._weights(updates)
         if self.privacy is not None:
@@ -349,16 +369,23 @@ class Engine(Transport, Evaluation):
         clients = list(senders)
         if not clients:
             return {}
+        return dict(zip(clients, self._weight_tensor(clients, clients).tolist(), strict=True))
+
+    def _weight_tensor(self, clients: list[int], among: list[int]) -> torch.Tensor:
+        """The weights ω_n of ``clients`` (float64) in a round whose senders are ``among``.
+
+        Uniform: 1/|among|; else n_train / Σ_among n_train.
+        """
         if self.algorithm.weighting == "uniform":
-            return {n: 1.0 / len(clients) for n in clients}
+            return torch.full((len(clients),), 1.0 / len(among), dtype=torch.float64)
         if self.pool is not None:  # the training-set sizes at once (a property call each: slow)
-            ids = torch.tensor(clients, dtype=torch.int64)
-            counts = self.pool.size[ids.to(self.pool.size.device)].tolist()
-            sizes = dict(zip(clients, counts, strict=True))
-        else:
-            sizes = {n: self.clients[n].num_train for n in clients}
-        total = sum(sizes.values())
-        return {n: sizes[n] / total for n in clients}
+            size = self.pool.size
+            ids = torch.tensor(clients, dtype=torch.int64, device=size.device)
+            total = size[torch.tensor(among, dtype=torch.int64, device=size.device)].sum()
+            return (size[ids].double() / total.double()).cpu()
+        sizes = {n: self.clients[n].num_train for n in set(clients) | set(among)}
+        total = sum(sizes[n] for n in among)
+        return torch.tensor([sizes[n] / total for n in clients], dtype=torch.float64)
 
     # ----------------------------------------------------------- checkpointing
     def state_tree(self) -> dict[str, Any]:

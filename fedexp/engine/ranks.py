@@ -13,6 +13,7 @@ backend is gloo (CPU); NCCL on GPUs goes through the same calls with CUDA byte b
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,10 @@ from fedexp.contract import Message, parts_updates, update_parts
 
 #: How long a collective may wait for a rank before the run fails (a rank that died).
 TIMEOUT = timedelta(minutes=10)
+#: Bytes a rank sends in :meth:`Ranks.gather_bytes`'s first exchange (a round's records fit).
+SHORT = 1 << 14
+#: A rank's weighted upload sums up to this many bytes travel with the round's records.
+INLINE = 1 << 12
 
 
 class Ranks:
@@ -69,17 +74,37 @@ class Ranks:
 
     # ------------------------------------------------------------------ exchanges
     def gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data``, in rank order (sizes may differ)."""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.size)]
-        dist.all_gather(sizes, size)
-        longest = max(int(s) for s in sizes)
-        buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        if data:
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        bufs = [torch.zeros_like(buf) for _ in range(self.size)]
-        dist.all_gather(bufs, buf)
-        return [bytes(b[: int(s)].cpu().numpy()) for b, s in zip(bufs, sizes, strict=True)]
+        """Every rank's ``data``, in rank order (sizes may differ).
+
+        One ``all_gather`` of a fixed :data:`SHORT`-byte buffer (a length, then the first
+        bytes) when every rank's data fit in it, as a round's records do; a second one for
+        the rest when one does not. Each collective wakes every rank's communication thread,
+        so a round's fixed cost is counted in collectives.
+        """
+        head = torch.zeros(SHORT, dtype=torch.uint8)
+        head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        first = data[: SHORT - 8]
+        if first:
+            head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        heads = [torch.zeros_like(head, device=self.device) for _ in range(self.size)]
+        dist.all_gather(heads, head.to(self.device))
+        heads = [h.cpu() for h in heads]
+        sizes = [int(h[:8].view(torch.int64)) for h in heads]
+        room = SHORT - 8
+        out = [bytes(h[8 : 8 + min(n, room)].numpy()) for h, n in zip(heads, sizes, strict=True)]
+        rest = max(sizes) - (SHORT - 8)
+        if rest <= 0:
+            return out
+        buf = torch.zeros(rest, dtype=torch.uint8)
+        tail = data[SHORT - 8 :]
+        if tail:
+            buf[: len(tail)] = torch.frombuffer(bytearray(tail), dtype=torch.uint8)
+        bufs = [torch.zeros_like(buf, device=self.device) for _ in range(self.size)]
+        dist.all_gather(bufs, buf.to(self.device))
+        return [
+            o + bytes(b[: max(0, n - (SHORT - 8))].cpu().numpy())
+            for o, b, n in zip(out, bufs, sizes, strict=True)
+        ]
 
     def gather_json(self, record: Any) -> list[Any]:
         """Every rank's JSON-serialisable ``record``, in rank order."""
@@ -163,46 +188,84 @@ def gather_uploads(
     return parts_updates(ups, sampled), refs, True
 
 
+def weighted_sums(
+    parts: Mapping[str, torch.Tensor], weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Σ_n ω_n u_n over this rank's senders, per part (a row's shape).
+
+    Args:
+        parts: this rank's senders' decoded uploads, stacked by part (``update_parts``).
+        weights: float64 ``[senders]``: their weights ω_n, in their order.
+    """
+    out = {}
+    for name, v in parts.items():
+        w = weights.to(device=v.device, dtype=v.dtype)
+        out[name] = (w @ v.reshape(len(w), -1)).reshape(v.shape[1:])
+    return out
+
+
+def sums_record(sums: Mapping[str, torch.Tensor], limit: int = INLINE) -> list:
+    """What a rank tells the others of its :func:`weighted_sums`, in the round's records.
+
+    [each part's shape and dtype, the sums themselves (safetensors, base64) when they come to
+    at most ``limit`` bytes, else None]. Small sums (a logistic regression's) then cost no
+    collective of their own.
+    """
+    layout = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in sums.items()}
+    size = sum(v.numel() * v.element_size() for v in sums.values())
+    inline = None
+    if sums and size <= limit:
+        blob = save_tensors({k: v.detach().cpu().contiguous() for k, v in sums.items()})
+        inline = base64.b64encode(blob).decode("ascii")
+    return [layout, inline]
+
+
 def reduce_uploads(
     ranks: Ranks,
     sampled: list[int],
-    senders: list[int],
-    updates: Mapping[int, Message],
-    weights: dict[int, float],
+    sums: Mapping[str, torch.Tensor],
+    records: Sequence[list],
 ) -> tuple[Mapping[int, Message], bool]:
-    """The round's weighted mean upload, summed over the ranks with ``all_reduce``.
+    """The round's weighted mean upload: the ranks' :func:`weighted_sums` added.
 
-    For a server that reads the uploads only through Σ_n ω_n u_n (``server_reads="mean"``):
-    each rank sums its own senders' weighted rows and one ``all_reduce`` adds the ranks'
-    sums, instead of gathering every row to every rank. Returns that mean as the one upload
-    of the first sampled client (to which the server then gives weight 1: the same weighted
-    mean), and whether anyone uploaded.
+    For a server that reads the uploads only through Σ_n ω_n u_n (``server_reads="mean"``)
+    each rank sends its own senders' weighted sum, not their rows. Sums that came with the
+    round's records (:func:`sums_record`) are added here in rank order; larger ones by one
+    ``all_reduce`` a dtype. Every rank makes the same choice: it depends only on the parts'
+    shapes. Returns that mean as the one upload of the first sampled client (to which the
+    server then gives weight 1: the same weighted mean), and whether anyone uploaded.
 
     Args:
         ranks: the run's processes.
         sampled: the round's senders over all ranks, ascending.
-        senders: this rank's senders.
-        updates: this rank's decoded uploads.
-        weights: every sampled client's weight ω_n.
+        sums: this rank's :func:`weighted_sums` (empty without senders).
+        records: every rank's :func:`sums_record`, in rank order.
     """
-    parts = update_parts(updates, senders) if updates else {}
-    shapes = {k: [list(v.shape[1:]), str(v.dtype).removeprefix("torch.")] for k, v in parts.items()}
     known: dict[str, list] = {}
-    for record in ranks.gather_json(shapes):  # a rank without senders learns the parts here
-        known.update(record)
+    for layout, _ in records:  # a rank without senders learns the parts here
+        known.update(layout)
     if not known:
         return {}, False
-    device = next(iter(parts.values())).device if parts else ranks.device
-    sums = {}
-    for name, (shape, dtype) in sorted(known.items()):
-        if name in parts:
-            v = parts[name]
-            w = torch.tensor([weights[n] for n in senders], dtype=v.dtype, device=v.device)
-            total = (w @ v.reshape(len(senders), -1)).reshape(shape)
-        else:
-            total = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-        wire = total.to(ranks.device)
+    device = next(iter(sums.values())).device if sums else ranks.device
+    zeros = {k: torch.zeros(shape, dtype=getattr(torch, d)) for k, (shape, d) in known.items()}
+    if all(inline is not None for layout, inline in records if layout):
+        total = zeros
+        for _, inline in records:
+            if inline is not None:
+                got = load_tensors(base64.b64decode(inline))
+                total = {k: v + got[k] if k in got else v for k, v in total.items()}
+        out = {k: v.to(device).unsqueeze(0) for k, v in total.items()}
+        return parts_updates(out, sampled[:1]), True
+    flats: dict[str, list[torch.Tensor]] = {}  # dtype -> each part's sum, flat
+    for name in sorted(known):
+        mine = sums[name] if name in sums else zeros[name].to(device)
+        flats.setdefault(known[name][1], []).append(mine.reshape(-1))
+    out = {}
+    for dtype, totals in flats.items():  # one all_reduce a dtype
+        wire = torch.cat(totals).to(ranks.device)
         dist.all_reduce(wire)
-        sums[name] = wire.to(device)
-    rows = {k: v.unsqueeze(0) for k, v in sums.items()}
-    return parts_updates(rows, sampled[:1]), True
+        wire = wire.to(device)
+        names = [k for k in sorted(known) if known[k][1] == dtype]
+        for name, piece in zip(names, wire.split([t.numel() for t in totals]), strict=True):
+            out[name] = piece.reshape(1, *known[name][0])
+    return parts_updates(out, sampled[:1]), True
