@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,3 +188,55 @@ def test_the_end_of_run_table_lists_the_first_clients_of_a_large_run(capsys, mon
     cells = [ln.split("│")[1].strip() for ln in out.splitlines() if ln.count("│") > 2]
     assert cells[:SHOWN_CLIENTS] == [str(n) for n in range(SHOWN_CLIENTS)]
     assert cells[SHOWN_CLIENTS] == "… 1,234 more" and "/runs/x/clients.csv" in out
+
+
+def _channel_data() -> tuple:
+    """Images with 3 channels over 7 clients of different sizes, client 2 lacking channel 1."""
+    from fedexp.data.dataset import ArrayDataset
+    from fedexp.data.partitions import ClientSplit
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(120, 3, 4, 4, generator=gen).numpy()
+    y = (torch.arange(120) % 3).numpy()
+    data = ArrayDataset("toy", x, y, 3)
+    bounds = [0, 10, 24, 40, 52, 70, 95, 120]  # clients of 10 to 25 samples
+
+    def partition(**_: object) -> ClientSplit:
+        parts = [np.arange(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        return ClientSplit(parts, {2: (1,), 5: (0, 2)})
+
+    return data, partition
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_ranks_table_holds_its_own_clients_rows_and_every_clients_sizes(size):
+    """distributed.nproc: rank r keeps clients n ≡ r (mod P): the same rows as the whole
+    table (channels zeroed as there), every client's sizes, and a read of another rank's
+    client's rows is refused rather than answered with someone else's values."""
+    from fedexp.data.federated import federate
+
+    data, partition = _channel_data()
+    args = (data, partition, 7, 0.25, 0, torch.device("cpu"))
+    whole = federate(*args, val_fraction=0.2)
+    held = 0
+    for rank in range(size):
+        table = federate(*args, val_fraction=0.2, share=(rank, size))
+        assert len(table) == len(whole) == 7
+        for n in range(7):
+            mine, full = table[n], whole[n]
+            sizes = (mine.num_train, mine.num_test, mine.num_val)
+            assert sizes == (full.num_train, full.num_test, full.num_val)
+            if n % size == rank:
+                for name in ("x_train", "y_train", "x_test", "y_test", "x_val", "y_val"):
+                    assert torch.equal(getattr(mine, name), getattr(full, name)), (n, name)
+            else:
+                with pytest.raises(RuntimeError, match=f"rank {rank} of {size}"):
+                    _ = mine.x_train
+                with pytest.raises(RuntimeError, match="another rank"):
+                    _ = mine.y_test
+        own = [n for n in range(7) if n % size == rank]
+        assert table.pool.x.shape[0] == sum(whole[n].num_train for n in own)
+        assert torch.equal(table.pool.size, whole.pool.size)
+        held += table.pool.x.shape[0] + table.test.x.shape[0] + table.val.x.shape[0]
+    assert held == whole.pool.x.shape[0] + whole.test.x.shape[0] + whole.val.x.shape[0]
+    assert whole[2].x_train[:, 1].abs().sum() == 0 and whole[2].x_train[:, 0].abs().sum() > 0

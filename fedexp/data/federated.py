@@ -148,6 +148,7 @@ def federate(
     device: torch.device,
     val_fraction: float = 0.0,
     folder: Path | None = None,
+    share: tuple[int, int] | None = None,
 ) -> Sequence[ClientData]:
     """Partition ``data`` over clients, split each 80/20 and move the tensors to ``device``.
 
@@ -161,6 +162,10 @@ def federate(
     With ``val_fraction > 0``, :func:`validation_split` then moves that share of each client's
     training data to a validation split (for tuning without looking at the test split); the
     test split, and with ``val_fraction = 0`` everything, is the same as without it.
+
+    With ``share = (rank, size)`` (``distributed.nproc``) the table holds the rows of that
+    rank's clients only (n mod size == rank) and every client's sizes: the partition and the
+    splits are drawn for all clients as in one process.
 
     Raises:
         DataError: no train/test split is possible, or the partition is malformed.
@@ -202,4 +207,4 @@ def federate(
         for kept, rows in zip(splits, (train_idx, test_idx, val_idx), strict=True):
             kept.append(rows)
     # copies: zeroing never touches data.x
-    return ClientTable.build(x_all, y_all, splits, device, folder, zero)
+    return ClientTable.build(x_all, y_all, splits, device, folder, zero, share)

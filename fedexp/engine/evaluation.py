@@ -130,6 +130,20 @@ class Evaluation:
                 out[i] = vector
         return out
 
+    def every_eval_vector(self) -> torch.Tensor:
+        """``[N, d]``: every client's :meth:`eval_vectors` (the outputs' plot of the models).
+
+        Over several processes each rank computes its own clients' (``eval_with_data``
+        reads their training rows, which only that rank holds) and every rank gets them all.
+        """
+        who = list(range(len(self.clients)))
+        ranks = self.ranks
+        if ranks is None:
+            return torch.stack(self.eval_vectors(who))
+        mine = ranks.mine(who)
+        parts = {"v": torch.stack(self.eval_vectors(mine))} if mine else {}
+        return ranks.gather_rows(who, mine, parts)["v"]
+
     def _forward(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.algorithm.predict(self.ctx, params, x)
 

@@ -36,6 +36,7 @@ def _write_outputs(
     history: list[dict[str, float]],
     engine: Engine,
     client_history: list[dict[str, float]],
+    models: torch.Tensor | None = None,
 ) -> list[Path]:
     """Write a run's result files into ``out``; returns those the tracker uploads.
 
@@ -51,6 +52,9 @@ def _write_outputs(
     - ``clients.png``: each client's test metric over rounds (:func:`~fedexp.plots.plot_clients`).
     - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients).
     - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
+
+    ``models``: every client's evaluated vector, ``[N, d]`` (default: computed here, which a
+    run over several processes cannot: each rank holds its own clients' data).
     """
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "config.yaml", out / "clients.csv", out / "rounds.csv"]
@@ -90,7 +94,8 @@ def _write_outputs(
             writer = csv.writer(fh)
             writer.writerow(["i", "j"])
             writer.writerows(edges.cpu().tolist())
-    models = torch.stack(engine.eval_vectors(list(range(len(engine.clients)))))
+    if models is None:
+        models = engine.every_eval_vector()
     headline = next(iter(per_client[0]))
     for png in (
         plot_rounds(history, out / "curves.png", headline),

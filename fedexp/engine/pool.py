@@ -33,7 +33,12 @@ class TrainPool:
         x, y: all training inputs / targets, client after client.
         offset: int64 [N] first row of each client.
         size: int64 [N] each client's training-set size.
+        share: (rank, size) when it holds the rows of a rank's own clients only (a
+            :class:`ClientTable`'s over ``distributed.nproc``), else None.
     """
+
+    share: tuple[int, int] | None = None
+    elsewhere: Elsewhere | None = None
 
     @classmethod
     def of(cls, clients: Sequence[ClientData]) -> TrainPool:
@@ -180,6 +185,35 @@ def mapped_empty(
     )
 
 
+class Elsewhere:
+    """The pool of clients whose rows another rank holds (``distributed.nproc``).
+
+    Their :class:`ClientData` keep their sizes (weights, evaluation and the outputs read
+    them); reading their rows is a bug in the caller, reported here rather than as some
+    other client's values.
+    """
+
+    def __init__(self, name: str, share: tuple[int, int]) -> None:
+        self.name, self.share = name, share
+
+    def _refuse(self, part: str) -> torch.Tensor:
+        rank, size = self.share
+        raise RuntimeError(
+            f"read {part} of the {self.name} rows of another rank's client: rank {rank} of "
+            f"{size} holds those of clients n with n mod {size} == {rank} only"
+        )
+
+    @property
+    def x(self) -> torch.Tensor:
+        """Refused: the inputs are on another rank."""
+        return self._refuse("x")
+
+    @property
+    def y(self) -> torch.Tensor:
+        """Refused: the targets are on another rank."""
+        return self._refuse("y")
+
+
 def _split(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -187,9 +221,19 @@ def _split(
     device: torch.device,
     folder: Path | None,
     name: str,
+    share: tuple[int, int] | None = None,
 ) -> TrainPool:
-    """Rows ``parts[n]`` of ``x``/``y`` for every client n, concatenated (a pool of one split)."""
+    """Rows ``parts[n]`` of ``x``/``y`` for every client n, concatenated (a pool of one split).
+
+    With ``share = (rank, size)`` only the rows of clients n with n mod size == rank are
+    stored; every client's size is kept (the others' start at 0 and read as
+    :class:`Elsewhere`).
+    """
     sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    held = sizes
+    if share is not None:
+        held = np.where(np.arange(len(parts)) % share[1] == share[0], sizes, 0)
+        parts = [p for n, p in enumerate(parts) if held[n]]
     index = np.concatenate(parts) if len(parts) else np.zeros(0, dtype=np.int64)
     total = len(index)
     pool = TrainPool.__new__(TrainPool)
@@ -199,10 +243,14 @@ def _split(
         rows = torch.from_numpy(index[a : a + _CHUNK].astype(np.int64, copy=False))
         pool.x[a : a + len(rows)] = x[rows].to(device)
         pool.y[a : a + len(rows)] = y[rows].to(device)
-    size = torch.from_numpy(sizes)
-    pool.size, pool.offset = size.to(device), (torch.cumsum(size, 0) - size).to(device)
-    pool.starts = np.cumsum(sizes) - sizes  # read when a client's data are made
+    starts = np.cumsum(held) - held
+    starts[held != sizes] = 0  # another rank's client: no rows here
+    size, offset = torch.from_numpy(sizes), torch.from_numpy(starts)
+    pool.size, pool.offset = size.to(device), offset.to(device)
+    pool.starts = starts  # read when a client's data are made
     pool.sizes = sizes
+    pool.elsewhere = None if share is None else Elsewhere(name, share)
+    pool.share = share
     return pool
 
 
@@ -241,6 +289,7 @@ class ClientTable(Sequence[ClientData]):
         device: torch.device,
         folder: Path | None = None,
         zero: dict[int, list[int]] | None = None,
+        share: tuple[int, int] | None = None,
     ) -> ClientTable:
         """The table of every client's (training, test, validation) rows of ``x`` and ``y``.
 
@@ -251,14 +300,19 @@ class ClientTable(Sequence[ClientData]):
             device: where the splits live.
             folder: where their files go (memory-mapped, CPU only); None: in memory.
             zero: per client, input channels set to zero in all its splits.
+            share: (rank, size): hold the rows of clients n with n mod size == rank only
+                (``distributed.nproc``: a rank's own clients); every client's sizes are kept.
         """
         train, test, val = splits
         pools = [
-            _split(x, y, p, device, folder, name) for p, name in ((train, "train"), (test, "test"))
+            _split(x, y, p, device, folder, name, share)
+            for p, name in ((train, "train"), (test, "test"))
         ]
         has_val = any(len(v) for v in val)
-        table = cls(*pools, _split(x, y, val, device, folder, "val") if has_val else None)
+        table = cls(*pools, _split(x, y, val, device, folder, "val", share) if has_val else None)
         for n, channels in (zero or {}).items():
+            if share is not None and n % share[1] != share[0]:
+                continue
             for pool in (table.pool, table.test, table.val):
                 if pool is not None:
                     a = int(pool.starts[n])
@@ -288,26 +342,26 @@ class ClientTable(Sequence[ClientData]):
         if made is not None and all(made[n] is not None for n in clients):
             return [made[n] for n in clients]  # type: ignore[misc]
         ids = np.asarray(clients, dtype=np.int64)
+        share = self.pool.share
+        here = None if share is None else (ids % share[1] == share[0]).tolist()
         fields = []
         for pool in (self.pool, self.test, self.val):
             if pool is None:
                 fields.append(None)
                 continue
             starts, sizes = pool.starts[ids], pool.sizes[ids]
-            fields.append((pool, starts.tolist(), (starts + sizes).tolist(), sizes.tolist()))
+            fields.append(
+                (pool, pool.elsewhere, starts.tolist(), (starts + sizes).tolist(), sizes.tolist())
+            )
         out = []
         for i, n in enumerate(ids.tolist()):
             c = ClientData.__new__(ClientData)  # its slots set directly: a cohort's worth fast
             for field, (x_slot, y_slot) in zip(fields, _SLOTS, strict=True):
                 rows = None
-                if field is not None and field[3][i]:
+                if field is not None and field[4][i]:
                     rows = PoolRows.__new__(PoolRows)
-                    rows.pool, rows.row, rows.start, rows.stop = (
-                        field[0],
-                        n,
-                        field[1][i],
-                        field[2][i],
-                    )
+                    rows.pool = field[0] if here is None or here[i] else field[1]
+                    rows.row, rows.start, rows.stop = n, field[2][i], field[3][i]
                 setattr(c, x_slot, rows)
                 setattr(c, y_slot, rows)
             out.append(c)

@@ -97,8 +97,12 @@ def build_engine(cfg: DictConfig) -> Engine:
     return _build(cfg)[0]
 
 
-def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
-    """:func:`build_engine`, and the data set as loaded (before it is partitioned)."""
+def _build(cfg: DictConfig, share: tuple[int, int] | None = None) -> tuple[Engine, ArrayDataset]:
+    """:func:`build_engine`, and the data set as loaded (before it is partitioned).
+
+    ``share = (rank, size)``: the process is that rank of a run over several; its table
+    holds its own clients' rows only.
+    """
     validate(cfg)  # every setting, before the data are read (the CLI has checked them too)
     check_groups(cfg)
     device = resolve_device(cfg.device)
@@ -114,6 +118,7 @@ def _build(cfg: DictConfig) -> tuple[Engine, ArrayDataset]:
         device,
         val_fraction=cfg.get("val_fraction", 0.0),
         folder=store,
+        share=share,
     )
     validate(cfg, clients)  # the run settings' ranges, and batch_size against the data
     module, personal_patterns = build_model(
@@ -308,8 +313,13 @@ def run(
         raise ConfigError(f"distributed.nodes={nodes}: no process group spans the nodes")
     if tracker is None:  # first: an unreachable tracking server fails before anything is built
         tracker = instantiate_checked(cfg.tracker, "tracker")
-    engine, data = _build(cfg)
-    dataset = describe_dataset(data, OmegaConf.to_container(cfg.dataset, resolve=True))
+    place = Ranks.current()  # this process's rank, or (spawning the others) rank 0
+    nproc = cfg.get("distributed", {}).get("nproc", 1)
+    share = (place.rank, place.size) if place is not None else (0, nproc) if nproc > 1 else None
+    engine, data = _build(cfg, share)
+    dataset = None  # what rank 0 logs of the data set
+    if share is None or share[0] == 0:
+        dataset = describe_dataset(data, OmegaConf.to_container(cfg.dataset, resolve=True))
     del data  # the clients hold their own copies
     if cfg.output_dir:
         out_dir = Path(cfg.output_dir)
@@ -402,7 +412,8 @@ def _run(
         return agg, rows
 
     try:
-        tracker.log_dataset(dataset)  # once: a resumed run that holds it adds nothing
+        if dataset is not None:  # rank 0's: once, a resumed run that holds it adds nothing
+            tracker.log_dataset(dataset)
         if resume_id:
             # The tracker may differ from the first run's (README: it may change on resume):
             # a run it does not hold comes back new, and rounds logged while another tracker
@@ -459,10 +470,11 @@ def _run(
             _, per_client = engine.evaluate()
         final = dict(history[-1]) if history else {}
         engine.sync_states()
+        models = engine.every_eval_vector()  # (over several ranks, each computes its own)
         written = (
             []
             if not leader
-            else _write_outputs(out_dir, cfg, per_client, history, engine, client_history)
+            else _write_outputs(out_dir, cfg, per_client, history, engine, client_history, models)
         )
         for path in written:
             tracker.log_artifact(path)

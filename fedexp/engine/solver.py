@@ -267,7 +267,7 @@ def train_stacked(
 # ------------------------------------------------------------------ training
 def _slice_rows(pool, size: int) -> int:  # noqa: ANN001 - TrainPool
     """Clients per slice: ``_STEP_BYTES`` of a step's gathered minibatches, in [1, _CHUNK]."""
-    row = pool.x[0].numel() * pool.x.element_size() + pool.y[0].numel() * pool.y.element_size()
+    row = pool.x.stride(0) * pool.x.element_size() + pool.y.stride(0) * pool.y.element_size()
     return max(1, min(_CHUNK, _STEP_BYTES // max(1, size * row)))
 
 
