@@ -38,7 +38,7 @@ def sample_clients(seed: int, round_: int, num_clients: int, fraction: float) ->
     if m >= num_clients:
         return list(range(num_clients))
     rng = np.random.default_rng(derive_seed(seed, SAMPLING, round_))
-    return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
+    return np.sort(rng.choice(num_clients, size=m, replace=False)).tolist()
 
 
 # ------------------------------------------------------------ counter-based client streams
