@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from fedexp.engine.launch import _join
 from fedexp.engine.runner import run
@@ -23,14 +24,28 @@ def main(rank: int, size: int, port: int, out: str, jobs: list[tuple[str, list[s
     try:
         for name, overrides in jobs:
             tracker = NullTracker()
-            run(compose_config(*overrides), tracker=tracker)
+            cfg = compose_config(*overrides)
+            vectors = {}
+            run(cfg, tracker=tracker, callbacks=[last_vectors(cfg.rounds, vectors)])
             if rank == 0:
                 metrics = {
                     k: {str(s): v for s, v in steps.items()} for k, steps in tracker.metrics.items()
                 }
                 (Path(out) / f"{name}.json").write_text(json.dumps(metrics))
+                save_file(vectors, str(Path(out) / f"{name}.safetensors"))
     finally:
         dist.destroy_process_group()
+
+
+def last_vectors(rounds: int, into: dict):
+    """A run callback: after the last round, every client's evaluated model vector (every
+    rank takes part: its own clients') into ``into["v"]``."""
+
+    def keep(engine, metrics) -> None:  # noqa: ANN001 - the runner's callback
+        if engine.round == rounds:
+            into["v"] = engine.every_eval_vector().contiguous()
+
+    return keep
 
 
 def exchanges(rank: int, size: int, port: int, out: str, limit: int) -> None:

@@ -9,7 +9,9 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from fedexp.engine.launch import _free_port
 from fedexp.engine.runner import run
@@ -50,9 +52,18 @@ def _two_ranks(jobs: list[tuple[str, list[str]]], out: Path) -> dict[str, dict]:
     return {name: json.loads((out / f"{name}.json").read_text()) for name, _ in jobs}
 
 
-def _one_rank(overrides: list[str]) -> dict:
+def _one_rank(overrides: list[str], vectors: dict | None = None) -> dict:
+    """One process's logged metrics of ``overrides`` (and into ``vectors["v"]`` every
+    client's evaluated model after the last round)."""
+    from distributed_worker import last_vectors
+
     tracker = NullTracker()
-    run(compose_config(*overrides), tracker=tracker)
+    cfg = compose_config(*overrides)
+    run(
+        cfg,
+        tracker=tracker,
+        callbacks=[last_vectors(cfg.rounds, {} if vectors is None else vectors)],
+    )
     return {k: {str(s): v for s, v in steps.items()} for k, steps in tracker.metrics.items()}
 
 
@@ -81,22 +92,37 @@ def both(tmp_path_factory) -> tuple[dict, dict, dict]:
         algorithm = name.split("+")[0]
         jobs.append((name, _overrides(algorithm, root / "runs" / name, *extra)))
     two = _two_ranks(jobs, root)
-    one = {name: _one_rank([*o[:-1], f"output_dir={root / 'one' / name}"]) for name, o in jobs}
-    return one, two, dict(jobs)
+    one, vectors = {}, {}
+    for name, o in jobs:
+        vectors[name] = {}
+        one[name] = _one_rank([*o[:-1], f"output_dir={root / 'one' / name}"], vectors[name])
+    for name, _ in jobs:  # every client's evaluated model: one process's, then two's
+        vectors[name] = (vectors[name]["v"], load_file(str(root / f"{name}.safetensors"))["v"])
+    return one, two, dict(jobs), vectors
 
 
 @pytest.mark.parametrize("name", [*ALGORITHMS, *(f"{a}+dp" for a in DP_CENTRAL), *DP_OTHER])
 def test_two_processes_log_what_one_does(both, name):
-    one, two, _ = both
+    one, two, _, _ = both
     assert one[name].keys() <= two[name].keys()
     assert not _differences(one[name], two[name])
     assert "acc/mean" in two[name] and "bytes/up_cum" in two[name]
 
 
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_two_processes_evaluate_the_same_client_models(both, name):
+    """Each rank computes its own clients' evaluated models (IFCA's estimate and the
+    fine-tuning baselines from their training rows, which only that rank holds): gathered,
+    they are one process's."""
+    one, two = both[3][name]
+    assert one.shape == two.shape and one.shape[0] == 6
+    torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-6)
+
+
 def test_a_run_checkpointed_by_two_processes_resumes_on_one(both, tmp_path):
     """Checkpoints hold every rank's clients: two processes stop after round 2, one process
     resumes to round 3 and logs what one process did all along."""
-    one, _, jobs = both
+    one, _, jobs, _ = both
     first = tmp_path / "first"
     overrides = [o for o in jobs["ditto"] if not o.startswith(("output_dir", "rounds"))]
     _two_ranks(

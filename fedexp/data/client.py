@@ -6,12 +6,24 @@ federated split (``fedexp.data.federated``) both build on it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedexp.engine.rng import Stream
 from fedexp.errors import DataError
+
+
+def client_ids(clients: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """``clients`` (ids) as an int64 tensor.
+
+    Through numpy: ``torch.tensor`` of a list of 10^4 Python ints takes ~1 ms, five times
+    numpy's conversion, and a round converts its cohort several times.
+    """
+    ids = torch.from_numpy(np.asarray(clients, dtype=np.int64).reshape(-1))
+    return ids if device is None else ids.to(device)
 
 
 class PoolRows:

@@ -30,7 +30,7 @@ from fedexp.contract import (
     State,
     update_parts,
 )
-from fedexp.data.client import ClientData
+from fedexp.data.client import ClientData, client_ids
 from fedexp.engine import rng
 from fedexp.engine.checkpoint import flatten_state, unflatten_state
 from fedexp.engine.context import Context
@@ -322,7 +322,7 @@ class Engine(Transport, Evaluation):
         out = []
         for rows in groups.values():
             members = [clients[i] for i in rows]
-            ids = torch.tensor(members, dtype=torch.int64, device=ctx.device)
+            ids = client_ids(members, ctx.device)
             cohort = Cohort(
                 clients=members,
                 data=[data[i] for i in rows],
@@ -380,8 +380,8 @@ class Engine(Transport, Evaluation):
             return torch.full((len(clients),), 1.0 / len(among), dtype=torch.float64)
         if self.pool is not None:  # the training-set sizes at once (a property call each: slow)
             size = self.pool.size
-            ids = torch.tensor(clients, dtype=torch.int64, device=size.device)
-            total = size[torch.tensor(among, dtype=torch.int64, device=size.device)].sum()
+            ids = client_ids(clients, size.device)
+            total = size[client_ids(among, size.device)].sum()
             return (size[ids].double() / total.double()).cpu()
         sizes = {n: self.clients[n].num_train for n in set(clients) | set(among)}
         total = sum(sizes[n] for n in among)

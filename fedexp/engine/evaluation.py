@@ -17,7 +17,7 @@ import torch
 from torch.func import vmap
 
 from fedexp.contract import Cohort, State
-from fedexp.data.client import ClientData
+from fedexp.data.client import ClientData, client_ids
 from fedexp.engine import rng
 from fedexp.metrics import LOWER_IS_BETTER, aggregate
 
@@ -217,7 +217,7 @@ class Evaluation:
             lower = key.removeprefix(_VAL) in LOWER_IS_BETTER
             better = torch.minimum if lower else torch.maximum
             new = torch.tensor([m[key] for m in scored], dtype=torch.float64)
-            idx = torch.tensor(who, dtype=torch.long)
+            idx = client_ids(who)
             old = best[idx]
             merged = torch.where(torch.isnan(new), old, better(old, new))
             best[idx] = torch.where(torch.isnan(old), new, merged)

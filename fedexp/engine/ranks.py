@@ -26,6 +26,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from fedexp.contract import Message, parts_updates, update_parts
+from fedexp.data.client import client_ids
 
 #: How long a collective may wait for a rank before the run fails (a rank that died).
 TIMEOUT = timedelta(minutes=10)
@@ -124,10 +125,8 @@ class Ranks:
         rank that has rows); returns ``[len(clients), ...]`` per part, on the parts' device.
         """
         device = next(iter(parts.values())).device if parts else torch.device("cpu")
-        got = self.gather_tensors(
-            {**parts, "__clients__": torch.tensor(list(mine), dtype=torch.int64)}
-        )
-        ids = torch.tensor(list(clients), dtype=torch.int64)
+        got = self.gather_tensors({**parts, "__clients__": client_ids(list(mine))})
+        ids = client_ids(list(clients))
         where = torch.full((int(ids.max()) + 1 if len(ids) else 0,), -1, dtype=torch.int64)
         where[ids] = torch.arange(len(ids))  # a client's row in ``clients`` order
         names = sorted({k for g in got for k in g if k != "__clients__"})

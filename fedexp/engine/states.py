@@ -26,6 +26,7 @@ from typing import Any, overload
 
 import torch
 
+from fedexp.data.client import client_ids
 from fedexp.errors import ConfigError
 
 State = dict[str, torch.Tensor]
@@ -89,7 +90,7 @@ class ClientStates(Sequence[State]):
         """The states of ``clients``, in their order."""
         if not len(clients):
             return []
-        ids = torch.as_tensor(list(clients), dtype=torch.int64)
+        ids = client_ids(list(clients))
         written = self._written[ids].tolist()
         out: list[State] = [
             {} if w else self._init(int(n)) for n, w in zip(clients, written, strict=True)
@@ -118,7 +119,7 @@ class ClientStates(Sequence[State]):
             raise ValueError(f"{len(clients)} clients but {len(states)} states")
         if not len(clients):
             return
-        ids = torch.as_tensor(list(clients), dtype=torch.int64)
+        ids = client_ids(list(clients))
         for n in clients:
             self._loose.pop(n, None)
         for has in self._has.values():
@@ -170,11 +171,7 @@ class ClientStates(Sequence[State]):
         ``{"written": ids, "rows": {key: ids}, "values": {key: [m, ...]}, "loose": {n: state}}``
         (CPU tensors): what a checkpoint holds and what ranks exchange; :meth:`load` reads it.
         """
-        ids = (
-            torch.arange(self._size)
-            if clients is None
-            else torch.as_tensor(list(clients), dtype=torch.int64)
-        )
+        ids = torch.arange(self._size) if clients is None else client_ids(list(clients))
         ids = ids[self._written[ids]]
         out: dict[str, Any] = {"written": ids.clone(), "rows": {}, "values": {}, "loose": {}}
         for key, col in self._cols.items():
