@@ -88,3 +88,15 @@ def exchanges(rank: int, size: int, port: int, out: str, limit: int) -> None:
             (Path(out) / "exchanges.json").write_text(json.dumps(got))
     finally:
         dist.destroy_process_group()
+
+
+def failing_rank(rank: int, size: int, port: int, error: str) -> None:
+    """A started rank (:func:`fedexp.engine.launch.rank_main`) whose job raises ``error``:
+    ``"data"`` a user's DataError, else a bug (RuntimeError)."""
+    from fedexp.engine.launch import rank_main
+    from fedexp.errors import DataError
+
+    def job(cfg) -> None:  # noqa: ANN001 - the runner's job
+        raise DataError("bad rows") if error == "data" else RuntimeError("a bug")
+
+    rank_main(rank, size, port, "rounds: 1", "gloo", job)

@@ -272,3 +272,64 @@ def test_a_job_of_two_submitit_tasks_is_one_run(one_process, tmp_path):
     assert len(logs) == 2
     assert "distributed: 2 processes on 1 node(s), started by the local job" in logs[0].read_text()
     assert "fedexp" not in logs[1].read_text()  # rank 1 prints nothing
+
+
+def test_distributed_nproc_two_started_ranks_write_what_one_does(one_process, tmp_path):
+    """``fedexp run distributed.nproc=2``: the command's process starts the other rank."""
+    proc = run_cli("run", *TINY, "distributed.nproc=2", "tracker=none", cwd=tmp_path, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("results: ") == 1
+    assert "fedexp:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    folders = list((tmp_path / "outputs").glob("*/*"))
+    assert len(folders) == 1, folders
+    _same_files(one_process, folders[0])
+
+
+def test_a_data_error_over_two_started_ranks_is_one_line(tmp_path):
+    """Every rank meets the same bad data; the user reads it once, without a traceback."""
+    proc = run_cli(
+        "run",
+        *TINY,
+        "num_clients=5000",
+        "distributed.nproc=2",
+        "tracker=none",
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len([line for line in lines if line.startswith("fedexp: error:")]) == 1, lines
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "sample" in proc.stderr
+
+
+@pytest.mark.parametrize(("error", "printed"), [("data", False), ("bug", True)])
+def test_a_started_rank_leaves_user_errors_to_rank_0_and_prints_bugs(tmp_path, error, printed):
+    """A started rank that meets a user's error exits 1 silently (rank 0 builds the same and
+    says it once); a bug's traceback is printed."""
+    code = (
+        "import sys, torch.multiprocessing as mp\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import distributed_worker\n"
+        "from fedexp.engine.launch import _free_port\n"
+        "if __name__ == '__main__':\n"
+        "    port, ctx = _free_port(), mp.get_context('spawn')\n"
+        "    ps = [ctx.Process(target=distributed_worker.failing_rank,"
+        " args=(r, 2, port, sys.argv[2])) for r in range(2)]\n"
+        "    [p.start() for p in ps]\n"
+        "    [p.join(120) for p in ps]\n"
+        "    sys.exit(max(p.exitcode for p in ps))\n"
+    )
+    tests = str(Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, tests, error],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1
+    assert ("Traceback" in proc.stderr) is printed, proc.stderr[-2000:]
+    assert ("RuntimeError: a bug" in proc.stderr) is printed
+    assert "DataError: bad rows" not in proc.stderr

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fedexp.engine.ranks import TIMEOUT, Ranks
+from fedexp.errors import FedexpError
 
 log = logging.getLogger("fedexp")
 
@@ -62,7 +63,10 @@ def rank_main(
 ) -> None:
     """A rank ≥ 1: join the group and run ``job`` on the config.
 
-    ``job`` is the runner's run, without tracker or files.
+    ``job`` is the runner's run, without tracker or files. It builds its share of the clients
+    while rank 0 builds its own. A user's error (:class:`FedexpError`: a setting, the data) is
+    left to rank 0 to print, as under torchrun: every rank builds from the same config and
+    data, so rank 0 meets it too. Anything else is printed with its traceback.
     """
     logging.getLogger("fedexp").setLevel(logging.WARNING)
     cfg = OmegaConf.create(config)
@@ -72,6 +76,8 @@ def rank_main(
         _join(rank, size, port, backend)
         job(cfg)
         dist.barrier()  # with rank 0's stop(): every rank done before the group goes
+    except FedexpError:  # a setting or the data: rank 0 meets it too and alone says it
+        os._exit(1)
     except BaseException:  # noqa: BLE001 - reported, and the group torn down for rank 0
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()

@@ -313,29 +313,36 @@ def run(
         raise ConfigError(f"distributed.nodes={nodes}: no process group spans the nodes")
     if tracker is None:  # first: an unreachable tracking server fails before anything is built
         tracker = instantiate_checked(cfg.tracker, "tracker")
-    place = Ranks.current()  # this process's rank, or (spawning the others) rank 0
-    nproc = cfg.get("distributed", {}).get("nproc", 1)
-    share = (place.rank, place.size) if place is not None else (0, nproc) if nproc > 1 else None
-    engine, data = _build(cfg, share)
-    dataset = None  # what rank 0 logs of the data set
-    if share is None or share[0] == 0:
-        dataset = describe_dataset(data, OmegaConf.to_container(cfg.dataset, resolve=True))
-    del data  # the clients hold their own copies
-    if cfg.output_dir:
-        out_dir = Path(cfg.output_dir)
-    else:  # no folder given (the API): one of its own, never reused (the CLI's does the same)
-        out_dir = Path(fresh_dir(f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"))
-    engine.ranks, procs = Ranks.current(), []
-    if engine.ranks is None and cfg.get("distributed", {}).get("nproc", 1) > 1:
-        engine.ranks, procs = launch.start(cfg, str(out_dir), _rank_entry)
+    place, procs = Ranks.current(), []  # this process's rank (torchrun, a started rank)
+    out_dir = _out_dir(cfg) if place is None and _nproc(cfg) > 1 else None
+    if out_dir is not None:  # the others start now and build their share meanwhile
+        place, procs = launch.start(cfg, str(out_dir), _rank_entry)
     failed = True
     try:
+        engine, data = _build(cfg, None if place is None else (place.rank, place.size))
+        dataset = None  # what rank 0 logs of the data set
+        if place is None or place.leader:
+            dataset = describe_dataset(data, OmegaConf.to_container(cfg.dataset, resolve=True))
+        del data  # the clients hold their own copies
+        engine.ranks = place
+        out_dir = out_dir or _out_dir(cfg)
         result = _run(cfg, engine, dataset, out_dir, tracker, callbacks, run_name, tags)
         failed = False
         return result
     finally:
         if procs:  # the other ranks: waited for, or ended when this one failed
             launch.stop(procs, failed=failed)
+
+
+def _nproc(cfg: DictConfig) -> int:
+    return int(cfg.get("distributed", {}).get("nproc", 1))
+
+
+def _out_dir(cfg: DictConfig) -> Path:
+    """The run's folder: ``output_dir``, or (the API) one of its own, never reused."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    return Path(fresh_dir(f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"))
 
 
 def _rank_entry(rank: int, size: int, port: int, config: str, backend: str) -> None:
