@@ -18,6 +18,22 @@ from fedexp.tracking.base import NullTracker
 from helpers import compose_config
 
 
+def spawn_ranks(target, *args: object, size: int = 2, timeout: float = 600) -> None:  # noqa: ANN001
+    """Run ``target(rank, size, port, *args)`` in ``size`` spawned processes; all must exit 0."""
+    import torch.multiprocessing as mp
+
+    from fedexp.engine.launch import _free_port
+
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, size, port, *args)) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
 def main(rank: int, size: int, port: int, out: str, jobs: list[tuple[str, list[str]]]) -> None:
     """Run every (name, overrides) of ``jobs`` over ``size`` ranks."""
     _join(rank, size, port, "gloo")

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from fedexp.engine.launch import _free_port
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
 from helpers import CONF, SMALL, compose_config
@@ -36,19 +34,9 @@ def _overrides(algorithm: str, out: Path, *extra: str) -> list[str]:
 
 def _two_ranks(jobs: list[tuple[str, list[str]]], out: Path) -> dict[str, dict]:
     """Run ``jobs`` over two spawned ranks; rank 0's metrics of each, by name."""
-    import distributed_worker
+    from distributed_worker import main, spawn_ranks
 
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=distributed_worker.main, args=(r, 2, port, str(out), jobs))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    spawn_ranks(main, str(out), jobs)
     return {name: json.loads((out / f"{name}.json").read_text()) for name, _ in jobs}
 
 

@@ -10,26 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from fedexp.engine.launch import _free_port
 from fedexp.engine.ranks import SHORT
 
 
 def _exchanges(out: Path, limit: int) -> dict:
-    import distributed_worker
+    from distributed_worker import exchanges, spawn_ranks
 
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=distributed_worker.exchanges, args=(r, 2, port, str(out), limit))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    spawn_ranks(exchanges, str(out), limit, timeout=300)
     return json.loads((out / "exchanges.json").read_text())
 
 

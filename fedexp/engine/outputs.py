@@ -36,7 +36,7 @@ def _write_outputs(
     history: list[dict[str, float]],
     engine: Engine,
     client_history: list[dict[str, float]],
-    models: torch.Tensor | None = None,
+    models: torch.Tensor,
 ) -> list[Path]:
     """Write a run's result files into ``out``; returns those the tracker uploads.
 
@@ -53,8 +53,9 @@ def _write_outputs(
     - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients).
     - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
 
-    ``models``: every client's evaluated vector, ``[N, d]`` (default: computed here, which a
-    run over several processes cannot: each rank holds its own clients' data).
+    ``models``: every client's evaluated vector, ``[N, d]``
+    (:meth:`~fedexp.engine.evaluation.Evaluation.every_eval_vector`, which every rank of a run
+    over several processes takes part in).
     """
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "config.yaml", out / "clients.csv", out / "rounds.csv"]
@@ -94,8 +95,6 @@ def _write_outputs(
             writer = csv.writer(fh)
             writer.writerow(["i", "j"])
             writer.writerows(edges.cpu().tolist())
-    if models is None:
-        models = engine.every_eval_vector()
     headline = next(iter(per_client[0]))
     for png in (
         plot_rounds(history, out / "curves.png", headline),

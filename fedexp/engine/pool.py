@@ -33,11 +33,11 @@ class TrainPool:
         x, y: all training inputs / targets, client after client.
         offset: int64 [N] first row of each client.
         size: int64 [N] each client's training-set size.
-        share: (rank, size) when it holds the rows of a rank's own clients only (a
-            :class:`ClientTable`'s over ``distributed.nproc``), else None.
+        elsewhere: when it holds the rows of a rank's own clients only (a
+            :class:`ClientTable`'s over ``distributed.nproc``), what the others' rows read
+            as (:class:`Elsewhere`, with the rank's ``share``); else None.
     """
 
-    share: tuple[int, int] | None = None
     elsewhere: Elsewhere | None = None
 
     @classmethod
@@ -250,7 +250,6 @@ def _split(
     pool.starts = starts  # read when a client's data are made
     pool.sizes = sizes
     pool.elsewhere = None if share is None else Elsewhere(name, share)
-    pool.share = share
     return pool
 
 
@@ -342,8 +341,8 @@ class ClientTable(Sequence[ClientData]):
         if made is not None and all(made[n] is not None for n in clients):
             return [made[n] for n in clients]  # type: ignore[misc]
         ids = np.asarray(clients, dtype=np.int64)
-        share = self.pool.share
-        here = None if share is None else (ids % share[1] == share[0]).tolist()
+        away = self.pool.elsewhere
+        here = None if away is None else (ids % away.share[1] == away.share[0]).tolist()
         fields = []
         for pool in (self.pool, self.test, self.val):
             if pool is None:
