@@ -235,6 +235,9 @@ def test_the_ui_serves_the_store_prints_the_link_and_stops_on_ctrl_c(store, tmp_
         stderr=subprocess.DEVNULL,
         text=True,
         env=_env(),
+        # a test run started in the background by a non-interactive shell inherits SIGINT
+        # ignored, and so would the child (Python then installs no KeyboardInterrupt handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         seen = []

@@ -408,6 +408,9 @@ def test_ctrl_c_ends_the_jobs_killed_and_prints_the_summary(tmp_path, launcher):
         text=True,
         env=_env(),
         start_new_session=True,  # its own process group, as a shell's foreground job
+        # a test run started in the background by a non-interactive shell inherits SIGINT
+        # ignored, and so would the child (Python then installs no KeyboardInterrupt handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     log = tmp_path / "sweep" / "0" / "cli.log"
     deadline = time.monotonic() + 120
