@@ -82,28 +82,28 @@ class Ranks:
         the rest when one does not. Each collective wakes every rank's communication thread,
         so a round's fixed cost is counted in collectives.
         """
+        room = SHORT - 8  # after the length
         head = torch.zeros(SHORT, dtype=torch.uint8)
         head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        first = data[: SHORT - 8]
+        first = data[:room]
         if first:
             head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
         heads = [torch.zeros_like(head, device=self.device) for _ in range(self.size)]
         dist.all_gather(heads, head.to(self.device))
         heads = [h.cpu() for h in heads]
         sizes = [int(h[:8].view(torch.int64)) for h in heads]
-        room = SHORT - 8
         out = [bytes(h[8 : 8 + min(n, room)].numpy()) for h, n in zip(heads, sizes, strict=True)]
-        rest = max(sizes) - (SHORT - 8)
+        rest = max(sizes) - room
         if rest <= 0:
             return out
         buf = torch.zeros(rest, dtype=torch.uint8)
-        tail = data[SHORT - 8 :]
+        tail = data[room:]
         if tail:
             buf[: len(tail)] = torch.frombuffer(bytearray(tail), dtype=torch.uint8)
         bufs = [torch.zeros_like(buf, device=self.device) for _ in range(self.size)]
         dist.all_gather(bufs, buf.to(self.device))
         return [
-            o + bytes(b[: max(0, n - (SHORT - 8))].cpu().numpy())
+            o + bytes(b[: max(0, n - room)].cpu().numpy())
             for o, b, n in zip(out, bufs, sizes, strict=True)
         ]
 
