@@ -37,6 +37,7 @@ def spawn_ranks(target, *args: object, size: int = 2, timeout: float = 600) -> N
 def main(rank: int, size: int, port: int, out: str, jobs: list[tuple[str, list[str]]]) -> None:
     """Run every (name, overrides) of ``jobs`` over ``size`` ranks."""
     _join(rank, size, port, "gloo")
+    done = False
     try:
         for name, overrides in jobs:
             tracker = NullTracker()
@@ -49,6 +50,17 @@ def main(rank: int, size: int, port: int, out: str, jobs: list[tuple[str, list[s
                 }
                 (Path(out) / f"{name}.json").write_text(json.dumps(metrics))
                 save_file(vectors, str(Path(out) / f"{name}.safetensors"))
+        done = True
+    finally:
+        _leave(done)
+
+
+def _leave(done: bool) -> None:
+    """Leave the group as the runner's ranks do: after a barrier when this rank finished (so
+    that no rank tears its side down while another still talks to it), at once on failure."""
+    try:
+        if done:
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -73,6 +85,7 @@ def exchanges(rank: int, size: int, port: int, out: str, limit: int) -> None:
     from fedexp.engine.ranks import SHORT, Ranks, reduce_uploads, sums_record, weighted_sums
 
     _join(rank, size, port, "gloo")
+    done = False
     try:
         ranks = Ranks.current()
         lengths = [0, 1, SHORT - 8, SHORT - 7, 3 * SHORT + 5]
@@ -102,8 +115,9 @@ def exchanges(rank: int, size: int, port: int, out: str, limit: int) -> None:
         got["rank 0 alone"] = {k: v.reshape(-1).tolist() for k, v in updates[0].items()}
         if rank == 0:
             (Path(out) / "exchanges.json").write_text(json.dumps(got))
+        done = True
     finally:
-        dist.destroy_process_group()
+        _leave(done)
 
 
 def failing_rank(rank: int, size: int, port: int, error: str) -> None:

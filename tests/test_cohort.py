@@ -245,12 +245,12 @@ def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch, overrides):
 
 
 def test_train_losses_of_a_cohort_equal_client_by_client(small_cfg):
-    """``solver.train_losses`` (padded, vmapped, in chunks) gives each client's task loss on
+    """``losses.train_losses`` (padded, vmapped, in chunks) gives each client's task loss on
     its training split under each candidate; a task without ``loss_batch`` is scored client
     by client, to the same values."""
     from types import SimpleNamespace
 
-    from fedexp.engine.solver import train_losses
+    from fedexp.engine.losses import train_losses
 
     engine = build_engine(small_cfg("model=mlp", "model.hidden=8"))
     ctx, data = engine.ctx, engine.clients

@@ -27,7 +27,7 @@ Differences from the paper and the authors' code (github.com/jichan3751/ifca), a
   forced assignments) are left to the experiment.
 * The loss estimate runs the model in evaluation mode without gradients (no dropout; BatchNorm
   with the cluster model's running statistics), in chunks
-  (:func:`fedexp.engine.solver.train_losses`); it draws nothing from the client's stream, so
+  (:func:`fedexp.engine.losses.train_losses`); it draws nothing from the client's stream, so
   the minibatches are FedAvg's. Ties go to the lowest index; a non-finite loss never wins.
 * Optimiser state (momentum, Adam moments): kept between rounds while the client stays in the
   same cluster, restarted fresh when ĵ changes (the old state belongs to another model).
@@ -66,7 +66,8 @@ from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine import rng
 from fedexp.engine.context import Context
-from fedexp.engine.solver import train_losses, unstack_states
+from fedexp.engine.losses import train_losses
+from fedexp.engine.solver import unstack_states
 
 #: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
 CLUSTER_INIT = 31

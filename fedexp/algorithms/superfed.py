@@ -50,9 +50,10 @@ from fedexp.config.ranges import Fraction, NonNegativeInt, Range
 from fedexp.data.client import ClientData
 from fedexp.engine import rng
 from fedexp.engine.context import Context
+from fedexp.engine.losses import train_losses
 from fedexp.engine.objective import Aux, Objective
 from fedexp.engine.optim import State as OptState
-from fedexp.engine.solver import train_losses, unstack_states
+from fedexp.engine.solver import unstack_states
 from fedexp.models.flat import FlatModel
 
 #: the evaluation grid of the authors' code
@@ -237,7 +238,7 @@ def select_lambdas(
     """Each client's grid λ whose mixture has the lowest loss on its training split.
 
     ``g``, ``local``: the clients' [m, d] rows. Each grid λ's mixtures are scored for all
-    clients at once (:func:`fedexp.engine.solver.train_losses`, the module in eval mode); the
+    clients at once (:func:`fedexp.engine.losses.train_losses`, the module in eval mode); the
     first λ of the lowest loss wins.
     """
 
