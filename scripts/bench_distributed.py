@@ -50,6 +50,10 @@ def _worker(args: argparse.Namespace) -> None:
 
     if args.nproc == 1:
         torch.set_num_threads(args.threads)
+    if args.pages == "small":  # every tensor from torch's allocator (4 KiB pages)
+        from fedexp.engine import hugepages
+
+        hugepages.MIN_BYTES = 1 << 62
     cfg = compose_config(
         "dataset=synthetic",
         f"dataset.num_samples={args.clients * args.samples}",
@@ -124,8 +128,9 @@ def _tree(pid: int) -> list[int]:
 
 def _measure(algorithm: str, nproc: int, threads: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--algorithm", algorithm, "--nproc", str(nproc)]
-    for key in ("clients", "samples", "features", "rounds", "store"):
-        cmd += [f"--{key}", str(getattr(args, key))]
+    for key in ("clients", "samples", "features", "rounds", "store", "pages"):
+        value = getattr(args, key)
+        cmd += [f"--{key}", str(value[0] if isinstance(value, list) else value)]
     cmd += ["--threads", str(threads)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -155,6 +160,13 @@ def main() -> None:
     parser.add_argument(
         "--sides", nargs="+", default=None, help="P x threads to run, e.g. 1x1 2x1 (default: all)"
     )
+    parser.add_argument(
+        "--pages",
+        nargs="+",
+        default=["huge"],
+        choices=["huge", "small"],
+        help="the large CPU tensors on huge pages (fedexp.engine.hugepages) or torch's own",
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
@@ -164,6 +176,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="fedavg", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        args.pages = args.pages[0]
         _worker(args)
         return
     print(
@@ -175,22 +188,26 @@ def main() -> None:
     if args.sides:
         sides = [(int(a), int(b)) for a, _, b in (side.partition("x") for side in args.sides)]
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
-    head = "| algorithm | P × threads | round (s) | client updates/s | vs 1 × 1 |"
+    head = "| algorithm | pages | P × threads | round (s) | client updates/s | vs 1 × 1 |"
     print(head + " peak RSS a process (MiB) | of it not files (MiB) | rounds, not files | acc |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    pages = args.pages
     for algorithm in args.algorithms:
-        runs: dict[tuple[int, int], list[dict]] = {side: [] for side in sides}
-        for _ in range(args.repeats):
-            for p, threads in sides:
-                runs[(p, threads)].append(_measure(algorithm, p, threads, args))
-        base = statistics.median(r["updates_per_s"] for r in runs.get((1, 1), runs[sides[0]]))
-        for (p, threads), rows in runs.items():
+        runs = {(k, side): [] for k in pages for side in sides}
+        for _ in range(args.repeats):  # interleaved: every side and kind of page in turn
+            for k in pages:
+                for p, threads in sides:
+                    args.pages = [k]
+                    runs[(k, (p, threads))].append(_measure(algorithm, p, threads, args))
+        for (k, (p, threads)), rows in runs.items():
+            first = runs.get((k, (1, 1)), runs[(k, sides[0])])
+            base = statistics.median(r["updates_per_s"] for r in first)
             rate = statistics.median(r["updates_per_s"] for r in rows)
             rss = max(r["rss_mib"] for r in rows)
             anon = max(r["anon_mib"] for r in rows)
             round_s = statistics.median(r["round_s"] for r in rows)
             print(
-                f"| {algorithm} | {p} × {threads} | {round_s:.3f} | {rate:,.0f} "
+                f"| {algorithm} | {k} | {p} × {threads} | {round_s:.3f} | {rate:,.0f} "
                 f"| {rate / base:.2f} | {rss:,.0f} ({rss / total:.1%} of {total / 1024:.0f} GiB) "
                 f"| {anon:,.0f} | {max(r['round_anon_mib'] for r in rows):,.0f} "
                 f"| {rows[-1]['acc']:.4f} |"

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from fedexp.data.client import ClientData, PoolRows
+from fedexp.engine import hugepages
 
 
 class TrainPool:
@@ -173,9 +174,14 @@ _CHUNK = 1 << 16
 def mapped_empty(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, folder: Path | None, name: str
 ) -> torch.Tensor:
-    """An uninitialised tensor: in memory, or (CPU, with ``folder``) a shared mapped file."""
-    if folder is None or device.type != "cpu":
+    """An uninitialised tensor: in memory, or (CPU, with ``folder``) a shared mapped file.
+
+    In memory on the CPU, a large one is on huge pages (:mod:`fedexp.engine.hugepages`).
+    """
+    if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
+    if folder is None:
+        return hugepages.empty(shape, dtype)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.bin"
     path.unlink(missing_ok=True)

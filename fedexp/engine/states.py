@@ -27,6 +27,7 @@ from typing import Any, overload
 import torch
 
 from fedexp.data.client import client_ids
+from fedexp.engine import hugepages
 from fedexp.errors import ConfigError
 
 State = dict[str, torch.Tensor]
@@ -149,7 +150,9 @@ class ClientStates(Sequence[State]):
         if "/" in key:
             raise ValueError(f"client state key {key!r}: expected a name without '/'")
         shape = (self._size, *like.shape)
-        if self.folder is None:
+        if self.folder is None and self.device.type == "cpu":  # large ones on huge pages
+            col = hugepages.zeros(shape, like.dtype)
+        elif self.folder is None:
             col = torch.zeros(shape, dtype=like.dtype, device=self.device)
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
