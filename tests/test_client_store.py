@@ -12,7 +12,7 @@ import torch
 
 from fedexp.engine.pool import ClientTable
 from fedexp.engine.runner import build_engine, run
-from fedexp.engine.states import ClientStates, scratch_folder
+from fedexp.engine.states import ClientStates, merge_exports, scratch_folder
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
 from helpers import compose_config
@@ -73,6 +73,37 @@ def test_export_and_load_carry_the_written_states_only(store, tmp_path):
     old = ClientStates(5, _init, "cpu")  # a checkpoint of an earlier version: per client
     old.load_per_client({"1": {"v": torch.zeros(3)}})
     assert _equal(old[1], {"v": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_each_rank_holds_its_own_clients_states_and_their_exports_merge_to_the_whole(
+    where, tmp_path
+):
+    """Over P processes a rank's columns hold its own clients' rows (n mod P == rank); the
+    ranks' exports merged are one process's, and a rank loads its own of a whole export."""
+    size, procs = 8, 3
+    folder = (lambda r: tmp_path / f"r{r}") if where == "disk" else (lambda r: None)
+    whole = ClientStates(size, _init, "cpu", folder("whole"))
+    ranks = [ClientStates(size, _init, "cpu", folder(r), share=(r, procs)) for r in range(procs)]
+    written = {n: {"v": torch.full((3,), 10.0 * n), "k": torch.tensor([-n])} for n in (0, 2, 3, 7)}
+    written[5] = {"v": torch.arange(4.0)}  # a value that does not fit its column: kept aside
+    whole.write(list(written), list(written.values()))
+    for r, part in enumerate(ranks):
+        own = [n for n in written if n % procs == r]
+        part.write(own, [written[n] for n in own])
+    merged, one = merge_exports([p.export() for p in ranks]), whole.export()
+    assert torch.equal(merged["written"], one["written"]) and merged["loose"].keys() == {"5"}
+    for key in one["rows"]:
+        assert torch.equal(merged["rows"][key], one["rows"][key])
+        assert torch.equal(merged["values"][key], one["values"][key])
+    assert ranks[1].nbytes < whole.nbytes  # rows of 3 of the 8 clients
+    for r, part in enumerate(ranks):
+        fresh = ClientStates(size, _init, "cpu", folder(f"fresh{r}"), share=(r, procs))
+        fresh.load(one)  # every client's: it keeps its own
+        for n in part.own():
+            assert _equal(fresh[n], part[n]) and _equal(part[n], whole[n])
+    with pytest.raises(RuntimeError, match="client 4's state is on rank 1: rank 0 of 3"):
+        ranks[0].rows([0, 4])
 
 
 def test_a_disk_store_keeps_its_columns_in_files(tmp_path):

@@ -120,3 +120,21 @@ def test_a_run_checkpointed_by_two_processes_resumes_on_one(both, tmp_path):
         [*overrides, "rounds=3", f"resume={first / 'checkpoints'}", f"output_dir={first}"]
     )
     assert not _differences({k: v for k, v in one["ditto"].items()}, {**resumed})
+
+
+def test_checkpoints_move_between_one_process_and_two(tmp_path):
+    """Every client's states and channel memories (Ditto; STC with error feedback both ways)
+    cross a checkpoint whatever the number of processes: one process checkpoints round 1,
+    two resume it to round 2 (each keeps its own clients of it) and checkpoint, one resumes
+    that to round 3 and logs what one process running three rounds does."""
+    base = [o for o in BASE if not o.startswith(("rounds", "checkpoint_every", "participation"))]
+    base += ["participation=1", "algorithm=ditto", "compressor=stc", "checkpoint_every=1"]
+    base += ["compressor.uplink.codec.q=0.2", "compressor.downlink.codec.q=0.2"]
+    straight = _one_rank([*base, "rounds=3", f"output_dir={tmp_path / 'straight'}"])
+    hops = tmp_path / "hops"
+    resume = f"resume={hops / 'checkpoints'}"
+    _one_rank([*base, "rounds=1", f"output_dir={hops}"])
+    _two_ranks([("hop", [*base, "rounds=2", resume, f"output_dir={hops}"])], tmp_path)
+    resumed = _one_rank([*base, "rounds=3", resume, f"output_dir={hops}"])
+    assert not _differences(straight, resumed)
+    assert straight["bytes/up_cum"] == resumed["bytes/up_cum"]

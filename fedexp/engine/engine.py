@@ -45,7 +45,7 @@ from fedexp.engine.ranks import (
     sums_record,
     weighted_sums,
 )
-from fedexp.engine.states import ClientStates
+from fedexp.engine.states import ClientStates, merge_exports
 from fedexp.engine.transport import (
     PartKey,
     Transport,
@@ -122,8 +122,13 @@ class Engine(Transport, Evaluation):
     def _fresh_states(self) -> ClientStates:
         """Every client at its initial state (made when read: nothing is stored until then)."""
         algo, ctx, x0 = self.algorithm, self.ctx, self.x0
+        ranks = self.ranks
         return ClientStates(
-            len(self.clients), lambda n: algo.init_client(ctx, x0, n), ctx.device, self.store
+            len(self.clients),
+            lambda n: algo.init_client(ctx, x0, n),
+            ctx.device,
+            self.store,
+            share=None if ranks is None else (ranks.rank, ranks.size),
         )
 
     # ------------------------------------------------------------------ set-up
@@ -152,41 +157,6 @@ class Engine(Transport, Evaluation):
             self.ledger = ledger
         self.server = self.algorithm.server_setup(self.ctx, self.server, sketches)
         return {"bytes/setup_up": float(self.ledger.total["up"])}
-
-    def sync_states(self) -> None:
-        """Every rank's clients' states (and channel memories) copied to every rank.
-
-        A rank runs only its own clients, so the others' states it holds are stale; before
-        a checkpoint or the run's files (which rank 0 writes) they are gathered. One
-        process: nothing to do.
-        """
-        ranks = self.ranks
-        if ranks is None:
-            return
-        mine = set(ranks.mine(range(len(self.clients))))
-        named = flatten_state({"c": self.client_states.export(sorted(mine))})
-        for kind, store in (
-            ("residual", self.residual),
-            ("replica", self.replica),
-            ("reference", self.reference),
-        ):
-            for d in ("up", "down"):
-                for key, v in store[d].items():
-                    if key[0] in mine:
-                        named[f"{kind}/{d}/{_state_key(key)}"] = v
-        for rank, got in enumerate(ranks.gather_tensors(named)):
-            if rank == ranks.rank:
-                continue
-            theirs = {k: v for k, v in got.items() if k.startswith("c/")}
-            self.client_states.load(unflatten_state(theirs).get("c", {}))
-            for name, v in got.items():
-                head, _, rest = name.partition("/")
-                if head != "c":
-                    d, _, key = rest.partition("/")
-                    store = {"residual": self.residual, "replica": self.replica}.get(
-                        head, self.reference
-                    )
-                    store[d][_parse_key(key)] = v.to(self.ctx.device)
 
     # ---------------------------------------------------------------- the round
     def run_round(self) -> dict[str, float]:
@@ -388,8 +358,13 @@ class Engine(Transport, Evaluation):
         return torch.tensor([sizes[n] / total for n in clients], dtype=torch.float64)
 
     # ----------------------------------------------------------- checkpointing
-    def state_tree(self) -> dict[str, Any]:
-        """Every tensor of the run's state, as a nested dict for ``checkpoint.save``."""
+    def state_tree(self) -> dict[str, Any] | None:
+        """Every tensor of the run's state, as a nested dict for ``checkpoint.save``.
+
+        Over several processes a collective: every rank's clients' states and channel
+        memories go to rank 0, which gets the whole tree; the other ranks get None.
+        """
+        clients = self.client_states.export()
         channel = {
             d: {
                 kind: {_state_key(k): v for k, v in store[d].items()}
@@ -401,9 +376,22 @@ class Engine(Transport, Evaluation):
             }
             for d in ("up", "down")
         }
+        if self.ranks is not None:
+            got = self.ranks.leader_gathers(flatten_state({"c": clients, "m": channel}))
+            if got is None:
+                return None
+            trees = [unflatten_state(g) for g in got]
+            clients = merge_exports([t.get("c", {}) for t in trees])
+            channel = {
+                d: {k: {} for k in ("residual", "replica", "reference")} for d in ("up", "down")
+            }
+            for t in trees:
+                for d, kinds in t.get("m", {}).items():
+                    for kind, entries in kinds.items():
+                        channel[d][kind].update(entries)
         tree = {
             "server": self.server,
-            "clients": self.client_states.export(),
+            "clients": clients,
             "channel": channel,
             "best": dict(self.best),
         }
@@ -428,7 +416,12 @@ class Engine(Transport, Evaluation):
         ):
             for d in ("up", "down"):
                 saved = channel.get(d, {}).get(kind, {})
-                store[d] = {_parse_key(k): v.to(dev) for k, v in saved.items()}
+                keys = {k: _parse_key(k) for k in saved}
+                store[d] = {  # over several ranks, each keeps its own clients'
+                    keys[k]: v.to(dev)
+                    for k, v in saved.items()
+                    if self.ranks is None or self.ranks.owner(keys[k][0]) == self.ranks.rank
+                }
         self.best = {}
         for key, value in tree.get("best", {}).items():
             if isinstance(value, dict):  # the validation split's "val/<m>", saved nested

@@ -116,6 +116,29 @@ class Ranks:
         blob = save_tensors({k: v.detach().cpu().clone() for k, v in named.items()})
         return [load_tensors(b) for b in self.gather_bytes(blob)]
 
+    def leader_gathers(
+        self, named: dict[str, torch.Tensor]
+    ) -> list[dict[str, torch.Tensor]] | None:
+        """Every rank's named tensors (CPU copies), in rank order, to rank 0 alone.
+
+        The others get None: a checkpoint's client states go to rank 0, which writes them,
+        and to no other rank. The lengths first (one ``all_gather`` of an int64), then one
+        ``gather`` of the bytes, each padded to the longest.
+        """
+        blob = save_tensors({k: v.detach().cpu().clone() for k, v in named.items()})
+        mine = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
+        lengths = [torch.zeros_like(mine) for _ in range(self.size)]
+        dist.all_gather(lengths, mine)
+        sizes = [int(n) for n in lengths]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8)
+        buf[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        buf = buf.to(self.device)
+        bufs = [torch.zeros_like(buf) for _ in range(self.size)] if self.leader else None
+        dist.gather(buf, bufs, dst=0)
+        if bufs is None:
+            return None
+        return [load_tensors(bytes(b[:n].cpu().numpy())) for b, n in zip(bufs, sizes, strict=True)]
+
     def gather_rows(
         self, clients: Sequence[int], mine: Sequence[int], parts: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:

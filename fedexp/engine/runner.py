@@ -97,12 +97,13 @@ def build_engine(cfg: DictConfig) -> Engine:
     return _build(cfg)[0]
 
 
-def _build(cfg: DictConfig, share: tuple[int, int] | None = None) -> tuple[Engine, ArrayDataset]:
+def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDataset]:
     """:func:`build_engine`, and the data set as loaded (before it is partitioned).
 
-    ``share = (rank, size)``: the process is that rank of a run over several; its table
-    holds its own clients' rows only.
+    ``place``: this process's rank of a run over several; its table and its clients' states
+    hold its own clients only.
     """
+    share = None if place is None else (place.rank, place.size)
     validate(cfg)  # every setting, before the data are read (the CLI has checked them too)
     check_groups(cfg)
     device = resolve_device(cfg.device)
@@ -156,6 +157,7 @@ def _build(cfg: DictConfig, share: tuple[int, int] | None = None) -> tuple[Engin
         x0=model.initial(),
         privacy=privacy,
         store=None if store is None else store / "states",
+        ranks=place,
     )
     if store is not None:  # the files go with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, store, True)
@@ -319,12 +321,11 @@ def run(
         place, procs = launch.start(cfg, str(out_dir), _rank_entry)
     failed = True
     try:
-        engine, data = _build(cfg, None if place is None else (place.rank, place.size))
+        engine, data = _build(cfg, place)
         dataset = None  # what rank 0 logs of the data set
         if place is None or place.leader:
             dataset = describe_dataset(data, OmegaConf.to_container(cfg.dataset, resolve=True))
         del data  # the clients hold their own copies
-        engine.ranks = place
         out_dir = out_dir or _out_dir(cfg)
         result = _run(cfg, engine, dataset, out_dir, tracker, callbacks, run_name, tags)
         failed = False
@@ -466,9 +467,9 @@ def _run(
                         # the folder's good checkpoint, a rescue's start: this one if healthy
                         "good_round": t if healthy else checkpoint.good_round(ckpt_dir, t),
                     }
-                    engine.sync_states()  # every rank's clients (one process: nothing)
+                    tree = engine.state_tree()  # (over several ranks: rank 0's, the others None)
                     if leader:
-                        checkpoint.save(ckpt_dir, engine.state_tree(), meta)
+                        checkpoint.save(ckpt_dir, tree, meta)
                     if healthy and leader:  # good.safetensors: a hard link, not a second write
                         checkpoint.promote(ckpt_dir)
                 for callback in callbacks:
@@ -476,7 +477,6 @@ def _run(
         if not per_client:
             _, per_client = engine.evaluate()
         final = dict(history[-1]) if history else {}
-        engine.sync_states()
         models = engine.every_eval_vector()  # (over several ranks, each computes its own)
         written = (
             []

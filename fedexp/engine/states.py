@@ -14,6 +14,12 @@ from its column's (a state that changes shape) is kept aside, per client.
 
 Reads return rows as views: the hooks treat states as read-only and return new ones, which
 :meth:`ClientStates.write` copies in.
+
+Over several processes (``share = (rank, P)``) a rank holds the rows of its own clients only
+(n mod P == rank, row n // P): the population's states are split over the ranks, not copied
+to each, and reading another rank's client is refused (a bug in the caller). A checkpoint
+gathers every rank's :meth:`ClientStates.export` and :meth:`ClientStates.load` keeps a
+rank's own clients of it, so a run resumes on any number of processes.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ClientStates(Sequence[State]):
         init: client n's initial state (read for clients never written).
         device: where states are read to (the columns live there too unless on disk).
         folder: where the columns' files go (memory-mapped); None keeps them in memory.
+        share: ``(rank, P)``: hold the clients n with n mod P == rank only; None: all.
     """
 
     def __init__(
@@ -49,13 +56,16 @@ class ClientStates(Sequence[State]):
         init: Callable[[int], State],
         device: torch.device | str = "cpu",
         folder: str | Path | None = None,
+        share: tuple[int, int] | None = None,
     ) -> None:
-        self._size, self._init = size, init
+        self._size, self._init, self.share = size, init, share
         self.device = torch.device(device)
         self.folder = None if folder is None else Path(folder)
+        rank, procs = share or (0, 1)
+        self._held = len(range(rank, size, procs))  # rows: the clients this process holds
         self._cols: dict[str, torch.Tensor] = {}
-        self._has: dict[str, torch.Tensor] = {}  # key -> bool [N]: client n's row is set
-        self._written = torch.zeros(size, dtype=torch.bool)
+        self._has: dict[str, torch.Tensor] = {}  # key -> bool per row: the client's row is set
+        self._written = torch.zeros(self._held, dtype=torch.bool)
         self._loose: dict[int, State] = {}  # values that do not fit their column
 
     def __len__(self) -> int:
@@ -87,11 +97,35 @@ class ClientStates(Sequence[State]):
         """Bytes of the columns (in memory or in their files)."""
         return sum(c.numel() * c.element_size() for c in self._cols.values())
 
+    def own(self) -> range:
+        """The clients whose rows this process holds."""
+        rank, procs = self.share or (0, 1)
+        return range(rank, self._size, procs)
+
+    def _rows(self, clients: Sequence[int]) -> torch.Tensor:
+        """The rows of ``clients`` (int64).
+
+        Raises:
+            RuntimeError: a client of another rank (reading it is a bug in the caller).
+        """
+        ids = client_ids(list(clients))
+        if self.share is None:
+            return ids
+        rank, procs = self.share
+        foreign = ids % procs != rank
+        if bool(foreign.any()):
+            n = int(ids[foreign][0])
+            raise RuntimeError(
+                f"client {n}'s state is on rank {n % procs}: rank {rank} of {procs} holds "
+                f"those of clients n with n mod {procs} == {rank} only"
+            )
+        return ids // procs
+
     def rows(self, clients: Sequence[int]) -> list[State]:
         """The states of ``clients``, in their order."""
         if not len(clients):
             return []
-        ids = client_ids(list(clients))
+        ids = self._rows(clients)
         written = self._written[ids].tolist()
         out: list[State] = [
             {} if w else self._init(int(n)) for n, w in zip(clients, written, strict=True)
@@ -120,7 +154,7 @@ class ClientStates(Sequence[State]):
             raise ValueError(f"{len(clients)} clients but {len(states)} states")
         if not len(clients):
             return
-        ids = client_ids(list(clients))
+        ids = self._rows(clients)
         for n in clients:
             self._loose.pop(n, None)
         for has in self._has.values():
@@ -128,28 +162,28 @@ class ClientStates(Sequence[State]):
         keys = list(dict.fromkeys(k for s in states for k in s))
         for key in keys:
             fits, values = [], []
-            for n, s in zip(clients, states, strict=True):
+            for i, (n, s) in enumerate(zip(clients, states, strict=True)):
                 v = s.get(key)
                 if v is None:
                     continue
                 col = self._cols.get(key) if key in self._cols else self._column(key, v)
                 if v.shape == col.shape[1:] and v.dtype == col.dtype:
-                    fits.append(n)
+                    fits.append(i)
                     values.append(v)
                 else:
                     self._loose.setdefault(n, {})[key] = v.detach().to(self.device).clone()
             if fits:
                 col = self._cols[key]
-                where = torch.as_tensor(fits, dtype=torch.int64)
+                where = ids[torch.as_tensor(fits, dtype=torch.int64)]
                 col[where.to(col.device)] = torch.stack(values).detach().to(col.device)
                 self._has[key][where] = True
         self._written[ids] = True
 
     def _column(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        """A new zero column ``[N, *like.shape]`` for ``key``: in memory, or a mapped file."""
+        """A new zero column ``[rows, *like.shape]`` for ``key``: in memory, or a mapped file."""
         if "/" in key:
             raise ValueError(f"client state key {key!r}: expected a name without '/'")
-        shape = (self._size, *like.shape)
+        shape = (self._held, *like.shape)
         if self.folder is None and self.device.type == "cpu":  # large ones on huge pages
             col = hugepages.zeros(shape, like.dtype)
         elif self.folder is None:
@@ -164,24 +198,26 @@ class ClientStates(Sequence[State]):
             flat = torch.from_file(str(path), shared=True, size=max(count, 1), dtype=like.dtype)
             col = flat[:count].view(shape)
         self._cols[key] = col
-        self._has[key] = torch.zeros(self._size, dtype=torch.bool)
+        self._has[key] = torch.zeros(self._held, dtype=torch.bool)
         return col
 
     # ------------------------------------------------------------------ saving and moving
     def export(self, clients: Sequence[int] | None = None) -> dict[str, Any]:
-        """The written states of ``clients`` (default: all) as a nested dict of tensors.
+        """The written states of ``clients`` (default: all this process holds) as tensors.
 
         ``{"written": ids, "rows": {key: ids}, "values": {key: [m, ...]}, "loose": {n: state}}``
         (CPU tensors): what a checkpoint holds and what ranks exchange; :meth:`load` reads it.
         """
-        ids = torch.arange(self._size) if clients is None else client_ids(list(clients))
-        ids = ids[self._written[ids]]
+        ids = client_ids(list(self.own() if clients is None else clients))
+        rows = self._rows(ids.tolist())
+        kept = self._written[rows]
+        ids, rows = ids[kept], rows[kept]
         out: dict[str, Any] = {"written": ids.clone(), "rows": {}, "values": {}, "loose": {}}
         for key, col in self._cols.items():
-            have = ids[self._has[key][ids]]
-            if len(have):
-                out["rows"][key] = have
-                out["values"][key] = col[have.to(col.device)].cpu()
+            has = self._has[key][rows]
+            if bool(has.any()):
+                out["rows"][key] = ids[has]
+                out["values"][key] = col[rows[has].to(col.device)].cpu()
         chosen = set(ids.tolist()) if self._loose else set()
         for n, state in self._loose.items():
             if n in chosen:
@@ -189,24 +225,55 @@ class ClientStates(Sequence[State]):
         return out
 
     def load(self, tree: dict[str, Any]) -> None:
-        """Write what :meth:`export` gave (other clients keep their states)."""
+        """Write what :meth:`export` gave (other clients keep their states).
+
+        With a ``share``, the clients of other ranks in ``tree`` are left out: a tree of
+        every client's states (a checkpoint) loads on any number of processes.
+        """
         written = tree.get("written")
         if written is None or not len(written):
             return
         written = written.to(torch.int64)
-        states: dict[int, State] = {n: {} for n in written.tolist()}
+        rank, procs = self.share or (0, 1)
+        states: dict[int, State] = {n: {} for n in written.tolist() if n % procs == rank}
         for key, rows in tree.get("rows", {}).items():
             values = tree["values"][key]
             for n, v in zip(rows.tolist(), values, strict=True):
-                states[n][key] = v
+                if n in states:
+                    states[n][key] = v
         for n, state in tree.get("loose", {}).items():
-            states[int(n)].update(state)
+            if int(n) in states:
+                states[int(n)].update(state)
         self.write(list(states), list(states.values()))
 
     def load_per_client(self, tree: dict[str, State]) -> None:
         """Write states saved one client at a time (``{"<n>": state}``; older checkpoints)."""
         clients = sorted(int(n) for n in tree)
         self.write(clients, [tree[str(n)] for n in clients])
+
+
+def merge_exports(exports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One :meth:`ClientStates.export` of several processes' clients, in client order.
+
+    What one process that held every client would export (a checkpoint's, over ranks).
+    """
+    out: dict[str, Any] = {"written": [], "rows": {}, "values": {}, "loose": {}}
+    for tree in exports:
+        if "written" in tree:
+            out["written"].append(tree["written"].to(torch.int64))
+        for key, ids in tree.get("rows", {}).items():
+            out["rows"].setdefault(key, []).append(ids.to(torch.int64))
+            out["values"].setdefault(key, []).append(tree["values"][key])
+        out["loose"].update(tree.get("loose", {}))
+    written = torch.cat(out["written"]) if out["written"] else torch.zeros(0, dtype=torch.int64)
+    out["written"] = written.sort().values
+    for key, parts in out["rows"].items():
+        ids = torch.cat(parts)
+        order = ids.argsort()
+        out["rows"][key] = ids[order]
+        out["values"][key] = torch.cat(out["values"][key])[order]
+    out["loose"] = {n: out["loose"][n] for n in sorted(out["loose"], key=int)}
+    return out
 
 
 def scratch_folder(store: str, store_dir: str | None, device: torch.device) -> Path | None:
