@@ -51,9 +51,8 @@ def test_large_tensors_are_advised_huge_and_small_ones_left_to_torch():
     assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE on its mapping
     small = hugepages.zeros((1000,), torch.float32)
     assert small._base is None and not small.any()
-    # torch's own allocation of the same size is not advised (what the module adds)
-    plain = torch.empty(hugepages.MIN_BYTES // 4, dtype=torch.float32)
-    assert "hg" not in _vm_flags(plain.data_ptr())
+    # (whether torch's own allocations are advised depends on what the process did before:
+    # numpy advises its large arrays, and glibc reuses that memory; nothing to assert there)
 
 
 @pytest.mark.skipif(not LINUX, reason="madvise and /proc/self/smaps are Linux's")
