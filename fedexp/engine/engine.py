@@ -36,6 +36,7 @@ from fedexp.engine.checkpoint import flatten_state, unflatten_state
 from fedexp.engine.context import Context
 from fedexp.engine.evaluation import Evaluation
 from fedexp.engine.ledger import ByteLedger
+from fedexp.engine.part_memory import PartMemory
 from fedexp.engine.pool import ClientTable, TrainPool
 from fedexp.engine.ranks import (
     Ranks,
@@ -47,11 +48,9 @@ from fedexp.engine.ranks import (
 )
 from fedexp.engine.states import ClientStates, merge_exports
 from fedexp.engine.transport import (
-    PartKey,
     Transport,
     _exact,
     _parse_key,
-    _per_direction,
     _row,
     _stack_parts,
     _state_key,
@@ -94,9 +93,10 @@ class Engine(Transport, Evaluation):
     #: every client's state (``fedexp.engine.states``), made in ``__post_init__``
     client_states: ClientStates = field(init=False)
     #: per direction, (client, part) -> error-feedback residual / replica / last message
-    residual: dict[str, dict[PartKey, torch.Tensor]] = field(default_factory=_per_direction)
-    replica: dict[str, dict[PartKey, torch.Tensor]] = field(default_factory=_per_direction)
-    reference: dict[str, dict[PartKey, torch.Tensor]] = field(default_factory=_per_direction)
+    #: (``fedexp.engine.part_memory``), made in ``__post_init__``
+    residual: dict[str, PartMemory] = field(init=False)
+    replica: dict[str, PartMemory] = field(init=False)
+    reference: dict[str, PartMemory] = field(init=False)
     #: per client, the best value over evaluated rounds of each metric (pFedSOP's protocol)
     best: dict[str, torch.Tensor] = field(default_factory=dict)
     #: the clients of the last round run
@@ -116,8 +116,24 @@ class Engine(Transport, Evaluation):
         self.pool = TrainPool.of(self.clients) if self.clients else None
         self.server = self.algorithm.init_server(self.ctx, self.x0)
         self.client_states = self._fresh_states()
+        self._fresh_memories()
         if self.clients:  # states are made when read: one now, so that bad settings fail here
             self.algorithm.init_client(self.ctx, self.x0, 0)
+
+    def _fresh_memories(self) -> None:
+        """The channels' memories, empty.
+
+        :class:`PartMemory`: in memory, or files beside the states' with ``store=disk``; a
+        rank's own clients over several processes.
+        """
+        ranks = self.ranks
+        share = None if ranks is None else (ranks.rank, ranks.size)
+        for kind in ("residual", "replica", "reference"):
+            memories = {}
+            for d in ("up", "down"):
+                folder = None if self.store is None else self.store / "channel" / f"{kind}-{d}"
+                memories[d] = PartMemory(len(self.clients), self.ctx.device, folder, share)
+            setattr(self, kind, memories)
 
     def _fresh_states(self) -> ClientStates:
         """Every client at its initial state (made when read: nothing is stored until then)."""
@@ -409,19 +425,21 @@ class Engine(Transport, Evaluation):
         else:  # a checkpoint of a version that saved each client's state on its own
             self.client_states.load_per_client(tree.get("client", {}))
         channel = tree.get("channel", {})
+        self._fresh_memories()
         for kind, store in (
             ("residual", self.residual),
             ("replica", self.replica),
             ("reference", self.reference),
         ):
             for d in ("up", "down"):
-                saved = channel.get(d, {}).get(kind, {})
-                keys = {k: _parse_key(k) for k in saved}
-                store[d] = {  # over several ranks, each keeps its own clients'
-                    keys[k]: v.to(dev)
-                    for k, v in saved.items()
-                    if self.ranks is None or self.ranks.owner(keys[k][0]) == self.ranks.rank
-                }
+                parts: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+                for text, v in channel.get(d, {}).get(kind, {}).items():
+                    n, name = _parse_key(text)
+                    if self.ranks is None or self.ranks.owner(n) == self.ranks.rank:
+                        parts.setdefault(name, ([], []))[0].append(n)  # (a rank: its own)
+                        parts[name][1].append(v.to(dev))
+                for name, (clients, values) in parts.items():
+                    store[d].write(clients, name, values)
         self.best = {}
         for key, value in tree.get("best", {}).items():
             if isinstance(value, dict):  # the validation split's "val/<m>", saved nested

@@ -21,6 +21,7 @@ from fedexp.comm.codec import DenseCodec
 from fedexp.contract import Message, State
 from fedexp.engine import rng
 from fedexp.engine.ledger import ByteLedger
+from fedexp.engine.part_memory import PartKey, PartMemory
 
 if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
@@ -28,13 +29,6 @@ if TYPE_CHECKING:
 
 # Stream purposes of the channels (beside rng.CLIENT etc.).
 _UPLINK, _DOWNLINK = 11, 12
-
-#: (client, part name); the part of a bare-tensor message is named "".
-PartKey = tuple[int, str]
-
-
-def _per_direction() -> dict[str, dict[PartKey, torch.Tensor]]:
-    return {"up": {}, "down": {}}
 
 
 def _part_key(name: str) -> tuple[int, ...]:
@@ -100,9 +94,9 @@ class Transport:
     round: int
     x0: torch.Tensor
     ledger: ByteLedger
-    residual: dict[str, dict[PartKey, torch.Tensor]]
-    replica: dict[str, dict[PartKey, torch.Tensor]]
-    reference: dict[str, dict[PartKey, torch.Tensor]]
+    residual: dict[str, PartMemory]
+    replica: dict[str, PartMemory]
+    reference: dict[str, PartMemory]
     _server0: State | None
 
     def _transmit(self, direction: str, n: int, name: str, kind: str, msg: torch.Tensor):
@@ -274,7 +268,6 @@ class Transport:
         decoded messages ``[m, numel]``.
         """
         purpose = _UPLINK if direction == "up" else _DOWNLINK
-        keys = [(n, name) for n in clients]
         gens = None
         if channel.codec.randomised:
             gens = [
@@ -283,33 +276,31 @@ class Transport:
         numel, dev = flat.shape[1], flat.device
         if kind == "update":
             store = self.residual[direction]
-            old = [store.get(k) for k in keys]
+            old = store.rows(clients, name)
             res = None
             if channel.error_feedback and any(r is not None for r in old):
                 res = torch.stack([torch.zeros_like(flat[0]) if r is None else r for r in old])
             payloads, new = channel.send_many(flat, res, gens)
             if new is not None:
-                for k, row in zip(keys, new.unbind(0), strict=True):
-                    store[k] = row.clone()  # a row of its own: no round's stack kept alive
+                store.write(clients, name, new.unbind(0))  # copied into the rows
             received = channel.receive_many(payloads, numel, dev)
         else:
             held = torch.stack(
                 [
-                    h
-                    if (h := self.replica[direction].get(k)) is not None
-                    else self._initial_part(direction, n, name, flat[i])
-                    for i, (n, k) in enumerate(zip(clients, keys, strict=True))
+                    h if h is not None else self._initial_part(direction, n, name, flat[i])
+                    for i, (n, h) in enumerate(
+                        zip(clients, self.replica[direction].rows(clients, name), strict=True)
+                    )
                 ]
             )
             ref = held
             if not channel.error_feedback:
-                refs = self.reference[direction]
-                ref = torch.stack([refs.get(k, held[i]) for i, k in enumerate(keys)])
+                refs = self.reference[direction].rows(clients, name)
+                ref = torch.stack([held[i] if r is None else r for i, r in enumerate(refs)])
             payloads, _ = channel.send_many(flat - ref, None, gens)
             received = held + channel.receive_many(payloads, numel, dev)
-            for i, k in enumerate(keys):
-                self.replica[direction][k] = received[i].clone()
-                if not channel.error_feedback:
-                    self.reference[direction][k] = flat[i].clone()
+            self.replica[direction].write(clients, name, received.unbind(0))
+            if not channel.error_feedback:
+                self.reference[direction].write(clients, name, flat.unbind(0))
         self.ledger.add_sizes(direction, payloads.sizes, numel, part=name)
         return received

@@ -1,0 +1,107 @@
+"""What a lossy channel remembers per client: error-feedback residuals, replicas, references.
+
+STC-style error feedback (Sattler et al., "Robust and communication-efficient federated
+learning from non-i.i.d. data", 2019) keeps, for every client and message part, what the
+codec has not sent yet; a "model" part sent as a change keeps the receiver's replica (and,
+without error feedback, the sender's last message). At 10^5-10^6 clients a dict of one
+tensor per (client, part) costs a Python object per entry and cannot live on disk, so each
+part's memories are rows of :class:`fedexp.engine.states.ClientStates` columns instead: in
+memory, memory-mapped files with ``store=disk``, and over several processes a rank's own
+clients only.
+
+:class:`PartMemory` reads as the mapping ``(client, part) -> tensor`` the channel code and
+the checkpoints use, and :meth:`PartMemory.rows` / :meth:`PartMemory.write` give a cohort's
+rows at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, MutableMapping, Sequence
+from pathlib import Path
+
+import torch
+
+from fedexp.engine.states import ClientStates
+
+#: (client, part name); the part of a bare-tensor message is named "".
+PartKey = tuple[int, str]
+
+
+class PartMemory(MutableMapping[PartKey, torch.Tensor]):
+    """One kind of channel memory in one direction: a tensor per (client, part).
+
+    Args:
+        size: N, the number of clients.
+        device: where the memories are read to.
+        folder: where each part's columns go (memory-mapped files); None: in memory.
+        share: ``(rank, P)``: this rank's clients only (:class:`ClientStates`).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        device: torch.device | str = "cpu",
+        folder: Path | None = None,
+        share: tuple[int, int] | None = None,
+    ) -> None:
+        self._size, self._device, self._folder, self._share = size, device, folder, share
+        self._parts: dict[str, ClientStates] = {}
+
+    def _part(self, name: str, make: bool = False) -> ClientStates | None:
+        """The columns of part ``name`` (made when ``make``; else None if never written)."""
+        part = self._parts.get(name)
+        if part is None and make:
+            folder = None if self._folder is None else self._folder / f"part{len(self._parts)}"
+            part = ClientStates(self._size, lambda n: {}, self._device, folder, self._share)
+            self._parts[name] = part
+        return part
+
+    def rows(self, clients: Sequence[int], name: str) -> list[torch.Tensor | None]:
+        """Each client's memory of part ``name`` (None where it has none), in their order."""
+        part = self._part(name)
+        if part is None:
+            return [None] * len(clients)
+        return [s.get("v") for s in part.rows(clients)]
+
+    def write(self, clients: Sequence[int], name: str, values: Sequence[torch.Tensor]) -> None:
+        """Set the clients' memories of part ``name`` (copied in)."""
+        if len(clients):
+            self._part(name, make=True).write(clients, [{"v": v} for v in values])
+
+    def __getitem__(self, key: PartKey) -> torch.Tensor:
+        n, name = key
+        value = self.rows([n], name)[0]
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: PartKey, value: torch.Tensor) -> None:
+        n, name = key
+        self.write([n], name, [value])
+
+    def __delitem__(self, key: PartKey) -> None:
+        if key not in self:
+            raise KeyError(key)
+        n, name = key
+        self._parts[name].write([n], [{}])
+
+    def items(self) -> Iterator[tuple[PartKey, torch.Tensor]]:  # type: ignore[override]
+        """Every (client, part) and its memory, part by part in client order.
+
+        One read of each part's rows, not one a client.
+        """
+        for name, part in self._parts.items():
+            tree = part.export()
+            ids, values = tree["rows"].get("v"), tree["values"].get("v")
+            if ids is not None:
+                for n, v in zip(ids.tolist(), values, strict=True):
+                    yield (n, name), v
+            for n, state in tree["loose"].items():  # (a value of another shape)
+                if "v" in state:
+                    yield (int(n), name), state["v"]
+
+    def __iter__(self) -> Iterator[PartKey]:
+        return (key for key, _ in self.items())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

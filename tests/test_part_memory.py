@@ -1,0 +1,64 @@
+"""The channels' per-client memories (error-feedback residuals, replicas, references) as rows
+of state columns (fedexp.engine.part_memory), in memory, on disk and split over ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedexp.engine.part_memory import PartMemory
+from fedexp.engine.runner import build_engine
+from helpers import SMALL, compose_config
+
+
+@pytest.fixture(params=["memory", "disk"])
+def memory(request, tmp_path) -> PartMemory:
+    return PartMemory(10, "cpu", None if request.param == "memory" else tmp_path / "m")
+
+
+def test_a_memory_reads_as_a_mapping_of_client_and_part(memory):
+    assert len(memory) == 0 and (3, "") not in memory and memory.get((3, "")) is None
+    memory[3, ""] = torch.ones(4)
+    memory.write([1, 7], "head", [torch.full((2,), 1.0), torch.full((2,), 7.0)])
+    memory[9, "head"] = torch.arange(3.0)  # another shape: kept aside, still read back
+    assert dict(memory.items()).keys() == {(3, ""), (1, "head"), (7, "head"), (9, "head")}
+    assert torch.equal(memory[3, ""], torch.ones(4)) and len(memory) == 4
+    assert [None if r is None else r.tolist() for r in memory.rows([7, 2, 1], "head")] == [
+        [7.0, 7.0],
+        None,
+        [1.0, 1.0],
+    ]
+    assert torch.equal(memory[9, "head"], torch.arange(3.0))
+    sent = torch.full((4,), 5.0)
+    memory[3, ""] = sent
+    sent += 1  # the memory holds a copy
+    assert memory[3, ""].tolist() == [5.0] * 4
+    del memory[1, "head"]
+    assert (1, "head") not in memory and (7, "head") in memory
+    with pytest.raises(KeyError):
+        del memory[1, "head"]
+
+
+def test_on_disk_each_part_is_files_and_a_rank_holds_its_own_clients(tmp_path):
+    disk = PartMemory(10, "cpu", tmp_path / "m")
+    disk.write([0, 5], "", [torch.ones(3), torch.zeros(3)])
+    assert [p.name for p in (tmp_path / "m").iterdir()] == ["part0"]
+    assert any(f.suffix == ".bin" for f in (tmp_path / "m" / "part0").iterdir())
+    rank = PartMemory(10, "cpu", None, share=(1, 2))
+    rank[5, ""] = torch.ones(3)
+    assert list(rank) == [(5, "")]
+    with pytest.raises(RuntimeError, match="client 4's state is on rank 0: rank 1 of 2"):
+        rank[4, ""] = torch.ones(3)
+
+
+def test_an_engines_channel_memories_live_beside_its_states_on_disk(tmp_path):
+    cfg = compose_config(
+        *SMALL, "num_clients=6", "compressor=stc", "store=disk", f"store_dir={tmp_path}"
+    )
+    engine = build_engine(cfg)
+    engine.run_round()
+    residual = engine.residual["up"]
+    assert isinstance(residual, PartMemory) and len(residual) == len(engine.last_sampled)
+    files = list(engine.store.rglob("*.bin"))
+    assert any("channel" in f.parts and "residual-up" in f.parts for f in files)
+    assert any("replica-down" in f.parts for f in files)
