@@ -8,6 +8,7 @@ import torch
 
 from fedexp.engine.part_memory import PartMemory
 from fedexp.engine.runner import build_engine
+from fedexp.engine.transport import _state_key
 from helpers import SMALL, compose_config
 
 
@@ -62,3 +63,34 @@ def test_an_engines_channel_memories_live_beside_its_states_on_disk(tmp_path):
     files = list(engine.store.rglob("*.bin"))
     assert any("channel" in f.parts and "residual-up" in f.parts for f in files)
     assert any("replica-down" in f.parts for f in files)
+
+
+def test_a_checkpoint_saves_each_parts_memories_stacked_and_older_ones_still_load(tmp_path):
+    cfg = compose_config(*SMALL, "num_clients=6", "compressor=stc", output_dir=tmp_path)
+    engine = build_engine(cfg)
+    for _ in range(2):
+        engine.run_round()
+    tree = engine.state_tree()
+    saved = tree["channel"]["up"]["residual"]["~"]  # the bare tensor's part, stacked
+    held = dict(engine.residual["up"].items())
+    assert saved["rows"]["v"].tolist() == sorted(n for n, _ in held)
+    assert saved["values"]["v"].shape == (len(held), engine.x0.numel())
+    # a checkpoint of the version before saved one tensor a (client, part): "<n>" / "<n>:<part>"
+    older = {
+        **tree,
+        "channel": {
+            d: {
+                kind: {_state_key(k): v for k, v in getattr(engine, kind)[d].items()}
+                for kind in ("residual", "replica", "reference")
+            }
+            for d in ("up", "down")
+        },
+    }
+    for source in (tree, older):
+        other = build_engine(cfg)
+        other.load_state_tree(source, engine.round, engine.ledger)
+        for kind in ("residual", "replica", "reference"):
+            for d in ("up", "down"):
+                mine, theirs = dict(getattr(engine, kind)[d].items()), getattr(other, kind)[d]
+                assert dict(theirs.items()).keys() == mine.keys()
+                assert all(torch.equal(theirs[k], v) for k, v in mine.items())

@@ -36,7 +36,7 @@ from fedexp.engine.checkpoint import flatten_state, unflatten_state
 from fedexp.engine.context import Context
 from fedexp.engine.evaluation import Evaluation
 from fedexp.engine.ledger import ByteLedger
-from fedexp.engine.part_memory import PartMemory
+from fedexp.engine.part_memory import PartMemory, merge_memories
 from fedexp.engine.pool import ClientTable, TrainPool
 from fedexp.engine.ranks import (
     Ranks,
@@ -53,7 +53,6 @@ from fedexp.engine.transport import (
     _parse_key,
     _row,
     _stack_parts,
-    _state_key,
 )
 from fedexp.privacy.uplink import PrivateUplink
 
@@ -381,17 +380,8 @@ class Engine(Transport, Evaluation):
         memories go to rank 0, which gets the whole tree; the other ranks get None.
         """
         clients = self.client_states.export()
-        channel = {
-            d: {
-                kind: {_state_key(k): v for k, v in store[d].items()}
-                for kind, store in (
-                    ("residual", self.residual),
-                    ("replica", self.replica),
-                    ("reference", self.reference),
-                )
-            }
-            for d in ("up", "down")
-        }
+        kinds = {"residual": self.residual, "replica": self.replica, "reference": self.reference}
+        channel = {d: {k: m[d].export() for k, m in kinds.items()} for d in ("up", "down")}
         if self.ranks is not None:
             got = self.ranks.leader_gathers(flatten_state({"c": clients, "m": channel}))
             if got is None:
@@ -399,12 +389,12 @@ class Engine(Transport, Evaluation):
             trees = [unflatten_state(g) for g in got]
             clients = merge_exports([t.get("c", {}) for t in trees])
             channel = {
-                d: {k: {} for k in ("residual", "replica", "reference")} for d in ("up", "down")
+                d: {
+                    k: merge_memories([t.get("m", {}).get(d, {}).get(k, {}) for t in trees])
+                    for k in kinds
+                }
+                for d in ("up", "down")
             }
-            for t in trees:
-                for d, kinds in t.get("m", {}).items():
-                    for kind, entries in kinds.items():
-                        channel[d][kind].update(entries)
         tree = {
             "server": self.server,
             "clients": clients,
@@ -432,8 +422,12 @@ class Engine(Transport, Evaluation):
             ("reference", self.reference),
         ):
             for d in ("up", "down"):
+                saved = channel.get(d, {}).get(kind, {})
+                store[d].load({k: v for k, v in saved.items() if isinstance(v, dict)})
                 parts: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
-                for text, v in channel.get(d, {}).get(kind, {}).items():
+                for text, v in saved.items():  # one tensor a (client, part): older checkpoints
+                    if isinstance(v, dict):
+                        continue
                     n, name = _parse_key(text)
                     if self.ranks is None or self.ranks.owner(n) == self.ranks.rank:
                         parts.setdefault(name, ([], []))[0].append(n)  # (a rank: its own)

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from fedexp.engine.states import ClientStates
+from fedexp.engine.states import ClientStates, merge_exports
 
 #: (client, part name); the part of a bare-tensor message is named "".
 PartKey = tuple[int, str]
@@ -68,6 +69,20 @@ class PartMemory(MutableMapping[PartKey, torch.Tensor]):
         if len(clients):
             self._part(name, make=True).write(clients, [{"v": v} for v in values])
 
+    def export(self) -> dict[str, Any]:
+        """Each part's :meth:`ClientStates.export`, keyed ``"~<part>"``.
+
+        What a checkpoint saves: each part's rows stacked, a few tensors, not one a client.
+        """
+        return {f"~{name}": part.export() for name, part in self._parts.items()}
+
+    def load(self, tree: dict[str, Any]) -> None:
+        """Write what :meth:`export` gave (a rank keeps its own clients of it)."""
+        for key, part in tree.items():
+            if not key.startswith("~"):
+                raise ValueError(f"channel memory {key!r}: expected a part key '~<name>'")
+            self._part(key[1:], make=True).load(part)
+
     def __getitem__(self, key: PartKey) -> torch.Tensor:
         n, name = key
         value = self.rows([n], name)[0]
@@ -105,3 +120,12 @@ class PartMemory(MutableMapping[PartKey, torch.Tensor]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def merge_memories(exports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One :meth:`PartMemory.export` of several processes' clients (the ranks')."""
+    parts: dict[str, list[dict[str, Any]]] = {}
+    for tree in exports:
+        for key, part in tree.items():
+            parts.setdefault(key, []).append(part)
+    return {key: merge_exports(trees) for key, trees in parts.items()}

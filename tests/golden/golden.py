@@ -41,6 +41,7 @@ def run_case(
     """Case ``name`` (and ``extra`` overrides), ``ROUNDS`` rounds: its flat state tree and
     each round's metrics."""
     from fedexp.engine.runner import build_engine
+    from fedexp.engine.transport import _state_key
     from helpers import SMALL, compose_config
 
     cfg = compose_config(*SMALL, *CASES[name], *pins(CASES[name]), *extra, output_dir=out_dir)
@@ -56,4 +57,12 @@ def run_case(
     # the tree saves them stacked by key since issue 25
     del tree["clients"]
     tree["client"] = {str(n): s for n, s in enumerate(engine.client_states)}
+    # and the channels' memories one entry a (client, part), as the tree saved them before
+    tree["channel"] = {
+        d: {
+            kind: {_state_key(k): v for k, v in getattr(engine, kind)[d].items()}
+            for kind in ("residual", "replica", "reference")
+        }
+        for d in ("up", "down")
+    }
     return _flatten(tree), history
