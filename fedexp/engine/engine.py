@@ -125,8 +125,7 @@ class Engine(Transport, Evaluation):
         :class:`PartMemory`: in memory, or files beside the states' with ``store=disk``; a
         rank's own clients over several processes.
         """
-        ranks = self.ranks
-        share = None if ranks is None else (ranks.rank, ranks.size)
+        share = None if self.ranks is None else self.ranks.share
         for kind in ("residual", "replica", "reference"):
             memories = {}
             for d in ("up", "down"):
@@ -137,13 +136,12 @@ class Engine(Transport, Evaluation):
     def _fresh_states(self) -> ClientStates:
         """Every client at its initial state (made when read: nothing is stored until then)."""
         algo, ctx, x0 = self.algorithm, self.ctx, self.x0
-        ranks = self.ranks
         return ClientStates(
             len(self.clients),
             lambda n: algo.init_client(ctx, x0, n),
             ctx.device,
             self.store,
-            share=None if ranks is None else (ranks.rank, ranks.size),
+            share=None if self.ranks is None else self.ranks.share,
         )
 
     # ------------------------------------------------------------------ set-up

@@ -36,6 +36,11 @@ SHORT = 1 << 14
 INLINE = 1 << 12
 
 
+def _encode(named: dict[str, torch.Tensor]) -> bytes:
+    """Named tensors as safetensors bytes (CPU copies)."""
+    return save_tensors({k: v.detach().cpu().clone() for k, v in named.items()})
+
+
 class Ranks:
     """This process's place in the run: its rank among ``size``.
 
@@ -55,6 +60,11 @@ class Ranks:
             return None
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         return cls(dist.get_rank(), dist.get_world_size(), device)
+
+    @property
+    def share(self) -> tuple[int, int]:
+        """``(rank, P)``: what a rank's table and states hold (clients n with n mod P == rank)."""
+        return self.rank, self.size
 
     @property
     def leader(self) -> bool:
@@ -113,7 +123,7 @@ class Ranks:
 
     def gather_tensors(self, named: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Every rank's named tensors (CPU copies), in rank order."""
-        blob = save_tensors({k: v.detach().cpu().clone() for k, v in named.items()})
+        blob = _encode(named)
         return [load_tensors(b) for b in self.gather_bytes(blob)]
 
     def leader_gathers(
@@ -125,7 +135,7 @@ class Ranks:
         and to no other rank. The lengths first (one ``all_gather`` of an int64), then one
         ``gather`` of the bytes, each padded to the longest.
         """
-        blob = save_tensors({k: v.detach().cpu().clone() for k, v in named.items()})
+        blob = _encode(named)
         mine = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
         lengths = [torch.zeros_like(mine) for _ in range(self.size)]
         dist.all_gather(lengths, mine)

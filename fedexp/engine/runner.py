@@ -103,7 +103,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
     ``place``: this process's rank of a run over several; its table and its clients' states
     hold its own clients only.
     """
-    share = None if place is None else (place.rank, place.size)
+    share = None if place is None else place.share
     validate(cfg)  # every setting, before the data are read (the CLI has checked them too)
     check_groups(cfg)
     device = resolve_device(cfg.device)
