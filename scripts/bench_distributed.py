@@ -74,7 +74,7 @@ def _worker(args: argparse.Namespace) -> None:
         "device=cpu",
         f"distributed.nproc={args.nproc}",
         f"store={args.store}",
-        f"output_dir=/tmp/bench_distributed/{args.algorithm}-{args.nproc}",
+        f"output_dir=/tmp/bench_distributed/{args.algorithm}-{args.nproc}-{args.tag}",
     )
     tracker = NullTracker()
     rounds_anon: list[int] = []  # rank 0's anonymous memory after each round (MiB)
@@ -126,29 +126,52 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _measure(algorithm: str, nproc: int, threads: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--algorithm", algorithm, "--nproc", str(nproc)]
-    for key in ("clients", "samples", "features", "rounds", "store", "pages"):
-        value = getattr(args, key)
-        cmd += [f"--{key}", str(value[0] if isinstance(value, list) else value)]
-    cmd += ["--threads", str(threads)]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def _measure(
+    algorithm: str, nproc: int, threads: int, args: argparse.Namespace, apart: int = 0
+) -> dict:
+    """One run of ``nproc`` ranks; or, with ``apart`` = P, P one-process runs of N/P at once.
+
+    The P runs apart are the ceiling of P ranks on this machine: each holds a rank's share of
+    the clients and of the round's work, and none waits for another or repeats the others'
+    work (sampling among all N, the server step). Their client updates per second add up.
+    """
+    copies = max(1, apart)
+    procs = []
+    for copy in range(copies):
+        cmd = [sys.executable, __file__, "--worker", "--algorithm", algorithm]
+        cmd += ["--nproc", str(nproc), "--threads", str(threads), "--tag", f"{apart}-{copy}"]
+        for key in ("clients", "samples", "features", "rounds", "store", "pages"):
+            value = getattr(args, key)
+            value = value[0] if isinstance(value, list) else value
+            cmd += [f"--{key}", str(value // copies if key == "clients" else value)]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
+        )
     peaks: dict[int, dict[str, int]] = {}  # pid -> peak of each figure
-    while proc.poll() is None:  # (the pipes hold the little the worker prints)
-        for pid in _tree(proc.pid):
+    while any(proc.poll() is None for proc in procs):  # (the pipes hold what workers print)
+        for pid in (p for proc in procs for p in _tree(proc.pid)):
             for key, value in _memory(pid).items():
                 peak = peaks.setdefault(pid, {})
                 peak[key] = max(peak.get(key, 0), value)
         time.sleep(0.2)
-    out, err = proc.communicate()
-    if proc.returncode:
-        raise SystemExit(f"{algorithm} P={nproc} failed:\n{err[-3000:]}")
-    found = json.loads(out.strip().splitlines()[-1])
+    found = []
+    for proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"{algorithm} P={nproc} failed:\n{err[-3000:]}")
+        found.append(json.loads(out.strip().splitlines()[-1]))
+    result = found[0]
+    if apart:  # the copies' rates add up; a round takes as long as the slowest copy's
+        result["updates_per_s"] = sum(f["updates_per_s"] for f in found)
+        result["round_s"] = max(f["round_s"] for f in found)
+        result["round_anon_mib"] = max(f["round_anon_mib"] for f in found)
     ranks = [p for p in peaks.values() if p.get("VmRSS", 0) > 200]  # not the spawn helper
-    found["rss_mib"] = max(p.get("VmRSS", 0) for p in ranks)
-    found["anon_mib"] = max(p.get("RssAnon", 0) for p in ranks)
-    return found
+    result["rss_mib"] = max(p.get("VmRSS", 0) for p in ranks)
+    result["anon_mib"] = max(p.get("RssAnon", 0) for p in ranks)
+    return result
 
 
 def main() -> None:
@@ -158,7 +181,11 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=20)
     parser.add_argument("--store", default="memory", choices=["memory", "disk"])
     parser.add_argument(
-        "--sides", nargs="+", default=None, help="P x threads to run, e.g. 1x1 2x1 (default: all)"
+        "--sides",
+        nargs="+",
+        default=None,
+        help="P x threads to run, e.g. 1x1 2x1 (default: all); Pxapart: P one-process runs of "
+        "N/P clients at once, the ceiling of P ranks on this machine",
     )
     parser.add_argument(
         "--pages",
@@ -174,6 +201,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--algorithm", default="fedavg", help=argparse.SUPPRESS)
+    parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.pages = args.pages[0]
@@ -184,9 +212,13 @@ def main() -> None:
         f"{args.repeats} repeats, medians; store={args.store}\n"
     )
     cores = os.cpu_count() or 1
-    sides = [(1, 1), (1, cores), (args.nproc, 1)]  # (P, torch threads of a process)
+    # (P, torch threads of a process); threads "apart": P one-process runs of N/P at once
+    sides: list[tuple[int, int | str]] = [(1, 1), (1, cores), (args.nproc, 1)]
     if args.sides:
-        sides = [(int(a), int(b)) for a, _, b in (side.partition("x") for side in args.sides)]
+        sides = [
+            (int(a), b if b == "apart" else int(b))
+            for a, _, b in (side.partition("x") for side in args.sides)
+        ]
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
     head = "| algorithm | pages | P × threads | round (s) | client updates/s | vs 1 × 1 |"
     print(head + " peak RSS a process (MiB) | of it not files (MiB) | rounds, not files | acc |")
@@ -198,7 +230,9 @@ def main() -> None:
             for k in pages:
                 for p, threads in sides:
                     args.pages = [k]
-                    runs[(k, (p, threads))].append(_measure(algorithm, p, threads, args))
+                    apart = p if threads == "apart" else 0
+                    nproc, per = (1, 1) if apart else (p, threads)
+                    runs[(k, (p, threads))].append(_measure(algorithm, nproc, per, args, apart))
         for (k, (p, threads)), rows in runs.items():
             first = runs.get((k, (1, 1)), runs[(k, sides[0])])
             base = statistics.median(r["updates_per_s"] for r in first)
@@ -206,11 +240,12 @@ def main() -> None:
             rss = max(r["rss_mib"] for r in rows)
             anon = max(r["anon_mib"] for r in rows)
             round_s = statistics.median(r["round_s"] for r in rows)
+            acc = "(N/P each)" if threads == "apart" else f"{rows[-1]['acc']:.4f}"
             print(
                 f"| {algorithm} | {k} | {p} × {threads} | {round_s:.3f} | {rate:,.0f} "
                 f"| {rate / base:.2f} | {rss:,.0f} ({rss / total:.1%} of {total / 1024:.0f} GiB) "
                 f"| {anon:,.0f} | {max(r['round_anon_mib'] for r in rows):,.0f} "
-                f"| {rows[-1]['acc']:.4f} |"
+                f"| {acc} |"
             )
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -142,3 +143,41 @@ def failing_rank(rank: int, size: int, port: int, error: str) -> None:
         raise DataError("bad rows") if error == "data" else RuntimeError("a bug")
 
     rank_main(rank, size, port, "rounds: 1", "gloo", job)
+
+
+def shared_data(rank: int, size: int, port: int, out: str) -> None:
+    """Rank ``rank`` of tests/test_shared_data.py: loads a synthetic table through
+    :func:`fedexp.engine.shared_data.load_dataset` (rank 0's files in ``<out>/scratch``),
+    then a data set whose config is wrong; writes what it got to ``<out>/rank<r>.json``."""
+    import hashlib
+
+    from fedexp.engine.ranks import Ranks
+    from fedexp.engine.shared_data import load_dataset, mapped
+    from fedexp.errors import FedexpError
+
+    _join(rank, size, port, "gloo")
+    done = False
+    try:
+        ranks = Ranks.current()
+        scratch = Path(out) / "scratch"
+        node = compose_config("dataset=synthetic", "dataset.num_samples=700").dataset
+        data = load_dataset(node, ranks, str(scratch))
+        got = {
+            "mapped": [mapped(data.x), mapped(data.y), mapped(data.groups)],
+            "x": hashlib.sha256(np.ascontiguousarray(data.x).tobytes()).hexdigest(),
+            "y": hashlib.sha256(np.ascontiguousarray(data.y).tobytes()).hexdigest(),
+            "groups": data.groups.tolist(),
+            "fields": [data.name, data.num_classes, data.task, data.feature_names],
+        }
+        ranks.gather_json(None)  # rank 0 has returned, its folder removed
+        got["left"] = sorted(p.name for p in scratch.iterdir())
+        bad = compose_config("dataset=synthetic", "dataset.num_features=0").dataset
+        try:
+            load_dataset(bad, ranks, str(scratch))
+            got["error"] = None
+        except FedexpError as exc:
+            got["error"] = str(exc)
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(got))
+        done = True
+    finally:
+        _leave(done)

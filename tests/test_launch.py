@@ -275,14 +275,30 @@ def test_a_job_of_two_submitit_tasks_is_one_run(one_process, tmp_path):
 
 
 def test_distributed_nproc_two_started_ranks_write_what_one_does(one_process, tmp_path):
-    """``fedexp run distributed.nproc=2``: the command's process starts the other rank."""
-    proc = run_cli("run", *TINY, "distributed.nproc=2", "tracker=none", cwd=tmp_path, env=_env())
+    """``fedexp run distributed.nproc=2``: the command's process starts the other rank.
+
+    With ``store=disk``: each rank's scratch folder is gone after the run, the started rank's
+    too, which ends without the C++ runtime's exit (``launch._leave``).
+    """
+    store = tmp_path / "store"
+    proc = run_cli(
+        "run",
+        *TINY,
+        "distributed.nproc=2",
+        "tracker=none",
+        "store=disk",
+        f"store_dir={store}",
+        cwd=tmp_path,
+        env=_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("results: ") == 1
     assert "fedexp:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr and "exit code" not in proc.stderr
     folders = list((tmp_path / "outputs").glob("*/*"))
     assert len(folders) == 1, folders
     _same_files(one_process, folders[0])
+    assert store.is_dir() and not list(store.iterdir())  # both ranks' scratch folders removed
 
 
 def test_a_data_error_over_two_started_ranks_is_one_line(tmp_path):

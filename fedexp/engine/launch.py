@@ -8,6 +8,8 @@ port. What each rank runs: :mod:`fedexp.engine.ranks`.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import socket
@@ -85,6 +87,22 @@ def rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """End a rank ≥ 1 that finished: Python's exit handlers run, the C++ runtime's do not.
+
+    Its results are with rank 0 by now. Python's handlers remove what the rank made (a
+    ``store=disk`` scratch folder, through its finalizer) and flush its logs; then the process
+    ends without the C++ static destructors, where gloo's threads beside interpreter teardown
+    could abort it ("terminate called without an active exception") after a good run.
+    """
+    gc.collect()
+    atexit._run_exitfuncs()  # (weakref.finalize's, logging's, multiprocessing's)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def start(cfg: DictConfig, output_dir: str, entry: Callable[..., None]) -> tuple[Ranks, list[Any]]:
@@ -129,11 +147,13 @@ def stop(procs: list[Any], *, failed: bool = False) -> None:
     """Wait for the other ranks (or end them, when the run failed) and leave the group."""
     if not failed and dist.is_initialized():
         dist.barrier()
-    for p in procs:
+    for rank, p in enumerate(procs, start=1):
         if failed:
             p.terminate()
         p.join(timeout=60)
         if p.is_alive():
             p.kill()
+        elif not failed and p.exitcode:  # after the last barrier: the run's results are whole
+            log.warning("rank %d ended with exit code %s after the run finished", rank, p.exitcode)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -34,6 +34,7 @@ from fedexp.engine.outputs import CLIENT_TABLE, _table_rows, _write_outputs
 from fedexp.engine.progress import RoundProgress
 from fedexp.engine.ranks import Ranks
 from fedexp.engine.resume import _change_tags, _check_resume, _resume_changes, flatten_config
+from fedexp.engine.shared_data import load_dataset
 from fedexp.engine.states import scratch_folder
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
@@ -107,7 +108,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
     validate(cfg)  # every setting, before the data are read (the CLI has checked them too)
     check_groups(cfg)
     device = resolve_device(cfg.device)
-    data = instantiate_checked(cfg.dataset, "dataset")
+    data = load_dataset(cfg.dataset, place, cfg.get("store_dir"))  # (over ranks: once)
     partition = instantiate_checked(cfg.partition, "partition")
     store = scratch_folder(cfg.get("store", "memory"), cfg.get("store_dir"), device)
     clients = federate(
