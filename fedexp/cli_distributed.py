@@ -362,6 +362,7 @@ def _follow(cfg: DictConfig, place: Place, single: bool) -> bool:
     """
     from omegaconf import open_dict
 
+    from fedexp.engine.ranks import peer_left
     from fedexp.engine.runner import run
     from fedexp.tracking.base import NullTracker
 
@@ -370,7 +371,7 @@ def _follow(cfg: DictConfig, place: Place, single: bool) -> bool:
     try:
         run(cfg, tracker=NullTracker())
     except (FedexpError, RuntimeError) as exc:
-        if not isinstance(exc, FedexpError) and not _peer_left(exc):
+        if not isinstance(exc, FedexpError) and not peer_left(exc):
             raise  # a bug: its traceback
         said = f"error: {exc}" if isinstance(exc, FedexpError) else _PEER_LEFT
         if not isinstance(exc, ConfigError):  # the same settings on every rank: rank 0 says it
@@ -382,13 +383,6 @@ def _follow(cfg: DictConfig, place: Place, single: bool) -> bool:
 
 
 _PEER_LEFT = "stopped: another process of the run left the group (its error says why)"
-
-
-def _peer_left(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective failing because another rank left (gloo, NCCL)."""
-    import torch.distributed as dist
-
-    return isinstance(exc, dist.DistError) or "closed by peer" in str(exc)
 
 
 def group_job(

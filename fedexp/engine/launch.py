@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from fedexp.engine.ranks import TIMEOUT, Ranks
+from fedexp.engine.ranks import TIMEOUT, Ranks, peer_left
 from fedexp.errors import FedexpError
 
 log = logging.getLogger("fedexp")
@@ -68,7 +68,9 @@ def rank_main(
     ``job`` is the runner's run, without tracker or files. It builds its share of the clients
     while rank 0 builds its own. A user's error (:class:`FedexpError`: a setting, the data) is
     left to rank 0 to print, as under torchrun: every rank builds from the same config and
-    data, so rank 0 meets it too. Anything else is printed with its traceback.
+    data, so rank 0 meets it too. So is a collective, or the group's start, that fails because
+    another rank left first (:func:`~fedexp.engine.ranks.peer_left`): that rank says why.
+    Anything else is printed with its traceback.
     """
     logging.getLogger("fedexp").setLevel(logging.WARNING)
     cfg = OmegaConf.create(config)
@@ -80,7 +82,9 @@ def rank_main(
         dist.barrier()  # with rank 0's stop(): every rank done before the group goes
     except FedexpError:  # a setting or the data: rank 0 meets it too and alone says it
         os._exit(1)
-    except BaseException:  # noqa: BLE001 - reported, and the group torn down for rank 0
+    except BaseException as exc:  # noqa: BLE001 - reported, and the group torn down for rank 0
+        if peer_left(exc):  # rank 0 (or another) failed first, and says why
+            os._exit(1)
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)

@@ -175,6 +175,14 @@ class Ranks:
         return out
 
 
+def peer_left(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank left (gloo, NCCL).
+
+    Or the group's start: the rank that left says why in its own error.
+    """
+    return isinstance(exc, dist.DistError) or "closed by peer" in str(exc)
+
+
 def add_floats(records: Sequence[dict[str, float]]) -> dict[str, float]:
     """Each key's sum over the ranks' records (a key missing from one counts 0)."""
     total: dict[str, float] = {}
