@@ -126,6 +126,16 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
+def _is_rank(pid: int, procs: list[subprocess.Popen]) -> bool:
+    """Whether ``pid`` is a worker or a rank one started (spawn), not a helper process."""
+    if any(proc.pid == pid for proc in procs):
+        return True
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _measure(
     algorithm: str, nproc: int, threads: int, args: argparse.Namespace, apart: int = 0
 ) -> dict:
@@ -153,6 +163,8 @@ def _measure(
     peaks: dict[int, dict[str, int]] = {}  # pid -> peak of each figure
     while any(proc.poll() is None for proc in procs):  # (the pipes hold what workers print)
         for pid in (p for proc in procs for p in _tree(proc.pid)):
+            if pid not in peaks and not _is_rank(pid, procs):
+                continue  # multiprocessing's resource tracker
             for key, value in _memory(pid).items():
                 peak = peaks.setdefault(pid, {})
                 peak[key] = max(peak.get(key, 0), value)
@@ -168,9 +180,9 @@ def _measure(
         result["updates_per_s"] = sum(f["updates_per_s"] for f in found)
         result["round_s"] = max(f["round_s"] for f in found)
         result["round_anon_mib"] = max(f["round_anon_mib"] for f in found)
-    ranks = [p for p in peaks.values() if p.get("VmRSS", 0) > 200]  # not the spawn helper
+    ranks = list(peaks.values())  # the workers, then the ranks they started
     result["rss_mib"] = max(p.get("VmRSS", 0) for p in ranks)
-    result["anon_mib"] = max(p.get("RssAnon", 0) for p in ranks)
+    result["anon_mib"] = [p.get("RssAnon", 0) for p in ranks]  # rank 0 first
     return result
 
 
@@ -221,7 +233,8 @@ def main() -> None:
         ]
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
     head = "| algorithm | pages | P × threads | round (s) | client updates/s | vs 1 × 1 |"
-    print(head + " peak RSS a process (MiB) | of it not files (MiB) | rounds, not files | acc |")
+    head += " peak RSS a process (MiB) | of it not files, each (MiB) | rounds, not files | acc |"
+    print(head)
     print("|---|---|---|---|---|---|---|---|---|---|")
     pages = args.pages
     for algorithm in args.algorithms:
@@ -238,13 +251,14 @@ def main() -> None:
             base = statistics.median(r["updates_per_s"] for r in first)
             rate = statistics.median(r["updates_per_s"] for r in rows)
             rss = max(r["rss_mib"] for r in rows)
-            anon = max(r["anon_mib"] for r in rows)
+            each = zip(*(r["anon_mib"] for r in rows), strict=False)  # every process, rank 0 first
+            anon = " / ".join(f"{max(a):,.0f}" for a in each)
             round_s = statistics.median(r["round_s"] for r in rows)
             acc = "(N/P each)" if threads == "apart" else f"{rows[-1]['acc']:.4f}"
             print(
                 f"| {algorithm} | {k} | {p} × {threads} | {round_s:.3f} | {rate:,.0f} "
                 f"| {rate / base:.2f} | {rss:,.0f} ({rss / total:.1%} of {total / 1024:.0f} GiB) "
-                f"| {anon:,.0f} | {max(r['round_anon_mib'] for r in rows):,.0f} "
+                f"| {anon} | {max(r['round_anon_mib'] for r in rows):,.0f} "
                 f"| {acc} |"
             )
 
