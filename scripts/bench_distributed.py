@@ -8,7 +8,8 @@ wall time of the round, the gather included) and reports the median over the rou
 the first, the client updates per second (sampled clients / round time), the ratio to one
 process with one torch thread, the peak resident memory of the processes and whether the
 final accuracy agrees. One process is also run with a torch thread per core (the P ranks
-get one thread each).
+get one thread each). ``--sides ... 2xapart`` adds this machine's ceiling for two ranks: two
+one-process runs of N/2 clients each, started together (their rates added).
 
 Workload: synthetic tabular data (``--features``, ``--samples`` per client), logistic
 regression, ``participation`` 0.1, 5 local SGD steps of batch 8, dense messages, no tracker.
@@ -16,11 +17,12 @@ regression, ``participation`` 0.1, 5 local SGD steps of batch 8, dense messages,
 The parent polls /proc for every process of a run (rank 0 and the ranks it starts) and
 reports each one's peak resident memory: all of it (``VmRSS``, which counts the pages of
 ``store=disk``'s memory-mapped files that are in memory) and the anonymous part (``RssAnon``:
-what is not the files), and rank 0's anonymous memory at the end of each round (after the
-build: what the rounds hold).
+what is not the files; each process's, rank 0 first), and rank 0's anonymous memory at the
+end of each round (after the build: what the rounds hold).
 
     python scripts/bench_distributed.py                               # N = 100,000, P = 2
     python scripts/bench_distributed.py --clients 10000 --algorithms fedavg --rounds 5
+    python scripts/bench_distributed.py --sides 1x1 2x1 2xapart --repeats 3  # and the ceiling
     # 10^6 Ditto clients (d = 31), their data and states on disk, 3 rounds:
     python scripts/bench_distributed.py --clients 1000000 --samples 10 --features 30 \
         --algorithms ditto --rounds 3 --repeats 1 --store disk --sides 1x1 2x1
