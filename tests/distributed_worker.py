@@ -176,7 +176,7 @@ def shared_data(rank: int, size: int, port: int, out: str) -> None:
             load_dataset(bad, ranks, str(scratch))
             got["error"] = None
         except FedexpError as exc:
-            got["error"] = str(exc)
+            got["error"] = [type(exc).__name__, str(exc)]
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(got))
         done = True
     finally:

@@ -32,9 +32,9 @@ def test_two_ranks_map_one_copy_of_what_one_process_loads(tmp_path):
         assert got["groups"] == alone.groups.tolist()
         assert got["fields"] == [alone.name, alone.num_classes, alone.task, alone.feature_names]
         assert got["left"] == [], got["left"]  # rank 0 removed its folder once both had mapped
-        assert got["error"] is not None and "num_features" in got["error"], got["error"]
-    errors = {json.loads((tmp_path / f"rank{r}.json").read_text())["error"] for r in (0, 1)}
-    assert len(errors) == 1  # the same line on both ranks
+        assert got["error"] is not None and "num_features" in got["error"][1], got["error"]
+    errors = [json.loads((tmp_path / f"rank{r}.json").read_text())["error"] for r in (0, 1)]
+    assert errors[0][0] == "ConfigError" and errors[1] == errors[0]  # rank 0's class and line
 
 
 def test_one_process_loads_as_before():
@@ -47,9 +47,10 @@ def test_one_process_loads_as_before():
 def test_files_are_read_only_with_their_token(tmp_path):
     x = np.arange(24, dtype=np.float32).reshape(6, 4)
     data = ArrayDataset("t", x, np.arange(6) % 2, 2, np.array(list("aabbcc")), ["a", "b", "c", "d"])
-    where = _write(data, str(tmp_path))
-    assert where is not None
-    token = json.loads((where / "meta.json").read_text())["token"]
+    written = _write(data, str(tmp_path))
+    assert written is not None
+    where, token = written
+    assert json.loads((where / "meta.json").read_text())["token"] == token
     assert _open(where, "not-" + token) is None  # a folder of the same name elsewhere
     assert _open(tmp_path / "absent", token) is None  # another machine's folder
     back = _open(where, token)

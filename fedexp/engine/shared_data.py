@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from fedexp import errors
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset
 from fedexp.engine.ranks import Ranks
@@ -63,16 +64,16 @@ def _lead(node: DictConfig, ranks: Ranks, folder: str | None) -> ArrayDataset:
     try:
         data = instantiate_checked(node, "dataset")
     except FedexpError as exc:
-        ranks.gather_json({"error": str(exc)})
+        ranks.gather_json({"error": str(exc), "kind": type(exc).__name__})
         raise
     except BaseException:
         ranks.gather_json({"error": None})
         raise
-    where = _write(data, folder) if not mapped(data.x) else None
-    if where is None:  # mapped already, or no room to write: every rank loads its own
+    written = _write(data, folder) if not mapped(data.x) else None
+    if written is None:  # mapped already, or no room to write: every rank loads its own
         ranks.gather_json({"own": True})
         return data
-    token = json.loads((where / META).read_text())["token"]
+    where, token = written
     ranks.gather_json({"folder": str(where), "token": token})
     try:
         shared = _open(where, token)
@@ -87,7 +88,10 @@ def _follow(node: DictConfig, ranks: Ranks) -> ArrayDataset:
     if "error" in told:
         if told["error"] is None:
             raise RuntimeError("rank 0 failed to load the data set (its traceback says why)")
-        raise DataError(told["error"])
+        kind = getattr(errors, told.get("kind", ""), None)  # rank 0's class: the same handling
+        if not (isinstance(kind, type) and issubclass(kind, FedexpError)):
+            kind = DataError
+        raise kind(told["error"])
     if told.get("own"):
         return instantiate_checked(node, "dataset")
     shared = _open(Path(told["folder"]), told["token"])
@@ -105,8 +109,10 @@ def mapped(array: np.ndarray) -> bool:
     return False
 
 
-def _write(data: ArrayDataset, folder: str | None) -> Path | None:
+def _write(data: ArrayDataset, folder: str | None) -> tuple[Path, str] | None:
     """``data``'s arrays as ``.npy`` files and its other fields in :data:`META`, in a new folder.
+
+    Returns the folder and the token :data:`META` holds.
 
     None (and nothing left behind) when a field is neither an array nor JSON, or the files
     cannot be written (no room, no such folder): then each rank loads the data set itself.
@@ -120,20 +126,20 @@ def _write(data: ArrayDataset, folder: str | None) -> Path | None:
             arrays[f.name] = value
         else:
             fields[f.name] = value
-    where = None
+    where, token = None, secrets.token_hex(16)
     try:
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
         where = Path(tempfile.mkdtemp(prefix="fedexp-data-", dir=folder))
         for name, value in arrays.items():
             np.save(where / f"{name}.npy", value, allow_pickle=False)
-        meta = {"token": secrets.token_hex(16), "fields": fields, "arrays": sorted(arrays)}
+        meta = {"token": token, "fields": fields, "arrays": sorted(arrays)}
         (where / META).write_text(json.dumps(meta))  # last: a folder without it is not read
     except (OSError, TypeError, ValueError):
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
         return None
-    return where
+    return where, token
 
 
 def _open(where: Path, token: str) -> ArrayDataset | None:
