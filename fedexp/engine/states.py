@@ -61,8 +61,7 @@ class ClientStates(Sequence[State]):
         self._size, self._init, self.share = size, init, share
         self.device = torch.device(device)
         self.folder = None if folder is None else Path(folder)
-        rank, procs = share or (0, 1)
-        self._held = len(range(rank, size, procs))  # rows: the clients this process holds
+        self._held = len(self.own())  # rows: the clients this process holds
         self._cols: dict[str, torch.Tensor] = {}
         self._has: dict[str, torch.Tensor] = {}  # key -> bool per row: the client's row is set
         self._written = torch.zeros(self._held, dtype=torch.bool)
