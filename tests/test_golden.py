@@ -2,9 +2,19 @@
 the server state, every client state, the channel's residuals and replicas and each round's
 metrics recorded on main before the one-path refactor (``tests/golden/record.py``).
 
-Tolerance rel. 1e-5: the refactor moved code, not arithmetic; the recording ran the cohort
-path where it existed and the per-client hooks elsewhere (BatchNorm models, clients whose step
-counts differ), which the one path now runs as a cohort of rows or in sub-cohorts.
+What is compared how, so that the check holds on any machine (issue 37) and no looser:
+
+* continuous figures (every model tensor, residual and replica, losses, training metrics):
+  rel. 1e-5, abs. 1e-6 (1e-7 for metrics). The refactor moved code, not arithmetic; what is
+  left is the float order of kernels, which differs between CPU kinds (AVX-512 or AVX2, Intel
+  or AMD) by ~1e-7;
+* counts (``bytes/``, ``clients/``, ``messages/``): exactly;
+* discrete figures (accuracy, balanced accuracy, AUC, their aggregates over clients and each
+  client's best over rounds): step functions of the logits, which jump by a sample or a pair
+  when two scores within a few ulps swap on another machine. Each may differ from the recording
+  by what swapping this run's near ties (scores within 1e-5 relative of a decision boundary)
+  could change (``golden/ties.py``), on top of the continuous tolerance: without near ties,
+  exactly that tolerance.
 """
 
 from __future__ import annotations
@@ -30,11 +40,19 @@ def recorded() -> dict:
 def test_reproduces_the_recording(name, recorded, tmp_path):
     from safetensors.torch import load_file
 
-    state, history = run_case(name, tmp_path)
+    state, history, ties = run_case(name, tmp_path)
     want = load_file(state_path(name))
     assert sorted(state) == sorted(want), "the state tree's entries changed"
     for key, value in want.items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        allowed = ties.state(key)
+        if allowed is None:
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+            continue
+        gap = (state[key] - value).abs().nan_to_num(0.0)
+        assert state[key].isnan().equal(value.isnan()), key
+        assert (gap <= allowed + 1e-6 + 1e-5 * value.abs().nan_to_num(0.0)).all(), (
+            f"{key}: {gap.max():.3g} apart where near ties allow {allowed.tolist()}"
+        )
     assert len(history) == len(recorded[name])
     for t, (got, old) in enumerate(zip(history, recorded[name], strict=True)):
         assert sorted(got) == sorted(old), f"round {t}: the metrics' names changed"
@@ -42,8 +60,9 @@ def test_reproduces_the_recording(name, recorded, tmp_path):
             if key.startswith(_EXACT):
                 assert got[key] == value, f"round {t}: {key}"
             else:
-                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7, nan_ok=True), (
-                    f"round {t}: {key}"
+                allowed = 1e-7 + ties.metric(t, key)
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=allowed, nan_ok=True), (
+                    f"round {t}: {key} (near ties allow {allowed:.3g})"
                 )
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from golden.cases import CASES, pins
+from golden.ties import DISCRETE, Allowance, recording_ties
 
 HERE = Path(__file__).resolve().parent
 ROUNDS = 3
@@ -37,9 +39,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def run_case(
     name: str, out_dir: Path, *extra: str
-) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
-    """Case ``name`` (and ``extra`` overrides), ``ROUNDS`` rounds: its flat state tree and
-    each round's metrics."""
+) -> tuple[dict[str, torch.Tensor], list[dict[str, float]], Allowance]:
+    """Case ``name`` (and ``extra`` overrides), ``ROUNDS`` rounds: its flat state tree, each
+    round's metrics and what near ties allow its discrete figures to differ by
+    (``golden.ties``)."""
     from fedexp.engine.runner import build_engine
     from fedexp.engine.transport import _state_key
     from helpers import SMALL, compose_config
@@ -47,11 +50,18 @@ def run_case(
     cfg = compose_config(*SMALL, *CASES[name], *pins(CASES[name]), *extra, output_dir=out_dir)
     engine = build_engine(cfg)
     engine.setup()
-    history = []
+    history, evaluated = [], []
     for _ in range(ROUNDS):
         metrics = engine.run_round()
-        metrics.update(engine.evaluate()[0])
+        with recording_ties() as calls:
+            aggregates, per_client = engine.evaluate()
+        metrics.update(aggregates)
         history.append({k: float(v) for k, v in sorted(metrics.items()) if not k.startswith(_SKIP)})
+        values = torch.tensor([[m.get(k, math.nan) for k in DISCRETE] for m in per_client])
+        slack = torch.cat(calls) if calls else torch.zeros(len(per_client), len(DISCRETE))
+        assert len(slack) == len(per_client), "an evaluation scored clients out of turn"
+        sizes = torch.tensor([m["num_test"] for m in per_client], dtype=torch.float64)
+        evaluated.append((slack, values.to(torch.float64), sizes))
     tree = engine.state_tree()
     # every client's state as the recording holds it (one entry a client, initial ones too);
     # the tree saves them stacked by key since issue 25
@@ -65,4 +75,4 @@ def run_case(
         }
         for d in ("up", "down")
     }
-    return _flatten(tree), history
+    return _flatten(tree), history, Allowance(evaluated)

@@ -36,7 +36,7 @@ def main(names: list[str]) -> None:
     path = metrics_path()
     table = json.loads(path.read_text()) if path.exists() else {}
     for name in names or list(CASES):
-        state, history = run_case(name, HERE / "tmp")
+        state, history, _ = run_case(name, HERE / "tmp")
         state_path(name).parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.clone().contiguous() for k, v in state.items()}, state_path(name))
         table[name] = history
