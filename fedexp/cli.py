@@ -183,7 +183,13 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
     try:
         result = run(cfg, run_name=_run_name(cfg, hc), tags=tags)
     except (FedexpError, KeyboardInterrupt) as exc:
-        print(f"fedexp: {describe_stop(exc, cfg, hc)}", file=sys.stderr)
+        line = f"fedexp: {describe_stop(exc, cfg, hc)}"
+        if isinstance(exc, ConfigError):  # every rank of a group meets it: one says it
+            from fedexp.cli_distributed import say_once
+
+            say_once(line)
+        else:
+            print(line, file=sys.stderr)
         code = 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
         if not isinstance(exc, KeyboardInterrupt):
             code = USAGE if isinstance(exc, ConfigError) else 1
@@ -452,11 +458,10 @@ def main() -> None:
 
 
 def _refuse(message: str, code: int = USAGE) -> NoReturn:
-    """``fedexp: error: <message>`` and exit ``code``; under torchrun rank 0 alone prints it."""
-    from fedexp.cli_distributed import quiet
+    """``fedexp: error: <message>`` and exit ``code``; under torchrun one rank prints it."""
+    from fedexp.cli_distributed import say_once
 
-    if not quiet():
-        print(f"fedexp: error: {message}", file=sys.stderr)
+    say_once(f"fedexp: error: {message}")
     sys.exit(code)
 
 

@@ -90,10 +90,58 @@ def env_place(environ: Mapping[str, str] | None = None) -> Place | None:
     return Place(rank, size, local_rank, local_size, starter)
 
 
-def quiet() -> bool:
-    """Whether this process is a rank ≥ 1 of a group: it prints nothing but its own errors."""
+#: How long a rank that did not print a group's error waits for the one that does.
+_SAY_WAIT_S = 10.0
+
+
+def say_once(line: str) -> None:
+    """Print ``line`` to stderr once for this machine's processes of a group.
+
+    Every rank of a group meets the same refusal; whichever reaches it first prints it (not
+    rank 0 by rule: the starter stops the others as soon as one exits, so a rank that waited
+    for rank 0 could be stopped with nothing said). The first rank claims a marker file named
+    after the group (``O_EXCL``), prints, then marks it said; a later rank waits for that mark
+    (at most :data:`_SAY_WAIT_S` seconds) before it goes, so no rank exits before the line is
+    out; the last one removes the marker. One process: a plain print.
+    """
     place = env_place()
-    return place is not None and not place.leader
+    if place is None or place.local_size < 2:
+        print(line, file=sys.stderr, flush=True)
+        return
+    import tempfile
+    import time
+    import zlib
+
+    env = os.environ
+    group = f"{os.getppid()}|" + "|".join(  # the ranks of a machine share their starter
+        env.get(k, "")
+        for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
+                  "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT")
+    )  # fmt: skip
+    path = os.path.join(tempfile.gettempdir(), f"fedexp-said-{zlib.crc32(group.encode()):08x}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        deadline = time.monotonic() + _SAY_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if os.path.getsize(path):
+                    break
+            except OSError:
+                return
+            time.sleep(0.01)
+        try:  # one byte a rank: the last of the machine's ranks removes the marker
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, b".")
+            os.close(fd)
+            if os.path.getsize(path) >= place.local_size:
+                os.remove(path)
+        except OSError:
+            pass
+        return
+    print(line, file=sys.stderr, flush=True)
+    os.write(fd, b".")
+    os.close(fd)
 
 
 def _as_int(value: Any) -> int | None:
@@ -374,7 +422,9 @@ def _follow(cfg: DictConfig, place: Place, single: bool) -> bool:
         if not isinstance(exc, FedexpError) and not peer_left(exc):
             raise  # a bug: its traceback
         said = f"error: {exc}" if isinstance(exc, FedexpError) else _PEER_LEFT
-        if not isinstance(exc, ConfigError):  # the same settings on every rank: rank 0 says it
+        if isinstance(exc, ConfigError):  # the same settings on every rank: one says it
+            say_once(f"fedexp: {said}")
+        else:
             print(f"fedexp: rank {place.rank}: {said}", file=sys.stderr, flush=True)
         if single:
             sys.exit(USAGE if isinstance(exc, ConfigError) else 1)
@@ -411,10 +461,11 @@ def group_job(
         logging.getLogger("fedexp").setLevel(logging.WARNING)
     try:
         checked(cfg)
-    except ConfigError:
-        if place.leader:
-            return job(cfg, hc)
+    except ConfigError as exc:
+        if place.leader and not single:
+            return job(cfg, hc)  # the sweep job's failed status
         if single:
+            say_once(f"fedexp: error: {exc}")
             sys.exit(USAGE)
         return math.nan
     join(cfg, hc, place)

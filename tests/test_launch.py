@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -349,3 +350,39 @@ def test_a_started_rank_leaves_user_errors_to_rank_0_and_prints_bugs(tmp_path, e
     assert ("Traceback" in proc.stderr) is printed, proc.stderr[-2000:]
     assert ("RuntimeError: a bug" in proc.stderr) is printed
     assert "DataError: bad rows" not in proc.stderr
+
+
+_SAY = """
+import os, sys, time, builtins
+from fedexp.cli_distributed import say_once
+slow = float(sys.argv[1])
+real = builtins.print
+if slow:  # this rank claims the line first and takes its time to print it; then: when it was out
+    builtins.print = lambda *a, **k: (time.sleep(slow), real(*a, **k), real(time.monotonic()))
+say_once("fedexp: error: the same refusal on every rank")
+if not slow:  # when this rank went on
+    real(time.monotonic())
+"""
+
+
+def test_a_refusal_is_said_once_and_no_rank_leaves_before_it_is_out(tmp_path):
+    """Whichever rank meets a refusal first prints it; the others wait for that line before
+    they exit (torchrun stops every rank as soon as one exits) and the marker is removed."""
+    env = _env(**TORCHRUN_RANK_1, MASTER_PORT="1", TMPDIR=str(tmp_path))
+    first = subprocess.Popen(
+        [sys.executable, "-c", _SAY, "1.0"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the first rank has claimed the line
+    second = subprocess.run(
+        [sys.executable, "-c", _SAY, "0"], env={**env, "RANK": "0", "LOCAL_RANK": "0"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == second.returncode == 0, err + second.stderr
+    assert (err + second.stderr).count("fedexp: error:") == 1
+    assert "fedexp: error:" in err  # the rank that came first, not rank 0
+    assert float(second.stdout) >= float(out)  # rank 0 left after the line was out
+    assert list(tmp_path.iterdir()) == []
