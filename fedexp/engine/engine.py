@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +29,26 @@ from fedexp.contract import (
     Stacked,
     StackedUpdates,
     State,
-    update_parts,
 )
 from fedexp.data.client import ClientData, client_ids
 from fedexp.engine import rng
 from fedexp.engine.checkpoint import flatten_state, unflatten_state
 from fedexp.engine.context import Context
 from fedexp.engine.evaluation import Evaluation
+from fedexp.engine.exchange import Alone, RankExchange
 from fedexp.engine.ledger import ByteLedger
 from fedexp.engine.part_memory import PartMemory, merge_memories
 from fedexp.engine.pool import ClientTable, TrainPool
-from fedexp.engine.ranks import (
-    Ranks,
-    add_floats,
-    gather_uploads,
-    reduce_uploads,
-    sums_record,
-    weighted_sums,
+from fedexp.engine.ranks import Ranks
+from fedexp.engine.stages import (
+    Privatize,
+    Sampler,
+    Uplink,
+    UplinkStage,
+    Who,
+    Wire,
+    rows_of,
+    take_rows,
 )
 from fedexp.engine.states import ClientStates, merge_exports
 from fedexp.engine.transport import (
@@ -55,6 +59,12 @@ from fedexp.engine.transport import (
     _stack_parts,
 )
 from fedexp.privacy.uplink import PrivateUplink
+
+
+def _sample(seed: int, num_clients: int, rate: float, round_: int) -> list[int]:
+    """The round's fixed-size cohort (``rng.sample_clients``)."""
+    return rng.sample_clients(seed, round_, num_clients, rate)
+
 
 # Stream purpose of the set-up exchange (beside rng.CLIENT and the channels' purposes).
 _SKETCH = 13
@@ -108,16 +118,38 @@ class Engine(Transport, Evaluation):
     ranks: Ranks | None = None
     #: where the clients' states are memory-mapped (``store=disk``); None: in memory
     store: Path | None = None
+    #: the processes' exchange (``fedexp.engine.exchange``), from ``ranks``
+    exchange: Alone | RankExchange = field(init=False, repr=False)
+    #: who takes part in a round (``fedexp.engine.stages.Sampler``)
+    sampler: Sampler = field(init=False, repr=False)
+    #: the uplink's stages after the algorithm's upload: DP (with ``privacy``), the channel
+    stages: list[UplinkStage] = field(init=False, repr=False)
     #: the initial server state (derived, not checkpointed), built when a part needs it
     _server0: State | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._choose_stages()
         self.pool = TrainPool.of(self.clients) if self.clients else None
         self.server = self.algorithm.init_server(self.ctx, self.x0)
         self.client_states = self._fresh_states()
         self._fresh_memories()
         if self.clients:  # states are made when read: one now, so that bad settings fail here
             self.algorithm.init_client(self.ctx, self.x0, 0)
+
+    def _choose_stages(self) -> None:
+        """The round's exchange, sampler and uplink chain, from the run's settings."""
+        privacy, n = self.privacy, len(self.clients)
+        if self.ranks is None:
+            self.exchange = Alone()
+        else:
+            mean = privacy is None and self.algorithm.server_reads == "mean"
+            self.exchange = RankExchange(self.ranks, mean, self._weight_tensor)
+        seed, rate = self.seed, self.participation
+        draw = privacy.sample if privacy is not None else partial(_sample, seed, n, rate)
+        self.sampler = Sampler(draw, n, self.algorithm.all_train, self.exchange.mine)
+        wire = Wire(self._uplink)
+        lossy = not _exact(self.uplink)
+        self.stages = [wire] if privacy is None else [Privatize(privacy, self.x0, lossy), wire]
 
     def _fresh_memories(self) -> None:
         """The channels' memories, empty.
@@ -175,84 +207,56 @@ class Engine(Transport, Evaluation):
     def run_round(self) -> dict[str, float]:
         """Run round ``self.round`` and advance it; returns the round's training metrics.
 
-        Over several processes (:attr:`ranks`) each runs its own clients of the round and
-        counts their messages; the decoded uploads are gathered to every rank, which then
-        takes the same server step.
+        Algorithm 1 of every paper: sample, downlink, client work, uplink, aggregate, server
+        step, record. Over several processes each runs its own clients and counts their
+        messages; the exchange (:attr:`exchange`) gives every rank the decoded uploads, which
+        then takes the same server step.
         """
         started = time.perf_counter()
-        t = self.round
-        self.ctx.round = t
+        t = self.ctx.round = self.round
         self.ledger.start_round()
-        ranks, ledger = self.ranks, self.ledger
-        if ranks is not None:  # this rank's messages, merged into the run's ledger below
-            self.ledger = ByteLedger()
-        if self.privacy is not None:
-            sampled = self.privacy.sample(t)
-        else:
-            sampled = rng.sample_clients(self.seed, t, len(self.clients), self.participation)
-        self.last_sampled = sampled
-        # who receives and trains: the sampled clients, or all (Algorithm.all_train)
-        everyone = self.algorithm.all_train and len(sampled) < len(self.clients)
-        trained = list(range(len(self.clients))) if everyone else sampled
-        workers = trained if ranks is None else ranks.mine(trained)
-        senders = sampled if ranks is None else workers if not everyone else ranks.mine(sampled)
-        inbox, result = None, CohortResult(None, [], {})
-        if workers:  # (a Poisson-sampled cohort, or a rank's share of it, may be empty)
-            msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
-            inbox = self._downlink(workers, [msgs[n] for n in workers])
-            result = self._client_work(workers, inbox)
-        self.client_states.write(workers, result.states)
-        uploads = _uploads(result.updates, workers, senders)
-        private: dict[str, float] = {}
-        refs: dict[str, torch.Tensor] = {}
-        if self.privacy is not None and uploads is not None:
-            refs = self.privacy.references(
-                uploads if isinstance(uploads, dict) else {"": uploads},
-                _uploads(inbox, workers, senders),
-                self.x0,
-            )
-            uploads, private = self.privacy.client_side(t, senders, uploads, refs)
-        updates, channel = self._uplink(senders, uploads)
-        uploaded = uploads is not None
+        run_ledger, self.ledger = self.ledger, self.exchange.round_ledger(self.ledger)
+        who = self.sampler(t)
+        self.last_sampled = who.sampled
+        inbox, result = self._train(who.workers)
+        self.client_states.write(who.workers, result.states)
         sums = {f"train/{k}": float(v.sum()) for k, v in result.metrics.items()}
-        sums.update(private)  # DP counts (uploads, unclipped)
-        if ranks is not None:
-            # a server that reads only Σ ω_n u_n gets the ranks' sums, not every row
-            mean = self.privacy is None and self.algorithm.server_reads == "mean"
-            own = {}
-            if mean and updates:
-                weights = self._weight_tensor(senders, sampled)
-                own = weighted_sums(update_parts(updates, senders), weights)
-            mine = {**sums, **{f"channel/{k}": v for k, v in channel.items()}}
-            # one exchange of the records: metrics, messages, the uploads' sums (or shapes)
-            records = ranks.gather_json([mine, self.ledger.round_record(), sums_record(own)])
-            sums = add_floats([r[0] for r in records])
-            channel = {k[8:]: v for k, v in sums.items() if k.startswith("channel/")}
-            ledger.merge([r[1] for r in records])
-            self.ledger = ledger
-            if mean:
-                updates, uploaded = reduce_uploads(ranks, sampled, own, [r[2] for r in records])
-            else:  # every upload, to every rank
-                updates, refs, uploaded = gather_uploads(ranks, sampled, senders, updates, refs)
-        private = {k: v for k, v in sums.items() if k.startswith("privacy/")}
-        weights = self._weights(updates)
-        if self.privacy is not None:
-            counts, private = private, {}
-            if uploaded:
-                updates, weights, private = self.privacy.server_side(
-                    t, sampled, updates, refs, lossy=not _exact(self.uplink)
-                )
-            private.update(self.privacy.end_round(t, sampled, uploaded, counts))
-        self.server = self.algorithm.server_update(self.ctx, self.server, updates, weights)
+        up = Uplink(rows_of(result.updates, who.workers, who.senders), inbox, sums)
+        for stage in self.stages:  # clip, local noise, codec, wire and ledger, decode
+            up = stage.client(t, who, up)
+        up = self.exchange.combine(who, up, self.ledger, run_ledger)
+        self.ledger = run_ledger
+        up.weights = self._weights(up.updates)
+        for stage in self.stages:  # re-clip, server noise, the accountant
+            up = stage.server(t, who, up)
+        self.server = self.algorithm.server_update(self.ctx, self.server, up.updates, up.weights)
         self.round = t + 1
-        # the clients' metrics are the mean over who trained, the channel's over who uploaded
-        out = {k: v / len(trained) for k, v in sums.items() if k.startswith("train/")}
-        for k, v in channel.items():
-            out[f"train/{k}"] = out.get(f"train/{k}", 0.0) + v / len(sampled)
-        out.update(private)
-        out["clients/sampled"] = float(len(sampled))
-        if everyone:
-            out["clients/trained"] = float(len(trained))
+        return self._record(who, up, started)
+
+    def _train(self, workers: list[int]) -> tuple[Stacked | None, CohortResult]:
+        """The workers' downlink and client work: (their decoded inbox, their results).
+
+        A Poisson-sampled cohort, or a rank's share of one, may be empty.
+        """
+        if not workers:
+            return None, CohortResult(None, [], {})
+        msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
+        inbox = self._downlink(workers, [msgs[n] for n in workers])
+        return inbox, self._client_work(workers, inbox)
+
+    def _record(self, who: Who, up: Uplink, started: float) -> dict[str, float]:
+        """The round's figures.
+
+        The clients' metrics are the mean over who trained, the channel's over who uploaded;
+        then the stages', the sampler's, the server's and the ledger's.
+        """
+        out = {k: v / len(who.trained) for k, v in up.metrics.items() if k.startswith("train/")}
+        for k, v in up.metrics.items():
+            if k.startswith("channel/"):
+                name = f"train/{k.removeprefix('channel/')}"
+                out[name] = out.get(name, 0.0) + v / len(who.sampled)
+        out.update(up.report)
+        out.update(who.metrics())
         out.update(self.algorithm.server_metrics(self.ctx, self.server))
         out.update(self.ledger.metrics())
         out["time/round_s"] = time.perf_counter() - started
@@ -287,7 +291,7 @@ class Engine(Transport, Evaluation):
         results = []
         for rows, cohort in groups:
             index = None if len(groups) == 1 else torch.tensor(rows, device=ctx.device)
-            model_in = inbox if index is None else _take(inbox, index)
+            model_in = inbox if index is None else take_rows(inbox, index)
             states = self.client_states.rows(cohort.clients)
             results.append((rows, algo.client_update(ctx, model_in, states, cohort)))
         return results[0][1] if len(results) == 1 else _merge(results, len(sampled))
@@ -443,23 +447,6 @@ class Engine(Transport, Evaluation):
             self.privacy.load_state(tree.get("privacy", {}))
         self.round = round_
         self.ledger = ledger
-
-
-def _take(stacked: Stacked | None, index: torch.Tensor) -> Stacked | None:
-    """Rows ``index`` of a cohort's stacked messages (of each named part)."""
-    if stacked is None:
-        return None
-    if isinstance(stacked, torch.Tensor):
-        return stacked[index]
-    return {name: part[index] for name, part in stacked.items()}
-
-
-def _uploads(uploads: Stacked | None, workers: list[int], senders: list[int]) -> Stacked | None:
-    """The senders' rows of the workers' stacked ``uploads``."""
-    if workers is senders or uploads is None:
-        return uploads
-    where = {n: i for i, n in enumerate(workers)}
-    return _take(uploads, torch.tensor([where[n] for n in senders], dtype=torch.int64))
 
 
 def _merge(results: list[tuple[list[int], CohortResult]], m: int) -> CohortResult:

@@ -1,0 +1,197 @@
+"""The round's varying parts as objects chosen when a run is built (issue 38).
+
+``Engine.run_round`` reads as a paper's Algorithm 1: sample, downlink, client work, uplink,
+aggregate, server step, record. What differs between runs is not an ``if`` in that loop but
+one of these objects:
+
+* :class:`Sampler`: who uploads this round (a fixed-size draw, or the DP mechanism's Poisson
+  or fixed-size draw) and who trains (those, or every client when the algorithm says
+  ``all_train``), as a :class:`Who`;
+* the uplink, a chain of :class:`UplinkStage` through which an :class:`Uplink` passes on the
+  sending side (clip and local noise, then the channel: codec with error feedback, wire and
+  ledger, decode) and, after the processes' exchange
+  (:mod:`fedexp.engine.exchange`), on the server's side (re-clip and server noise, the
+  accountant). No DP is a chain without :class:`Privatize`; a lossless channel is the same
+  :class:`Wire` with the dense codec. pfl-research's postprocessors are the model: each stage
+  transforms the message on one side and may undo or finish it on the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedexp.contract import Message, Stacked
+
+if TYPE_CHECKING:
+    from fedexp.privacy.uplink import PrivateUplink
+
+
+@dataclass(frozen=True)
+class Who:
+    """A round's clients, every process's, and this process's share.
+
+    Attributes:
+        sampled: who uploads: the round's cohort over all processes, ascending.
+        trained: who receives and trains (``sampled``, or every client with ``all_train``).
+        workers: this process's clients of ``trained``.
+        senders: this process's clients of ``sampled``.
+    """
+
+    sampled: list[int]
+    trained: list[int]
+    workers: list[int]
+    senders: list[int]
+
+    def metrics(self) -> dict[str, float]:
+        """``clients/sampled`` (and ``clients/trained`` when it differs)."""
+        out = {"clients/sampled": float(len(self.sampled))}
+        if self.trained is not self.sampled:
+            out["clients/trained"] = float(len(self.trained))
+        return out
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Who takes part in a round.
+
+    Attributes:
+        draw: round -> the sampled clients (``rng.sample_clients`` or the DP mechanism's).
+        num_clients: N.
+        all_train: every client trains each round (``Algorithm.all_train``); the sampled
+            ones alone upload.
+        mine: this process's clients of a list (the exchange's).
+    """
+
+    draw: Callable[[int], list[int]]
+    num_clients: int
+    all_train: bool
+    mine: Callable[[list[int]], list[int]]
+
+    def __call__(self, round_: int) -> Who:
+        """The round's :class:`Who`."""
+        sampled = self.draw(round_)
+        everyone = self.all_train and len(sampled) < self.num_clients
+        trained = list(range(self.num_clients)) if everyone else sampled
+        workers = self.mine(trained)
+        return Who(sampled, trained, workers, workers if trained is sampled else self.mine(sampled))
+
+
+@dataclass
+class Uplink:
+    """What the round's uploads carry through the stages.
+
+    Attributes:
+        uploads: the senders' stacked messages (None: the algorithm uploads nothing).
+        inbox: the workers' decoded downlink (a "model" part's DP reference).
+        metrics: sums over this process's clients: ``train/`` (per trained client),
+            ``channel/`` (per upload), ``privacy/`` counts; added over the processes.
+        updates: the decoded uploads, every process's after the exchange.
+        uploaded: whether anyone uploaded.
+        refs: the DP references of the "model" parts, stacked as the uploads.
+        weights: the aggregation weights ω_n.
+        report: the round's figures a server-side stage adds (``privacy/epsilon``...).
+    """
+
+    uploads: Stacked | None
+    inbox: Stacked | None
+    metrics: dict[str, float]
+    updates: Mapping[int, Message] = field(default_factory=dict)
+    uploaded: bool = False
+    refs: dict[str, torch.Tensor] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+    report: dict[str, float] = field(default_factory=dict)
+
+
+class UplinkStage:
+    """One link of the uplink chain: the identity on both sides unless overridden."""
+
+    def client(self, round_: int, who: Who, up: Uplink) -> Uplink:
+        """On the sending side, before the processes' exchange (this process's senders)."""
+        return up
+
+    def server(self, round_: int, who: Who, up: Uplink) -> Uplink:
+        """On the server's side, after the exchange (every sender's decoded upload)."""
+        return up
+
+
+@dataclass
+class Wire(UplinkStage):
+    """The channel: codec with error feedback, bytes on the wire and in the ledger, decode.
+
+    Attributes:
+        send: ``(senders, stacked uploads) -> (decoded uploads, the channel's summed
+            metrics)``: the engine's transport (``Transport.uplink_cohort``).
+    """
+
+    send: Callable[[list[int], Stacked | None], tuple[Mapping[int, Message], dict[str, float]]]
+
+    def client(self, round_: int, who: Who, up: Uplink) -> Uplink:
+        """Every upload through the channel."""
+        up.updates, sums = self.send(who.senders, up.uploads)
+        up.metrics.update({f"channel/{k}": v for k, v in sums.items()})
+        up.uploaded = up.uploads is not None
+        return up
+
+
+@dataclass
+class Privatize(UplinkStage):
+    """Client-level DP (``fedexp.privacy.uplink.PrivateUplink``'s two ends).
+
+    On the sending side each upload is clipped (and noised for local DP) before the codec; on
+    the server's side what arrived is re-clipped and noised (central DP), weighted uniformly,
+    and the round is counted by the accountant.
+
+    Attributes:
+        privacy: the mechanism.
+        x0: the common initial model (a "model" part's last-resort reference).
+        lossy: whether the channel may deliver more than was clipped (error feedback).
+    """
+
+    privacy: PrivateUplink
+    x0: torch.Tensor
+    lossy: bool
+
+    def client(self, round_: int, who: Who, up: Uplink) -> Uplink:
+        """Clip (and locally noise) the senders' uploads; their counts into the metrics."""
+        if up.uploads is None:
+            return up
+        uploads = up.uploads
+        inbox = rows_of(up.inbox, who.workers, who.senders)
+        parts = uploads if isinstance(uploads, dict) else {"": uploads}
+        up.refs = self.privacy.references(parts, inbox, self.x0)
+        up.uploads, counts = self.privacy.client_side(round_, who.senders, uploads, up.refs)
+        up.metrics.update(counts)
+        return up
+
+    def server(self, round_: int, who: Who, up: Uplink) -> Uplink:
+        """Re-clip and noise what arrived (central DP), uniform weights; count the round."""
+        counts = {k: v for k, v in up.metrics.items() if k.startswith("privacy/")}
+        report: dict[str, float] = {}
+        if up.uploaded:
+            up.updates, up.weights, report = self.privacy.server_side(
+                round_, who.sampled, up.updates, up.refs, lossy=self.lossy
+            )
+        report.update(self.privacy.end_round(round_, who.sampled, up.uploaded, counts))
+        up.report.update(report)
+        return up
+
+
+def take_rows(stacked: Stacked | None, index: torch.Tensor) -> Stacked | None:
+    """Rows ``index`` of a cohort's stacked messages (of each named part)."""
+    if stacked is None:
+        return None
+    if isinstance(stacked, torch.Tensor):
+        return stacked[index]
+    return {name: part[index] for name, part in stacked.items()}
+
+
+def rows_of(stacked: Stacked | None, workers: list[int], senders: list[int]) -> Stacked | None:
+    """The senders' rows of the workers' ``stacked`` messages."""
+    if workers is senders or stacked is None:
+        return stacked
+    where = {n: i for i, n in enumerate(workers)}
+    return take_rows(stacked, torch.tensor([where[n] for n in senders], dtype=torch.int64))
