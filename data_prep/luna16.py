@@ -387,8 +387,8 @@ def _process_studies(
 ) -> pd.DataFrame:
     """Convert (or reuse) each study; return the manifest rows of all usable candidates.
 
-    Every study's files are checked first (:func:`data_prep.mhd.mhd_problem`), also those in the resume
-    cache: a header that now points outside ``root`` is skipped, not served from the cache.
+    Every study's files are checked first (:func:`data_prep.mhd.mhd_problem`), also those in the
+    resume cache: a header that now points outside ``root`` is skipped, not served from the cache.
     """
     kept: list[pd.DataFrame] = []
     with progress_bar(console) as progress:

@@ -248,7 +248,7 @@ def _sweep_job(cfg: DictConfig, hc: DictConfig) -> float:
     prints its line. The outcome goes to ``<job dir>/fedexp_status.json`` (:mod:`fedexp.sweep`),
     which the sweep's callback reads.
     """
-    from fedexp.engine.progress import job_label
+    from fedexp.engine.files.progress import job_label
     from fedexp.sweep import JobStatus, SweepInfo, write_status
 
     info = SweepInfo.read(hc.sweep.dir)
@@ -276,7 +276,7 @@ def _sweep_job_run(
     import traceback
 
     from fedexp.config.instantiate import instantiate_checked
-    from fedexp.engine.progress import job_prefix
+    from fedexp.engine.files.progress import job_prefix
     from fedexp.sweep import best_of
 
     quiet = bool(info and info.live)  # the sweep's live display prints the job's line

@@ -9,7 +9,7 @@ process learns its place from the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL
 joins one torch.distributed group and runs the same config. Rank 0 alone tracks, shows
 progress, writes the run's files (in the folder it chose, sent to the others as JSON) and
 prints the end of the run; the others print errors only. ``distributed.nproc=P`` started by
-fedexp itself on one machine: :mod:`fedexp.engine.launch`.
+fedexp itself on one machine: :mod:`fedexp.engine.processes.launch`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fedexp.errors import ConfigError, FedexpError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from fedexp.engine.ranks import Ranks
+    from fedexp.engine.processes.ranks import Ranks
 
 log = logging.getLogger("fedexp")
 
@@ -327,7 +327,7 @@ def _threads(place: Place) -> None:
     """A SLURM task's CPUs (``SLURM_CPUS_PER_TASK``), else the cores split among local ranks."""
     import torch
 
-    from fedexp.engine import launch
+    from fedexp.engine.processes import launch
 
     cpus = _as_int(os.environ.get("SLURM_CPUS_PER_TASK", ""))
     if cpus and place.starter != "torchrun":
@@ -358,7 +358,7 @@ def join(cfg: DictConfig, hc: DictConfig, place: Place) -> Ranks:
     import torch.distributed as dist
     from omegaconf import open_dict
 
-    from fedexp.engine.ranks import init_from_env
+    from fedexp.engine.processes.ranks import init_from_env
 
     if int(cfg.get("threads") or 0) <= 0:
         _threads(place)
@@ -410,7 +410,7 @@ def _follow(cfg: DictConfig, place: Place, single: bool) -> bool:
     """
     from omegaconf import open_dict
 
-    from fedexp.engine.ranks import peer_left
+    from fedexp.engine.processes.ranks import peer_left
     from fedexp.engine.runner import run
     from fedexp.tracking.base import NullTracker
 

@@ -95,12 +95,12 @@ def rescue_hint(cfg: DictConfig, hc: DictConfig, folder: Path, exc: BaseExceptio
     """How to go on after a divergence: the same command with lr / 10.
 
     It resumes from the last checkpoint whose round was healthy
-    (:func:`fedexp.engine.checkpoint.rescue_point`: the folder, when its last checkpoint is
+    (:func:`fedexp.engine.files.checkpoint.rescue_point`: the folder, when its last checkpoint is
     healthy, else its ``good.safetensors``; lr may change on resume, and the runner records
     the change in the checkpoint and in MLflow tags), and says from which round; with no
     healthy checkpoint it starts the run again.
     """
-    from fedexp.engine.checkpoint import rescue_point
+    from fedexp.engine.files.checkpoint import rescue_point
 
     lr = f"lr={cfg.lr / 10:g}"
     keep = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in ("lr", "resume")]

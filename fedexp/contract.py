@@ -31,7 +31,7 @@ State = dict[str, torch.Tensor]
 Message = torch.Tensor | dict[str, torch.Tensor]
 #: A cohort's messages: ``[m, ...]`` stacks, or a dict of such stacks part by part.
 Stacked = torch.Tensor | dict[str, torch.Tensor]
-#: How a message part is coded (``fedexp.engine.engine.Engine._transmit``).
+#: How a message part is coded (``fedexp.engine.round.engine.Engine._transmit``).
 PART_KINDS = ("model", "update", "exact")
 
 
@@ -40,7 +40,7 @@ class Cohort:
     """The clients whose work of a round runs as one computation.
 
     Every client of a cohort takes the same number of local steps (the engine groups a round's
-    clients by :meth:`fedexp.engine.context.Context.work_key` into sub-cohorts), so their
+    clients by :meth:`fedexp.engine.solver.context.Context.work_key` into sub-cohorts), so their
     steps stack.
 
     Attributes:
@@ -49,9 +49,9 @@ class Cohort:
         rows: int64 [m] the clients' pool rows on the device.
         keys: int64 [m] their round streams' keys (:func:`fedexp.engine.rng.stream_keys`).
         draws: int64 [m] minibatches each stream has drawn so far this round.
-        pool: the run's training data (:class:`fedexp.engine.pool.TrainPool`).
+        pool: the run's training data (:class:`fedexp.engine.clients.pool.TrainPool`).
         streams: the clients' round streams as generators (made by the solver on the first
-            noise draw, :func:`fedexp.engine.solver.noise`).
+            noise draw, :func:`fedexp.engine.solver.steps.noise`).
     """
 
     clients: list[int]

@@ -45,7 +45,7 @@ log = logging.getLogger("fedexp")
 #: IoU is its headline; a classification run has accuracy.
 HEADLINES = ("iou", "acc")
 
-#: Prefix of the validation split's metrics (``fedexp.engine.engine.Engine.evaluate``).
+#: Prefix of the validation split's metrics (``fedexp.engine.round.engine.Engine.evaluate``).
 VAL_PREFIX = "val/"
 
 #: A best value within this share of its search range (of its logarithm on a log scale) from

@@ -3,7 +3,7 @@
 Issue 22 ("One path for every client") replaced the engine's backends (``sequential``, and
 ``lockstep``: a greenlet barrier batching per-client hooks, plus an opt-in cohort path) by one
 path: every algorithm's ``client_update`` over the round's clients as one cohort
-(``fedexp.engine.solver``). This script measures, in one run, the rounds/s of every algorithm
+(``fedexp.engine.solver.steps``). This script measures, in one run, the rounds/s of every algorithm
 on both sides: the baseline revision (default ``c973b3d``, main before the refactor) with
 ``backend=lockstep`` (its fastest backend: the cohort path where an algorithm had one, the
 greenlet barrier otherwise), checked out as a temporary ``git worktree``, and this working

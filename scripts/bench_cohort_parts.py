@@ -4,7 +4,7 @@
   parameters): a plain ``nn.Module`` in PyTorch's default NCHW layout (what the peers run), the
   same module converted to channels-last, and fedexp's ``FlatModel`` (a flat parameter
   vector through ``functional_call``) with and without its channels-last weights, its
-  gradient by plain autograd (a loop written here, as ``fedexp.engine.solver._rowwise`` takes
+  gradient by plain autograd (a loop written here, as ``fedexp.engine.solver.steps._rowwise`` takes
   it through ``Context.loss_grad_post``: the row-by-row path channels-last CNNs run on the CPU)
   and by ``torch.func.grad`` (what the solver's vmapped path uses).
 * ``codecs``: a cohort's messages through a lossy channel with error feedback: message by

@@ -21,7 +21,7 @@ def _rank(rank: int, size: int, port: int, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from fedexp.engine.ranks import Ranks
+    from fedexp.engine.processes.ranks import Ranks
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -51,7 +51,7 @@ def _rank(rank: int, size: int, port: int, repeats: int) -> None:
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from fedexp.engine.launch import _free_port
+    from fedexp.engine.processes.launch import _free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)

@@ -53,7 +53,7 @@ def _worker(args: argparse.Namespace) -> None:
     if args.nproc == 1:
         torch.set_num_threads(args.threads)
     if args.pages == "small":  # every tensor from torch's allocator (4 KiB pages)
-        from fedexp.engine import hugepages
+        from fedexp.engine.clients import hugepages
 
         hugepages.MIN_BYTES = 1 << 62
     cfg = compose_config(
@@ -206,7 +206,7 @@ def main() -> None:
         nargs="+",
         default=["huge"],
         choices=["huge", "small"],
-        help="the large CPU tensors on huge pages (fedexp.engine.hugepages) or torch's own",
+        help="the large CPU tensors on huge pages (fedexp.engine.clients.hugepages) or torch's own",
     )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--nproc", type=int, default=2)

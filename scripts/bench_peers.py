@@ -451,7 +451,7 @@ def notes(
         "the subprocess (wait4 max RSS: its largest process); Flower's Σ: the peak of the "
         "RSS summed over its processes (driver and Ray's), sampled every 0.2 s.",
         "- fedexp / X: fedexp's updates/s over X's (the round's clients as one cohort, "
-        "fedexp.engine.solver). Accuracy: the "
+        "fedexp.engine.solver.steps). Accuracy: the "
         "final global model on all the clients' data; the row agrees when the frameworks' "
         f"medians are within {args.acc_tol}.",
         f"- {args.threads} torch thread(s) in every process; Flower: {args.flower_actors} Ray "

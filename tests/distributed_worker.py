@@ -15,7 +15,7 @@ import numpy as np
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from fedexp.engine.launch import _join
+from fedexp.engine.processes.launch import _join
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
 from helpers import compose_config
@@ -25,7 +25,7 @@ def spawn_ranks(target, *args: object, size: int = 2, timeout: float = 600) -> N
     """Run ``target(rank, size, port, *args)`` in ``size`` spawned processes; all must exit 0."""
     import torch.multiprocessing as mp
 
-    from fedexp.engine.launch import _free_port
+    from fedexp.engine.processes.launch import _free_port
 
     port = _free_port()
     ctx = mp.get_context("spawn")
@@ -91,11 +91,17 @@ def last_vectors(rounds: int, into: dict):
 
 def exchanges(rank: int, size: int, port: int, out: str, limit: int) -> None:
     """Rank ``rank`` of tests/test_rank_exchange.py: gathers bytes of many lengths and adds
-    weighted upload sums (``limit``: :func:`~fedexp.engine.ranks.sums_record`'s); rank 0
+    weighted upload sums (``limit``: :func:`~fedexp.engine.processes.ranks.sums_record`'s); rank 0
     writes what it got to ``<out>/exchanges.json``."""
     import torch
 
-    from fedexp.engine.ranks import SHORT, Ranks, reduce_uploads, sums_record, weighted_sums
+    from fedexp.engine.processes.ranks import (
+        SHORT,
+        Ranks,
+        reduce_uploads,
+        sums_record,
+        weighted_sums,
+    )
 
     _join(rank, size, port, "gloo")
     done = False
@@ -134,9 +140,9 @@ def exchanges(rank: int, size: int, port: int, out: str, limit: int) -> None:
 
 
 def failing_rank(rank: int, size: int, port: int, error: str) -> None:
-    """A started rank (:func:`fedexp.engine.launch.rank_main`) whose job raises ``error``:
+    """A started rank (:func:`fedexp.engine.processes.launch.rank_main`) whose job raises ``error``:
     ``"data"`` a user's DataError, else a bug (RuntimeError)."""
-    from fedexp.engine.launch import rank_main
+    from fedexp.engine.processes.launch import rank_main
     from fedexp.errors import DataError
 
     def job(cfg) -> None:  # noqa: ANN001 - the runner's job
@@ -147,12 +153,12 @@ def failing_rank(rank: int, size: int, port: int, error: str) -> None:
 
 def shared_data(rank: int, size: int, port: int, out: str) -> None:
     """Rank ``rank`` of tests/test_shared_data.py: loads a synthetic table through
-    :func:`fedexp.engine.shared_data.load_dataset` (rank 0's files in ``<out>/scratch``),
+    :func:`fedexp.engine.processes.shared_data.load_dataset` (rank 0's files in ``<out>/scratch``),
     then a data set whose config is wrong; writes what it got to ``<out>/rank<r>.json``."""
     import hashlib
 
-    from fedexp.engine.ranks import Ranks
-    from fedexp.engine.shared_data import load_dataset, mapped
+    from fedexp.engine.processes.ranks import Ranks
+    from fedexp.engine.processes.shared_data import load_dataset, mapped
     from fedexp.errors import FedexpError
 
     _join(rank, size, port, "gloo")

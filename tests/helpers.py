@@ -117,7 +117,7 @@ def cohort_of(engine, clients, round_: int | None = None):  # noqa: ANN001, ANN2
 def solo(data, key: int = 0):  # noqa: ANN001, ANN201
     """A cohort of one client alone (its rows of the pool that holds its data, else a pool of
     its own), drawing from stream ``key`` (:class:`fedexp.engine.rng.Stream`)."""
-    from fedexp.engine.solver import alone
+    from fedexp.engine.solver.steps import alone
 
     return alone(data, key)
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from fedexp.engine.context import Context
-from fedexp.engine.objective import Objective
-from fedexp.engine.solver import _rowwise
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.objective import Objective
+from fedexp.engine.solver.steps import _rowwise
 from fedexp.models.flat import FlatModel, _nhwc
 from fedexp.models.vision import vgg8
 

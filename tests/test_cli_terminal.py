@@ -19,7 +19,7 @@ from rich.console import Console
 
 from fedexp.cli_help import setting_docs
 from fedexp.config.schema import RunConfig
-from fedexp.engine.progress import RoundProgress, job_label
+from fedexp.engine.files.progress import RoundProgress, job_label
 from fedexp.sweep import NO_SLURM
 from helpers import CONF, ROOT, run_cli
 

@@ -1,5 +1,5 @@
-"""The clients' states stacked by key (fedexp.engine.states) and their data as one table
-(fedexp.engine.pool.ClientTable), in memory or memory-mapped on disk (issue 25: populations
+"""The clients' states stacked by key (fedexp.engine.clients.states) and their data as one table
+(fedexp.engine.clients.pool.ClientTable), in memory or memory-mapped on disk (issue 25: populations
 larger than memory)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.engine.pool import ClientTable
+from fedexp.engine.clients.pool import ClientTable
+from fedexp.engine.clients.states import ClientStates, merge_exports, scratch_folder
 from fedexp.engine.runner import build_engine, run
-from fedexp.engine.states import ClientStates, merge_exports, scratch_folder
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
 from helpers import compose_config
@@ -185,7 +185,7 @@ def test_store_settings_a_run_cannot_meet_are_refused_in_one_line(tmp_path):
     "overrides", [("algorithm=ditto",), ("algorithm=fedavg_ft", "val_fraction=0.25")]
 )
 def test_evaluating_the_clients_a_block_at_a_time_changes_no_figure(overrides, monkeypatch):
-    from fedexp.engine import evaluation
+    from fedexp.engine.round import evaluation
 
     engine = build_engine(compose_config(*overrides, "num_clients=7", "device=cpu"))
     engine.setup()

@@ -11,7 +11,7 @@ import torch
 
 from fedexp.data.federated import ClientData, PoolRows
 from fedexp.engine import rng
-from fedexp.engine.pool import TrainPool
+from fedexp.engine.clients.pool import TrainPool
 from fedexp.engine.runner import build_engine
 from fedexp.errors import DivergenceError
 
@@ -232,7 +232,7 @@ def test_batched_evaluation_equals_client_by_client(small_cfg, overrides):
 )
 def test_a_cohort_in_slices_equals_one_slice(small_cfg, monkeypatch, overrides):
     """Cohorts above ``_CHUNK`` clients run in slices: the same draws, the same models."""
-    from fedexp.engine import solver
+    from fedexp.engine.solver import steps as solver
 
     whole, _ = _run(small_cfg, *overrides)
     monkeypatch.setattr(solver, "_CHUNK", 2)
@@ -250,7 +250,7 @@ def test_train_losses_of_a_cohort_equal_client_by_client(small_cfg):
     by client, to the same values."""
     from types import SimpleNamespace
 
-    from fedexp.engine.losses import train_losses
+    from fedexp.engine.solver.losses import train_losses
 
     engine = build_engine(small_cfg("model=mlp", "model.hidden=8"))
     ctx, data = engine.ctx, engine.clients

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from fedexp.cli_output import describe_stop as _describe_stop
-from fedexp.engine import checkpoint
+from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import _healthy, run
 from fedexp.errors import DivergenceError
 from fedexp.tracking.base import NullTracker

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from fedexp.engine import checkpoint, rng
+from fedexp.engine import rng
+from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import build_engine, run
 from fedexp.errors import DivergenceError
 from fedexp.tracking.base import NullTracker

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
 from fedexp.config.instantiate import check_node, fresh_dir, instantiate_checked
-from fedexp.engine import checkpoint
+from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import run
 from fedexp.errors import CheckpointError, ConfigError, Terminated
 from fedexp.tracking.base import NullTracker
@@ -131,8 +131,11 @@ def test_runner_fallback_folder_is_never_shared(small_cfg, tmp_path, monkeypatch
             },
             "algorithm.x.y[0]._target_",
         ),
-        ({"_target_": "fedexp.engine.checkpoint.save_file"}, "algorithm._target_"),  # imported
-        ({"_target_": "fedexp.engine.checkpoint.os.system"}, "algorithm._target_"),
+        (
+            {"_target_": "fedexp.engine.files.checkpoint.save_file"},
+            "algorithm._target_",
+        ),  # imported
+        ({"_target_": "fedexp.engine.files.checkpoint.os.system"}, "algorithm._target_"),
         ({"_target_": "fedexp.engine.runner.__builtins__"}, "algorithm._target_"),
         ({"_target_": "fedexp.algorithms.fedavg.FedAvg", "_args_": [1.0]}, "algorithm._args_"),
     ],

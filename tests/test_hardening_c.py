@@ -19,7 +19,7 @@ from omegaconf import OmegaConf, open_dict
 
 from fedexp.cli_output import describe_stop as _describe_stop
 from fedexp.config.schema import validate
-from fedexp.engine import checkpoint
+from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import run
 from fedexp.errors import ConfigError, DivergenceError, TrackerError
 from fedexp.tracking.base import NullTracker

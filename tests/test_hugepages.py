@@ -1,4 +1,4 @@
-"""Large CPU tensors on transparent huge pages (fedexp.engine.hugepages): the run's pool of
+"""Large CPU tensors on transparent huge pages (fedexp.engine.clients.hugepages): the run's pool of
 training data and the clients' state columns in memory."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.engine import hugepages
-from fedexp.engine.pool import ClientTable
-from fedexp.engine.states import ClientStates
+from fedexp.engine.clients import hugepages
+from fedexp.engine.clients.pool import ClientTable
+from fedexp.engine.clients.states import ClientStates
 
 LINUX = sys.platform.startswith("linux")
 

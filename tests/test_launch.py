@@ -328,7 +328,7 @@ def test_a_started_rank_leaves_user_errors_to_rank_0_and_prints_bugs(tmp_path, e
         "import sys, torch.multiprocessing as mp\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "import distributed_worker\n"
-        "from fedexp.engine.launch import _free_port\n"
+        "from fedexp.engine.processes.launch import _free_port\n"
         "if __name__ == '__main__':\n"
         "    port, ctx = _free_port(), mp.get_context('spawn')\n"
         "    ps = [ctx.Process(target=distributed_worker.failing_rank,"

@@ -1,14 +1,14 @@
 """The channels' per-client memories (error-feedback residuals, replicas, references) as rows
-of state columns (fedexp.engine.part_memory), in memory, on disk and split over ranks."""
+of state columns (fedexp.engine.clients.part_memory), in memory, on disk and split over ranks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fedexp.engine.part_memory import PartMemory
+from fedexp.engine.clients.part_memory import PartMemory
+from fedexp.engine.round.transport import _state_key
 from fedexp.engine.runner import build_engine
-from fedexp.engine.transport import _state_key
 from helpers import SMALL, compose_config
 
 

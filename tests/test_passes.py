@@ -16,7 +16,7 @@ import torch
 
 from fedexp.engine import rng
 from fedexp.engine.runner import build_engine
-from fedexp.engine.solver import draw_batch
+from fedexp.engine.solver.steps import draw_batch
 from helpers import cohort_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")

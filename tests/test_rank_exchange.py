@@ -1,4 +1,4 @@
-"""The exchanges of a run over several processes (fedexp.engine.ranks) on two gloo ranks:
+"""The exchanges of a run over several processes (fedexp.engine.processes.ranks) on two gloo ranks:
 bytes of any length gathered whole and in rank order (one collective for short records, a
 second for the rest), and the weighted upload sums added the same whether they travel with
 the round's records or through all_reduce."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedexp.engine.ranks import SHORT
+from fedexp.engine.processes.ranks import SHORT
 
 
 def _exchanges(out: Path, limit: int) -> dict:

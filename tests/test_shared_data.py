@@ -13,7 +13,7 @@ import numpy as np
 
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset
-from fedexp.engine.shared_data import _open, _write, load_dataset, mapped
+from fedexp.engine.processes.shared_data import _open, _write, load_dataset, mapped
 from helpers import compose_config
 
 

@@ -1,4 +1,4 @@
-"""The local solver (fedexp.engine.solver, issue 22): how a cohort's steps execute is its
+"""The local solver (fedexp.engine.solver.steps, issue 22): how a cohort's steps execute is its
 business. Row by row and vmapped give the same models; a loss vmap refuses is rerun row by row
 with the same draws; BatchNorm statistics follow every step; clients whose step counts differ
 run in sub-cohorts, each client its own count."""
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fedexp.engine.runner import build_engine
+from fedexp.engine.solver.steps import train
 from helpers import solo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,7 +118,7 @@ def test_a_cohort_of_one_takes_the_steps_a_plain_loop_takes(small_cfg):
     engine = build_engine(small_cfg("model=mlp", "model.hidden=8"))
     ctx, data = engine.ctx, engine.clients[2]
     cohort = solo(data, key=12345)
-    out = ctx.train(engine.x0[None], cohort, steps=4, lr=0.1)
+    out = train(ctx, engine.x0[None], cohort, steps=4, lr=0.1)
     assert cohort.draws.tolist() == [4]
     p = engine.x0.clone()
     stream = rng.Stream(12345)

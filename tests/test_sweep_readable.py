@@ -31,7 +31,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from fedexp import sweep
-from fedexp.engine.progress import PROGRESS_FILE, RoundProgress, job_label
+from fedexp.engine.files.progress import PROGRESS_FILE, RoundProgress, job_label
 from fedexp.sweep import (
     JobStatus,
     LiveSweep,

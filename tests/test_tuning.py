@@ -12,7 +12,7 @@ import torch
 from hydra.core.utils import JobReturn, JobStatus
 
 from fedexp import tuning
-from fedexp.engine import checkpoint
+from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import build_engine
 from fedexp.errors import FedexpError
 from fedexp.metrics import classification_metrics

@@ -11,7 +11,7 @@ state"). A round, for the sampled clients (in sub-cohorts of alike work, ``Conte
 
 An algorithm states one client's work once, as its paper writes it, over stacked ``[m, ...]``
 tensors; one client alone is a cohort of one. The local solver (``Context.train``,
-``fedexp.engine.solver``) decides how the steps execute. Messages cross the client/server
+``fedexp.engine.solver.steps``) decides how the steps execute. Messages cross the client/server
 boundary as bytes (``fedexp.comm``); the hooks only see decoded tensors. Evaluation uses
 ``eval_params``. Hooks must not keep state on ``self``. The contract's types live in
 ``fedexp.contract``.
@@ -36,7 +36,7 @@ from fedexp.contract import (
     weighted_mean,
 )
 from fedexp.data.client import ClientData
-from fedexp.engine.context import Context
+from fedexp.engine.solver.context import Context
 
 __all__ = [
     "PART_KINDS",

@@ -18,8 +18,8 @@ import torch
 from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import PositiveInt, Range
-from fedexp.engine.context import Context
-from fedexp.engine.solver import unstack_states
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.steps import train, unstack_states
 
 
 class Ditto(FedAvg):
@@ -58,7 +58,8 @@ class Ditto(FedAvg):
         assert isinstance(model_in, torch.Tensor)
         result = super().client_update(ctx, model_in, states, cohort)
         opt = ctx.optimizer
-        personal = ctx.train(
+        personal = train(
+            ctx,
             torch.stack([s["v"] for s in states]),
             cohort,
             objective=ctx.proximal_objective(model_in.detach(), self.lam),

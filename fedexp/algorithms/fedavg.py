@@ -15,9 +15,9 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
 from fedexp.config.ranges import Range
-from fedexp.engine.context import Context
-from fedexp.engine.objective import Objective
-from fedexp.engine.solver import unstack_states
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.objective import Objective
+from fedexp.engine.solver.steps import train, unstack_states
 
 #: η_s, the server step on the averaged model difference (every FedAvg-style server's).
 ServerLr = Annotated[float, Range(gt=0, note="1: plain averaging")]
@@ -49,7 +49,8 @@ class FedAvg(Algorithm):
         """E local steps of the run's optimiser (its state kept); send Δ = x − θ^E."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
-        local = ctx.train(
+        local = train(
+            ctx,
             model_in,
             cohort,
             objective=self.objective(ctx, model_in.detach()),

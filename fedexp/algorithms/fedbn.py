@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedper import FedPer
-from fedexp.engine.context import Context
+from fedexp.engine.solver.context import Context
 
 
 class FedBN(FedPer):

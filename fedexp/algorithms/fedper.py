@@ -22,8 +22,8 @@ import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, Message, Stacked, State, weighted_mean
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
-from fedexp.engine.context import Context
-from fedexp.engine.solver import unstack_states
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.steps import train, unstack_states
 
 
 class FedPer(FedAvg):
@@ -91,7 +91,8 @@ class FedPer(FedAvg):
         """E local steps on (received body, own head); keep the head, send Δ of the body."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
-        local = ctx.train(
+        local = train(
+            ctx,
             self.assemble(ctx, model_in, torch.stack([s["head"] for s in states])),
             cohort,
             objective=ctx.model_objective(),

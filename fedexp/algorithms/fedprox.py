@@ -10,8 +10,8 @@ import torch
 
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import NonNegative
-from fedexp.engine.context import Context
-from fedexp.engine.objective import Objective
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.objective import Objective
 
 
 class FedProx(FedAvg):

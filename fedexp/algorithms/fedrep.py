@@ -33,8 +33,8 @@ from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedper import FedPer
 from fedexp.config.ranges import NonNegative, Range
 from fedexp.data.client import ClientData
-from fedexp.engine.context import Context
-from fedexp.engine.solver import unstack_states
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.steps import train, unstack_states
 
 
 class FedRep(FedPer):
@@ -97,7 +97,8 @@ class FedRep(FedPer):
         for name, idx, steps in (("head", head, head_steps), ("body", body, body_steps)):
             if steps == 0:
                 continue
-            local = ctx.train(
+            local = train(
+                ctx,
                 theta,
                 cohort,
                 objective=ctx.model_objective(),

@@ -27,7 +27,7 @@ Differences from the paper and the authors' code (github.com/jichan3751/ifca), a
   forced assignments) are left to the experiment.
 * The loss estimate runs the model in evaluation mode without gradients (no dropout; BatchNorm
   with the cluster model's running statistics), in chunks
-  (:func:`fedexp.engine.losses.train_losses`); it draws nothing from the client's stream, so
+  (:func:`fedexp.engine.solver.losses.train_losses`); it draws nothing from the client's stream, so
   the minibatches are FedAvg's. Ties go to the lowest index; a non-finite loss never wins.
 * Optimiser state (momentum, Adam moments): kept between rounds while the client stays in the
   same cluster, restarted fresh when ĵ changes (the old state belongs to another model).
@@ -65,9 +65,9 @@ from fedexp.algorithms.base import (
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine import rng
-from fedexp.engine.context import Context
-from fedexp.engine.losses import train_losses
-from fedexp.engine.solver import unstack_states
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.losses import train_losses
+from fedexp.engine.solver.steps import train, unstack_states
 
 #: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
 CLUSTER_INIT = 31
@@ -150,7 +150,8 @@ class IFCA(Algorithm):
         theta = clusters[rows, j]
         opt = ctx.optimizer
         before = torch.stack([s["cluster"][0] for s in states]).tolist()
-        local = ctx.train(
+        local = train(
+            ctx,
             theta,
             cohort,
             opt_states=[  # kept in the same cluster, fresh when ĵ changed

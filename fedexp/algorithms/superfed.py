@@ -49,11 +49,11 @@ from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Fraction, NonNegativeInt, Range
 from fedexp.data.client import ClientData
 from fedexp.engine import rng
-from fedexp.engine.context import Context
-from fedexp.engine.losses import train_losses
-from fedexp.engine.objective import Aux, Objective
-from fedexp.engine.optim import State as OptState
-from fedexp.engine.solver import unstack_states
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.losses import train_losses
+from fedexp.engine.solver.objective import Aux, Objective
+from fedexp.engine.solver.optim import State as OptState
+from fedexp.engine.solver.steps import train, unstack_states
 from fedexp.models.flat import FlatModel
 
 #: the evaluation grid of the authors' code
@@ -167,7 +167,8 @@ class SuPerFed(FedAvg):
         opt = ctx.optimizer
         d = model_in.shape[-1]
         w_l = torch.stack([s["local"] for s in states])
-        out = ctx.train(
+        out = train(
+            ctx,
             torch.cat([model_in.detach(), w_l], dim=1),
             cohort,
             objective=self.mixing_objective(ctx, model_in),
@@ -238,7 +239,7 @@ def select_lambdas(
     """Each client's grid λ whose mixture has the lowest loss on its training split.
 
     ``g``, ``local``: the clients' [m, d] rows. Each grid λ's mixtures are scored for all
-    clients at once (:func:`fedexp.engine.losses.train_losses`, the module in eval mode); the
+    clients at once (:func:`fedexp.engine.solver.losses.train_losses`, the module in eval mode); the
     first λ of the lowest loss wins.
     """
 

@@ -57,10 +57,10 @@ from fedexp.algorithms.base import (
 )
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import OpenFraction, Positive, PositiveInt, Range
-from fedexp.engine.context import Context
-from fedexp.engine.objective import Aux, Objective
-from fedexp.engine.optim import SGD, Adam, stack_states
-from fedexp.engine.solver import draw_batch, unstack_states
+from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.objective import Aux, Objective
+from fedexp.engine.solver.optim import SGD, Adam, stack_states
+from fedexp.engine.solver.steps import draw_batch, train, unstack_states
 from fedexp.models.cp import CPLayout, als, compose
 from fedexp.models.flat import Layout
 
@@ -182,7 +182,8 @@ class TDPFed(Algorithm):
         for _ in range(rounds):
             batch = draw_batch(ctx, cohort)
             if self.personal_steps > 0:
-                personal = ctx.train(
+                personal = train(
+                    ctx,
                     theta,
                     cohort,
                     objective=ctx.proximal_objective(compose_rows(a), self.lam),
@@ -199,7 +200,8 @@ class TDPFed(Algorithm):
                 a = torch.where(frozen_a, torch.stack(fitted), a)
             if self.factor_steps > 0:
                 aux = {"theta": theta.detach(), "lam": lam}
-                fit = ctx.train(
+                fit = train(
+                    ctx,
                     a,
                     cohort,
                     objective=Objective(partial(self.factor_loss, cp), aux=aux, frozen=frozen_a),

@@ -24,7 +24,7 @@ from fedexp.errors import ConfigError
 
 @dataclass
 class DistributedConfig:
-    """One run over several processes (``fedexp.engine.launch``).
+    """One run over several processes (``fedexp.engine.processes.launch``).
 
     Attributes:
         nproc: processes on this machine (on each node); each runs its share of every

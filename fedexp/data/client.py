@@ -1,6 +1,6 @@
 """One client's data (:class:`ClientData`), its fields possibly rows of a pooled array.
 
-A bottom module of the data layer: the engine's pool (``fedexp.engine.pool``) and the
+A bottom module of the data layer: the engine's pool (``fedexp.engine.clients.pool``) and the
 federated split (``fedexp.data.federated``) both build on it.
 """
 
@@ -77,7 +77,7 @@ class ClientData:
         x_val, y_val: the validation split carved out of the client's training data
             (``val_fraction``, for tuning); None when there is none.
 
-    The run's training pool (``fedexp.engine.pool.TrainPool``) may set the training fields
+    The run's training pool (``fedexp.engine.clients.pool.TrainPool``) may set the training fields
     (and the test ones when they are the same tensors) to :class:`PoolRows`; they still read
     as tensors (views of the pool made on access). Slots, no instance dict: ~200 bytes a
     client less (issue 14's 100,000 clients).

@@ -14,7 +14,7 @@ import torch
 from fedexp.data.client import ClientData, PoolRows
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.partitions import ClientSplit
-from fedexp.engine.pool import ClientTable
+from fedexp.engine.clients.pool import ClientTable
 from fedexp.errors import ConfigError, DataError
 
 __all__ = ["ClientData", "PoolRows", "federate", "train_test_split", "validation_split"]
@@ -152,7 +152,7 @@ def federate(
 ) -> Sequence[ClientData]:
     """Partition ``data`` over clients, split each 80/20 and move the tensors to ``device``.
 
-    The clients come as a :class:`fedexp.engine.pool.ClientTable`: each split of every
+    The clients come as a :class:`fedexp.engine.clients.pool.ClientTable`: each split of every
     client in one array (memory-mapped files in ``folder`` when one is given, CPU only).
 
     The partition returns index arrays or a :class:`ClientSplit`; the channels it lists for a

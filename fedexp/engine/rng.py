@@ -215,7 +215,7 @@ def pass_indices(
     """
     dev = keys.device
     if dev.type == "cpu" and size > 0:  # the same arithmetic, compiled
-        from fedexp.engine.passes_cpu import pass_indices_cpu
+        from fedexp.engine.solver.passes_cpu import pass_indices_cpu
 
         return pass_indices_cpu(keys, draws.cpu(), size, num.cpu(), _PASS, _ROUND)
     return pass_indices_tensor(keys, draws, size, num)
@@ -259,7 +259,7 @@ class Stream(torch.Generator):
     it: noise, permutations), which also numbers the client's minibatch draws:
     :meth:`fedexp.data.federated.ClientData.batch` takes its indices from
     :func:`batch_indices` at the stream's draw counter, so the local solver draws a whole
-    cohort's minibatches of a step at once (:func:`fedexp.engine.solver.draw_batch`) and each
+    cohort's minibatches of a step at once (:func:`fedexp.engine.solver.steps.draw_batch`) and each
     client gets what its stream gives it alone.
 
     Args:

@@ -1,7 +1,7 @@
 """Build a run from its config and drive the round loop: tracking, checkpoints, artifacts.
 
-The run's settings compared on resume and recorded when changed: :mod:`fedexp.engine.resume`;
-the files it leaves: :mod:`fedexp.engine.outputs`.
+The run's settings compared on resume and recorded when changed: :mod:`fedexp.engine.files.resume`;
+the files it leaves: :mod:`fedexp.engine.files.outputs`.
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ from fedexp.config.instantiate import fresh_dir, instantiate_checked
 from fedexp.config.schema import validate
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import federate
-from fedexp.engine import checkpoint, launch, rng
-from fedexp.engine.context import Context
-from fedexp.engine.engine import Engine, RoundCallback
-from fedexp.engine.ledger import ByteLedger
-from fedexp.engine.outputs import CLIENT_TABLE, _table_rows, _write_outputs
-from fedexp.engine.progress import RoundProgress
-from fedexp.engine.ranks import Ranks
-from fedexp.engine.resume import _change_tags, _check_resume, _resume_changes, flatten_config
-from fedexp.engine.shared_data import load_dataset
-from fedexp.engine.states import scratch_folder
+from fedexp.engine import rng
+from fedexp.engine.clients.states import scratch_folder
+from fedexp.engine.files import checkpoint
+from fedexp.engine.files.outputs import CLIENT_TABLE, _table_rows, _write_outputs
+from fedexp.engine.files.progress import RoundProgress
+from fedexp.engine.files.resume import _change_tags, _check_resume, _resume_changes, flatten_config
+from fedexp.engine.processes import launch
+from fedexp.engine.processes.ranks import Ranks
+from fedexp.engine.processes.shared_data import load_dataset
+from fedexp.engine.round.engine import Engine, RoundCallback
+from fedexp.engine.round.ledger import ByteLedger
+from fedexp.engine.solver.context import Context
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
@@ -300,9 +302,9 @@ def run(
     package versions, device, host: :mod:`fedexp.tracking.provenance`) under ``tags``; the
     data set as an input (:mod:`fedexp.tracking.dataset_input`); each round's metrics at step
     = round (:func:`loggable`: ``round`` is the step, every other metric is logged every
-    round); at the end the files of :func:`~fedexp.engine.outputs._write_outputs` as
+    round); at the end the files of :func:`~fedexp.engine.files.outputs._write_outputs` as
     artifacts and the per-client table as ``clients_rounds.json``
-    (:data:`~fedexp.engine.outputs.CLIENT_TABLE`).
+    (:data:`~fedexp.engine.files.outputs.CLIENT_TABLE`).
 
     Args:
         cfg: the composed run config.
@@ -348,7 +350,10 @@ def _out_dir(cfg: DictConfig) -> Path:
 
 
 def _rank_entry(rank: int, size: int, port: int, config: str, backend: str) -> None:
-    """Rank ``rank`` ≥ 1 of a ``distributed.nproc`` run (:func:`fedexp.engine.launch.start`)."""
+    """Rank ``rank`` ≥ 1 of a ``distributed.nproc`` run.
+
+    Started by :func:`fedexp.engine.processes.launch.start`.
+    """
     launch.rank_main(rank, size, port, config, backend, lambda c: run(c, tracker=NullTracker()))
 
 

@@ -151,7 +151,7 @@ class FlatModel:
     backward puts the gradient back in the vector's order. Under :func:`torch.func.vmap`
     the convolutions of stacked weights become grouped ones that do not gain from it, so the
     local solver computes such a model's gradients row by row, client by client
-    (:func:`fedexp.engine.solver.rowwise`).
+    (:func:`fedexp.engine.solver.steps.rowwise`).
 
     Args:
         module: the network (its own parameters and buffers are only the initial point).

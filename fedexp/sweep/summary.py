@@ -149,7 +149,7 @@ class LiveSweep:
 
     Runs in the process that launches the sweep, whatever the launcher: a thread reads the
     job folders every half second (the status files of the finished jobs, the progress files
-    of the running ones, :mod:`fedexp.engine.progress`) and redraws, with rich::
+    of the running ones, :mod:`fedexp.engine.files.progress`) and redraws, with rich::
 
         [job 0] fedavg δ=1 s0  acc/mean=0.8123  run 3f2a…      (printed once, above)
         sweep ━━━━━━━━━━━━╸━━━━━━━  9/24 jobs  1 failed  2 running  ETA 0:03:10
@@ -206,7 +206,7 @@ class LiveSweep:
 
     def poll(self) -> None:
         """Read the job folders: print the newly finished jobs, redraw the bar."""
-        from fedexp.engine.progress import read_progress
+        from fedexp.engine.files.progress import read_progress
 
         with self._lock:
             done, pending = _scan(self.sweep_dir, self.info.sweep_id, self.info.started)

@@ -6,7 +6,7 @@ The run settings come from the composed config, as ``fedexp run`` would compose 
 builds it, with the benchmark's clients (every sample trains and is evaluated) and model in
 place of the config's dataset and model. Dense float32 messages are encoded, counted and
 decoded as in every run. The round's clients train as one cohort (fedexp's one path,
-``fedexp.engine.solver``). One warm-up round, then ``--rounds`` timed rounds; then
+``fedexp.engine.solver.steps``). One warm-up round, then ``--rounds`` timed rounds; then
 ``--eval-rounds`` rounds each followed by the evaluation of every client (``Engine.evaluate``:
 accuracy, balanced accuracy, AUC and loss per client), whose median is ``round_eval_s``.
 
@@ -30,9 +30,9 @@ def build(args, data: list):
     the data)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from fedexp.config.instantiate import instantiate_checked
-    from fedexp.engine.context import Context
-    from fedexp.engine.engine import Engine
+    from fedexp.engine.round.engine import Engine
     from fedexp.engine.runner import build_channel
+    from fedexp.engine.solver.context import Context
     from fedexp.models.flat import FlatModel
     from fedexp.models.task import ClassificationTask
     from helpers import compose_config
@@ -107,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = common.Clock()
-    from fedexp.engine.pool import TrainPool
+    from fedexp.engine.clients.pool import TrainPool
 
     xs, ys = one_buffer(args.workload, args.clients, args.seed)
     # every client is evaluated on its own training data (the test split is the training set)

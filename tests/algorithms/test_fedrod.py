@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from fedexp.algorithms.fedrod import FedRoD, class_counts, log_priors, prior_adjusted
 from fedexp.data.federated import ClientData
-from fedexp.engine.objective import Objective
 from fedexp.engine.runner import build_engine
+from fedexp.engine.solver.objective import Objective
 from fedexp.errors import ConfigError
 from fedexp.models.task import SegmentationTask
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fedexp.algorithms.ifca import IFCA
-from fedexp.engine.optim import SGD
-from fedexp.engine.pool import TrainPool
+from fedexp.engine.clients.pool import TrainPool
 from fedexp.engine.runner import build_engine
+from fedexp.engine.solver.optim import SGD
 from helpers import refused, solo
 
 MLP = ("model=mlp", "model.hidden=8")

@@ -9,8 +9,8 @@ import torch
 
 from fedexp.algorithms.tdpfed import TDPFed
 from fedexp.engine import rng
-from fedexp.engine.optim import SGD, Adam
 from fedexp.engine.runner import build_engine, run
+from fedexp.engine.solver.optim import SGD, Adam
 from fedexp.models.cp import compose
 from fedexp.tracking.base import NullTracker
 from helpers import assert_resume_exact, refused

@@ -43,8 +43,8 @@ def run_case(
     """Case ``name`` (and ``extra`` overrides), ``ROUNDS`` rounds: its flat state tree, each
     round's metrics and what near ties allow its discrete figures to differ by
     (``golden.ties``)."""
+    from fedexp.engine.round.transport import _state_key
     from fedexp.engine.runner import build_engine
-    from fedexp.engine.transport import _state_key
     from helpers import SMALL, compose_config
 
     cfg = compose_config(*SMALL, *CASES[name], *pins(CASES[name]), *extra, output_dir=out_dir)

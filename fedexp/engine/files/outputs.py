@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fedexp.engine.engine import Engine
+from fedexp.engine.round.engine import Engine
 
 #: The per-client table's artifact name (MLflow's table API wants .json or .parquet).
 CLIENT_TABLE = "clients_rounds.json"
@@ -54,7 +54,7 @@ def _write_outputs(
     - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
 
     ``models``: every client's evaluated vector, ``[N, d]``
-    (:meth:`~fedexp.engine.evaluation.Evaluation.every_eval_vector`, which every rank of a run
+    (:meth:`~fedexp.engine.round.evaluation.Evaluation.every_eval_vector`, which every rank of a run
     over several processes takes part in).
     """
     out.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
 """A client's local training problem as a pure function of (parameters, minibatch).
 
-An :class:`Objective` is what :meth:`fedexp.engine.context.Context.train` minimises: a loss
+An :class:`Objective` is what :meth:`fedexp.engine.solver.context.Context.train` minimises: a loss
 over a flat vector (the model's, or an algorithm's joint vector such as APFL's (w, v, α) or
 FedRoD's (model, personal head)), with everything that differs between clients in ``aux``
 tensors. Because the loss function itself is shared, the local solver
-(:mod:`fedexp.engine.solver`) stacks a cohort's parameters, ``aux`` tensors, masks and
+(:mod:`fedexp.engine.solver.steps`) stacks a cohort's parameters, ``aux`` tensors, masks and
 optimiser states and takes each step of the whole cohort as one :func:`torch.func.vmap`; a
 loss that vmap cannot run is rerun row by row (each client's gradient by plain autograd) with
 the same random draws.

@@ -33,7 +33,7 @@ from typing import Any, overload
 import torch
 
 from fedexp.data.client import client_ids
-from fedexp.engine import hugepages
+from fedexp.engine.clients import hugepages
 from fedexp.errors import ConfigError
 
 State = dict[str, torch.Tensor]

@@ -2,7 +2,8 @@
 
 One process is the trivial exchange (:class:`Alone`): its clients are all clients, its
 ledger is the run's, its uploads are the round's. Over several processes
-(:class:`RankExchange`, torch.distributed ranks: ``fedexp.engine.ranks``) each rank works its
+(:class:`RankExchange`, torch.distributed ranks: ``fedexp.engine.processes.ranks``) each
+rank works its
 own clients and counts their messages in a ledger of its own; after the senders' side of the
 uplink, one exchange a round gives every rank the run's metrics, messages and uploads (their
 weighted sum alone for a server that reads only that), so every rank takes the same server
@@ -17,8 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fedexp.contract import update_parts
-from fedexp.engine.ledger import ByteLedger
-from fedexp.engine.ranks import (
+from fedexp.engine.processes.ranks import (
     Ranks,
     add_floats,
     gather_uploads,
@@ -26,7 +26,8 @@ from fedexp.engine.ranks import (
     sums_record,
     weighted_sums,
 )
-from fedexp.engine.stages import Uplink, Who
+from fedexp.engine.round.ledger import ByteLedger
+from fedexp.engine.round.stages import Uplink, Who
 
 #: ``(clients, among) -> their weights ω_n`` (float64), as ``Engine.weight_tensor``.
 WeightFn = Callable[[list[int], list[int]], torch.Tensor]

@@ -195,7 +195,7 @@ def add_floats(records: Sequence[dict[str, float]]) -> dict[str, float]:
 def init_from_env(backend: str = "auto") -> Ranks | None:
     """Join the process group the environment describes; None when this process runs alone.
 
-    ``torchrun`` (or :mod:`fedexp.engine.launch`) sets ``RANK``, ``WORLD_SIZE``,
+    ``torchrun`` (or :mod:`fedexp.engine.processes.launch`) sets ``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR`` and ``MASTER_PORT``.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:

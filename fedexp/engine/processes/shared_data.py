@@ -1,6 +1,7 @@
 """The data set of a run over several ranks: loaded once, by rank 0, and mapped by the others.
 
-A rank keeps only its own clients' rows (:meth:`fedexp.engine.pool.ClientTable.build`), but a
+A rank keeps only its own clients' rows
+(:meth:`fedexp.engine.clients.pool.ClientTable.build`), but a
 loader reads, or for the synthetic table draws, the data set whole. When every rank loaded it,
 P ranks on one machine held P copies of the whole table while their clients' tables were built
 (at 10^6 clients of 10 rows and 30 features, 1.2 GB each).
@@ -36,7 +37,7 @@ from omegaconf import DictConfig
 from fedexp import errors
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset
-from fedexp.engine.ranks import Ranks
+from fedexp.engine.processes.ranks import Ranks
 from fedexp.errors import DataError, FedexpError
 
 META = "meta.json"

@@ -3,7 +3,7 @@
 The process the user started becomes rank 0 (it keeps the tracker, the progress display and
 the run's files); it starts ranks 1 … P−1 with :mod:`torch.multiprocessing` (spawn), each with
 the same resolved config, and they join one torch.distributed process group over a local TCP
-port. What each rank runs: :mod:`fedexp.engine.ranks`.
+port. What each rank runs: :mod:`fedexp.engine.processes.ranks`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from fedexp.engine.ranks import TIMEOUT, Ranks, peer_left
+from fedexp.engine.processes.ranks import TIMEOUT, Ranks, peer_left
 from fedexp.errors import FedexpError
 
 log = logging.getLogger("fedexp")
@@ -69,7 +69,7 @@ def rank_main(
     while rank 0 builds its own. A user's error (:class:`FedexpError`: a setting, the data) is
     left to rank 0 to print, as under torchrun: every rank builds from the same config and
     data, so rank 0 meets it too. So is a collective, or the group's start, that fails because
-    another rank left first (:func:`~fedexp.engine.ranks.peer_left`): that rank says why.
+    another rank left first (:func:`~fedexp.engine.processes.ranks.peer_left`): that rank says why.
     Anything else is printed with its traceback.
     """
     logging.getLogger("fedexp").setLevel(logging.WARNING)

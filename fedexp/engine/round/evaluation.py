@@ -1,6 +1,6 @@
 """Evaluation of the clients on their own splits: the engine's batched evaluation.
 
-:class:`Evaluation` is the part of :class:`fedexp.engine.engine.Engine` that scores clients:
+:class:`Evaluation` is the part of :class:`fedexp.engine.round.engine.Engine` that scores clients:
 each on its test split (and validation split), with the algorithm's ``eval_params`` and
 ``predict``, many clients in one vmapped forward pass, the papers' aggregates and each client's
 best value over the evaluated rounds.
@@ -23,9 +23,9 @@ from fedexp.metrics import LOWER_IS_BETTER, aggregate
 
 if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
-    from fedexp.engine.context import Context
-    from fedexp.engine.ranks import Ranks
-    from fedexp.engine.states import ClientStates
+    from fedexp.engine.clients.states import ClientStates
+    from fedexp.engine.processes.ranks import Ranks
+    from fedexp.engine.solver.context import Context
 
 log = logging.getLogger("fedexp")
 

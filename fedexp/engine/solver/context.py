@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from fedexp.contract import Cohort
 from fedexp.data.client import ClientData
-from fedexp.engine import solver
-from fedexp.engine.objective import Aux, Objective
-from fedexp.engine.optim import SGD, Optimizer
-from fedexp.engine.solver import CohortLocal
+from fedexp.engine.solver.objective import Aux, Objective
+from fedexp.engine.solver.optim import SGD, Optimizer
 from fedexp.errors import DivergenceError
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import Task
@@ -128,15 +125,6 @@ class Context:
         loss, post = objective.loss(p, x, y, objective.aux, u)
         (grad,) = torch.autograd.grad(loss, p)
         return loss.detach(), grad, None if post is None else post.detach()
-
-    # ---------------------------------------------------------- local solver
-    def train(self, params: torch.Tensor, cohort: Cohort, **options: Any) -> CohortLocal:
-        """Local training of every client of ``cohort`` (:func:`fedexp.engine.solver.train`).
-
-        ``params`` [m, d] are the clients' starting points in cohort order; ``options`` are
-        the solver's (objective, opt_states, steps, lr, mask, optimizer, batch).
-        """
-        return solver.train(self, params, cohort, **options)
 
     def work_key(self, data: ClientData) -> Hashable:
         """Clients with equal keys take the same steps on alike batches: one sub-cohort.

@@ -3,7 +3,7 @@
 A client's optimiser state (momentum buffer, Adam's moments and step count) is a
 ``dict[str, Tensor]`` kept in the client's state under a prefix (``opt.momentum``, ...), so the
 engine checkpoints it with everything else and a resumed run continues exactly. The step is
-element-wise tensor arithmetic, so the local solver (:mod:`fedexp.engine.solver`) runs it
+element-wise tensor arithmetic, so the local solver (:mod:`fedexp.engine.solver.steps`) runs it
 under :func:`torch.func.vmap` over a cohort's stacked ``[m, d]`` parameters and states.
 
 The updates follow :class:`torch.optim.SGD` and :class:`torch.optim.Adam` (coupled L2 weight

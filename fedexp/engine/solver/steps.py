@@ -16,7 +16,7 @@ runs each step for the whole cohort:
 What makes it cheap: the minibatch indices of every client and step come from one
 counter-based expression (:func:`fedexp.engine.rng.minibatch_indices`: the draws a client's
 :class:`fedexp.engine.rng.Stream` gives it alone), the data are gathered from the run's
-:class:`fedexp.engine.pool.TrainPool` (concatenated once), and no Python runs per client
+:class:`fedexp.engine.clients.pool.TrainPool` (concatenated once), and no Python runs per client
 inside the steps.
 """
 
@@ -31,15 +31,15 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from fedexp.contract import Cohort
-from fedexp.engine.objective import Objective
-from fedexp.engine.optim import Optimizer, stack_states
-from fedexp.engine.optim import State as OptState
 from fedexp.engine.rng import Stream, minibatch_indices
+from fedexp.engine.solver.objective import Objective
+from fedexp.engine.solver.optim import Optimizer, stack_states
+from fedexp.engine.solver.optim import State as OptState
 from fedexp.errors import DivergenceError
 
 if TYPE_CHECKING:
     from fedexp.data.client import ClientData
-    from fedexp.engine.context import Context
+    from fedexp.engine.solver.context import Context
 
 log = logging.getLogger("fedexp")
 
@@ -106,7 +106,7 @@ def alone(data: ClientData, key: int) -> Cohort:
 
     Its data are its rows of the pool that holds them (no copy), else a pool of its own.
     """
-    from fedexp.engine.pool import TrainPool
+    from fedexp.engine.clients.pool import TrainPool
 
     rows = data.pooled()
     pool, row = (rows.pool, rows.row) if rows is not None else (TrainPool.of([data]), 0)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fedexp.data.client import ClientData, PoolRows
-from fedexp.engine import hugepages
+from fedexp.engine.clients import hugepages
 
 
 class TrainPool:
@@ -176,7 +176,7 @@ def mapped_empty(
 ) -> torch.Tensor:
     """An uninitialised tensor: in memory, or (CPU, with ``folder``) a shared mapped file.
 
-    In memory on the CPU, a large one is on huge pages (:mod:`fedexp.engine.hugepages`).
+    In memory on the CPU, a large one is on huge pages (:mod:`fedexp.engine.clients.hugepages`).
     """
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)

@@ -1,6 +1,6 @@
 """Messages through their channels: the engine's transport.
 
-:class:`Transport` is the part of :class:`fedexp.engine.engine.Engine` that moves a round's
+:class:`Transport` is the part of :class:`fedexp.engine.round.engine.Engine` that moves a round's
 messages: each part of a message through the channel of its direction by its kind
 (``model``, ``update``, ``exact``), error-feedback residuals and replicas kept per
 (client, part), every payload counted in the byte ledger; a cohort's messages in one pass
@@ -20,12 +20,12 @@ from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
 from fedexp.contract import Message, State
 from fedexp.engine import rng
-from fedexp.engine.ledger import ByteLedger
-from fedexp.engine.part_memory import PartKey, PartMemory
+from fedexp.engine.clients.part_memory import PartKey, PartMemory
+from fedexp.engine.round.ledger import ByteLedger
 
 if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
-    from fedexp.engine.context import Context
+    from fedexp.engine.solver.context import Context
 
 # Stream purposes of the channels (beside rng.CLIENT etc.).
 _UPLINK, _DOWNLINK = 11, 12

@@ -3,7 +3,7 @@
 The engine owns all state (server, clients, channel residuals and replicas, the byte ledger),
 moves every message through its channel as bytes, and calls the algorithm's hooks. The
 round's clients work as one cohort (``Algorithm.client_update`` over stacked tensors; the
-local solver, ``fedexp.engine.solver``, runs their steps together), in sub-cohorts where their
+local solver, ``fedexp.engine.solver.steps``, runs their steps together), in sub-cohorts where their
 step counts differ; each client draws from its own (seed, round, client) stream, so results
 do not depend on the grouping or the order.
 """
@@ -32,15 +32,15 @@ from fedexp.contract import (
 )
 from fedexp.data.client import ClientData, client_ids
 from fedexp.engine import rng
-from fedexp.engine.checkpoint import flatten_state, unflatten_state
-from fedexp.engine.context import Context
-from fedexp.engine.evaluation import Evaluation
-from fedexp.engine.exchange import Alone, RankExchange
-from fedexp.engine.ledger import ByteLedger
-from fedexp.engine.part_memory import PartMemory, merge_memories
-from fedexp.engine.pool import ClientTable, TrainPool
-from fedexp.engine.ranks import Ranks
-from fedexp.engine.stages import (
+from fedexp.engine.clients.part_memory import PartMemory, merge_memories
+from fedexp.engine.clients.pool import ClientTable, TrainPool
+from fedexp.engine.clients.states import ClientStates, merge_exports
+from fedexp.engine.files.checkpoint import flatten_state, unflatten_state
+from fedexp.engine.processes.exchange import Alone, RankExchange
+from fedexp.engine.processes.ranks import Ranks
+from fedexp.engine.round.evaluation import Evaluation
+from fedexp.engine.round.ledger import ByteLedger
+from fedexp.engine.round.stages import (
     Privatize,
     Sampler,
     Uplink,
@@ -49,15 +49,16 @@ from fedexp.engine.stages import (
     Wire,
     rows_of,
     take_rows,
+    weakly,
 )
-from fedexp.engine.states import ClientStates, merge_exports
-from fedexp.engine.transport import (
+from fedexp.engine.round.transport import (
     Transport,
     _exact,
     _parse_key,
     _row,
     _stack_parts,
 )
+from fedexp.engine.solver.context import Context
 from fedexp.privacy.uplink import PrivateUplink
 
 
@@ -74,8 +75,8 @@ _SKETCH = 13
 class Engine(Transport, Evaluation):
     """Federated simulation state and the round loop.
 
-    Messages move through :class:`fedexp.engine.transport.Transport`'s methods, clients are
-    scored by :class:`fedexp.engine.evaluation.Evaluation`'s.
+    Messages move through :class:`fedexp.engine.round.transport.Transport`'s methods, clients are
+    scored by :class:`fedexp.engine.round.evaluation.Evaluation`'s.
 
     Args:
         ctx: model, task and local-solver settings.
@@ -99,10 +100,10 @@ class Engine(Transport, Evaluation):
     round: int = 0
     ledger: ByteLedger = field(default_factory=ByteLedger)
     server: State = field(default_factory=dict)
-    #: every client's state (``fedexp.engine.states``), made in ``__post_init__``
+    #: every client's state (``fedexp.engine.clients.states``), made in ``__post_init__``
     client_states: ClientStates = field(init=False)
     #: per direction, (client, part) -> error-feedback residual / replica / last message
-    #: (``fedexp.engine.part_memory``), made in ``__post_init__``
+    #: (``fedexp.engine.clients.part_memory``), made in ``__post_init__``
     residual: dict[str, PartMemory] = field(init=False)
     replica: dict[str, PartMemory] = field(init=False)
     reference: dict[str, PartMemory] = field(init=False)
@@ -110,7 +111,7 @@ class Engine(Transport, Evaluation):
     best: dict[str, torch.Tensor] = field(default_factory=dict)
     #: the clients of the last round run
     last_sampled: list[int] = field(default_factory=list)
-    #: every client's training data in one tensor (``fedexp.engine.pool``)
+    #: every client's training data in one tensor (``fedexp.engine.clients.pool``)
     pool: TrainPool | None = field(default=None, repr=False)
     #: client-level DP on the uplink (``privacy`` group); None: none
     privacy: PrivateUplink | None = None
@@ -118,9 +119,9 @@ class Engine(Transport, Evaluation):
     ranks: Ranks | None = None
     #: where the clients' states are memory-mapped (``store=disk``); None: in memory
     store: Path | None = None
-    #: the processes' exchange (``fedexp.engine.exchange``), from ``ranks``
+    #: the processes' exchange (``fedexp.engine.processes.exchange``), from ``ranks``
     exchange: Alone | RankExchange = field(init=False, repr=False)
-    #: who takes part in a round (``fedexp.engine.stages.Sampler``)
+    #: who takes part in a round (``fedexp.engine.round.stages.Sampler``)
     sampler: Sampler = field(init=False, repr=False)
     #: the uplink's stages after the algorithm's upload: DP (with ``privacy``), the channel
     stages: list[UplinkStage] = field(init=False, repr=False)
@@ -143,11 +144,11 @@ class Engine(Transport, Evaluation):
             self.exchange = Alone()
         else:
             mean = privacy is None and self.algorithm.server_reads == "mean"
-            self.exchange = RankExchange(self.ranks, mean, self._weight_tensor)
+            self.exchange = RankExchange(self.ranks, mean, weakly(self._weight_tensor))
         seed, rate = self.seed, self.participation
         draw = privacy.sample if privacy is not None else partial(_sample, seed, n, rate)
         self.sampler = Sampler(draw, n, self.algorithm.all_train, self.exchange.mine)
-        wire = Wire(self._uplink)
+        wire = Wire(weakly(self._uplink))
         lossy = not _exact(self.uplink)
         self.stages = [wire] if privacy is None else [Privatize(privacy, self.x0, lossy), wire]
 

@@ -10,7 +10,7 @@ one of these objects:
 * the uplink, a chain of :class:`UplinkStage` through which an :class:`Uplink` passes on the
   sending side (clip and local noise, then the channel: codec with error feedback, wire and
   ledger, decode) and, after the processes' exchange
-  (:mod:`fedexp.engine.exchange`), on the server's side (re-clip and server noise, the
+  (:mod:`fedexp.engine.processes.exchange`), on the server's side (re-clip and server noise, the
   accountant). No DP is a chain without :class:`Privatize`; a lossless channel is the same
   :class:`Wire` with the dense codec. pfl-research's postprocessors are the model: each stage
   transforms the message on one side and may undo or finish it on the other.
@@ -18,9 +18,10 @@ one of these objects:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -28,6 +29,8 @@ from fedexp.contract import Message, Stacked
 
 if TYPE_CHECKING:
     from fedexp.privacy.uplink import PrivateUplink
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ class Wire(UplinkStage):
 
     Attributes:
         send: ``(senders, stacked uploads) -> (decoded uploads, the channel's summed
-            metrics)``: the engine's transport (``Transport.uplink_cohort``).
+            metrics)``: the engine's transport (``Engine._uplink``, held :func:`weakly`).
     """
 
     send: Callable[[list[int], Stacked | None], tuple[Mapping[int, Message], dict[str, float]]]
@@ -178,6 +181,22 @@ class Privatize(UplinkStage):
         report.update(self.privacy.end_round(round_, who.sampled, up.uploaded, counts))
         up.report.update(report)
         return up
+
+
+def weakly(method: Callable[..., R]) -> Callable[..., R]:
+    """``method`` (bound) without keeping its object alive.
+
+    An engine's stages hold the engine's methods; a cycle would keep the engine (its states,
+    its ``store=disk`` folder) until the garbage collector runs, not until the run lets go.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> R:
+        bound = ref()
+        assert bound is not None, "the engine of this stage is gone"
+        return bound(*args)
+
+    return call
 
 
 def take_rows(stacked: Stacked | None, index: torch.Tensor) -> Stacked | None:

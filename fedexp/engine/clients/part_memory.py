@@ -5,7 +5,7 @@ learning from non-i.i.d. data", 2019) keeps, for every client and message part, 
 codec has not sent yet; a "model" part sent as a change keeps the receiver's replica (and,
 without error feedback, the sender's last message). At 10^5-10^6 clients a dict of one
 tensor per (client, part) costs a Python object per entry and cannot live on disk, so each
-part's memories are rows of :class:`fedexp.engine.states.ClientStates` columns instead: in
+part's memories are rows of :class:`fedexp.engine.clients.states.ClientStates` columns instead: in
 memory, memory-mapped files with ``store=disk``, and over several processes a rank's own
 clients only.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fedexp.engine.states import ClientStates, merge_exports
+from fedexp.engine.clients.states import ClientStates, merge_exports
 
 #: (client, part name); the part of a bare-tensor message is named "".
 PartKey = tuple[int, str]

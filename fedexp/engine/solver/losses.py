@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedexp.engine.solver import _refused
+from fedexp.engine.solver.steps import _refused
 
 if TYPE_CHECKING:
     from fedexp.data.client import ClientData
-    from fedexp.engine.context import Context
+    from fedexp.engine.solver.context import Context
 
 
 @torch.no_grad()

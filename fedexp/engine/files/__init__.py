@@ -1,0 +1,1 @@
+"""Run files: checkpoints, outputs (tables and plots), resuming, progress."""
