@@ -10,7 +10,7 @@ The compute-bound rate: the same model's forward + backward + SGD step on one ba
 timed with CUDA events; a round of the workload is ``steps`` such steps, so the bound is
 ``clients / (steps × t_step)`` client updates/s. The fedexp rate times whole rounds (the
 messages' encoding, decoding and byte counting included) after two warm-up rounds; the
-round's clients train as one cohort (fedexp's one path, ``fedexp.engine.solver``).
+round's clients train as one cohort (fedexp's one path, ``fedexp.engine.solver.steps``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import common  # noqa: E402
 from fedexp.algorithms.fedavg import FedAvg  # noqa: E402
 from fedexp.comm.channel import Channel  # noqa: E402
 from fedexp.data.federated import ClientData  # noqa: E402
-from fedexp.engine.context import Context  # noqa: E402
-from fedexp.engine.engine import Engine  # noqa: E402
-from fedexp.engine.optim import SGD  # noqa: E402
+from fedexp.engine.round.engine import Engine  # noqa: E402
+from fedexp.engine.solver.context import Context  # noqa: E402
+from fedexp.engine.solver.optim import SGD  # noqa: E402
 from fedexp.models.flat import FlatModel  # noqa: E402
 from fedexp.models.task import ClassificationTask  # noqa: E402
 
@@ -71,37 +71,63 @@ def engine(clients: int, device: torch.device) -> Engine:
     )
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def rate(e: Engine, rounds: int) -> float:
+    device = e.ctx.device
     for _ in range(2):
         e.run_round()
-    torch.cuda.synchronize()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(rounds):
         e.run_round()
-    torch.cuda.synchronize()
+    _sync(device)
     return rounds * len(e.clients) / (time.perf_counter() - start)
+
+
+def step_seconds(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn,
+    lr: float,
+    reps: int = 50,
+    warmup: int = 5,
+) -> float:
+    """Seconds of one forward + backward + ``torch.optim.SGD`` step of ``model`` on the batch
+    ``(x, y)`` (on their device; CUDA events on a GPU, the wall clock elsewhere)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    if x.device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            step()
+        return (time.perf_counter() - start) / reps
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        step()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / 1000 / reps
 
 
 def bound(clients: int, device: torch.device, reps: int = 50) -> float:
     spec = common.WORKLOADS["cnn"]
     model = common.make_model("cnn", 0).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
     x = torch.randn(clients * spec.batch, 1, 32, 32, device=device)
     y = torch.randint(0, 2, (clients * spec.batch,), device=device)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    for _ in range(5):
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    t1.record()
-    torch.cuda.synchronize()
-    step_s = t0.elapsed_time(t1) / 1000 / reps
+    step_s = step_seconds(model, x, y, torch.nn.CrossEntropyLoss(), spec.lr, reps)
     return clients / (spec.steps * step_s)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import cvxpy as cp
 import numpy as np
 import pytest
 import torch
@@ -19,6 +18,19 @@ from fedexp.graph.prox import (
     prox_l2_columns,
     prox_linf_columns,
 )
+
+
+class _Cvxpy:
+    """cvxpy, imported at first use: the reference solutions need it, the CUDA test does not
+    (it runs where only the engine's packages are, scripts/gpu/check.sh)."""
+
+    def __getattr__(self, name: str):
+        import cvxpy
+
+        return getattr(cvxpy, name)
+
+
+cp = _Cvxpy()
 
 P_VALUES = [1, 2, "inf"]
 CP_NORM = {"1": 1, "2": 2, "inf": "inf"}
