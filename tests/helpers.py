@@ -139,3 +139,28 @@ def refused(cls: type, **kwargs: object) -> str:
     with pytest.raises(ConfigError) as err:
         check_node(node, "algorithm")
     return str(err.value)
+
+
+def mlflow_db(path: Path) -> str:
+    """A new sqlite MLflow store at ``path`` (its folder made), as its URI.
+
+    MLflow builds a new store by running its ~50 schema migrations (about 10 s on a busy
+    2-core machine, in every process that opens it first); here the store is a copy of one
+    migrated once per MLflow version and machine, under the temp folder, so tests that log
+    to a fresh store start where a new user's first run would be after its migrations.
+    """
+    import shutil
+    import tempfile
+
+    import mlflow
+
+    template = Path(tempfile.gettempdir()) / f"fedexp-tests-mlflow-{mlflow.__version__}.db"
+    if not template.exists():
+        from mlflow import MlflowClient
+
+        scratch = template.with_name(f"{template.stem}.{os.getpid()}.db")
+        MlflowClient(f"sqlite:///{scratch}").search_experiments()
+        os.replace(scratch, template)  # whole, whichever worker finished first
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, path)
+    return f"sqlite:///{path}"

@@ -21,7 +21,7 @@ from fedexp.cli_help import setting_docs
 from fedexp.config.schema import RunConfig
 from fedexp.engine.files.progress import RoundProgress, job_label
 from fedexp.sweep import NO_SLURM
-from helpers import CONF, ROOT, run_cli
+from helpers import CONF, ROOT, mlflow_db, run_cli
 
 CLI = [sys.executable, "-c", "from fedexp.cli import main; main()"]
 
@@ -118,7 +118,7 @@ def test_slurm_launcher_off_a_cluster_is_one_line(tmp_path):
 
 
 def test_single_run_is_named_by_what_its_command_line_changes(tmp_path):
-    uri = f"sqlite:///{tmp_path}/m.db"
+    uri = mlflow_db(tmp_path / "m.db")
     args = ["rounds=1", "num_clients=3", "progress=none", "device=cpu", "checkpoint_every=0"]
     proc = run_cli(
         "run",

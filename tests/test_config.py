@@ -11,7 +11,7 @@ from fedexp.engine.runner import build_channel, build_engine
 from fedexp.errors import ConfigError, FedexpError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
-from helpers import CONF, compose_config
+from helpers import CONF, compose_config, mlflow_db
 
 GROUPS = ["dataset", "model", "partition", "algorithm", "compressor", "tracker"]
 # options that need user input to compose into a runnable config
@@ -57,7 +57,7 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
         assert personal and 0 < layout.indices(personal).numel() <= layout.numel
     elif group == "tracker":
         if option == "mlflow":
-            node.uri = f"sqlite:///{tmp_path}/m.db"
+            node.uri = mlflow_db(tmp_path / "m.db")
         assert instantiate_checked(node, "tracker") is not None
     elif group == "dataset" and option in MISSING:
         with pytest.raises(FedexpError, match=MISSING[option]):  # the files do not exist here

@@ -18,7 +18,7 @@ from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import run
 from fedexp.errors import CheckpointError, ConfigError, Terminated
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, run_cli
+from helpers import CONF, mlflow_db, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +38,7 @@ def _one_clean_line(proc, *needles):
 @pytest.fixture(scope="module")
 def db(tmp_path_factory):
     """One SQLite MLflow store for the module (creating one costs seconds)."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    uri = mlflow_db(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
     MlflowClient(uri).search_experiments()  # create it now, not inside a timed test
     return uri
 

@@ -24,7 +24,7 @@ from fedexp.engine.runner import run
 from fedexp.errors import ConfigError, DivergenceError, TrackerError
 from fedexp.tracking.base import NullTracker
 from fedexp.tracking.mlflow_tracker import check_reachable
-from helpers import ROOT, compose_config, run_cli
+from helpers import ROOT, compose_config, mlflow_db, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +72,7 @@ def test_diverged_run_prints_the_rescue_command_and_the_rescue_finishes(tmp_path
 def test_lr_change_on_resume_is_recorded_in_mlflow_and_the_checkpoint(small_cfg, tmp_path):
     cfg = small_cfg("rounds=2", "checkpoint_every=1")
     with open_dict(cfg):
-        cfg.tracker.uri = f"sqlite:///{tmp_path}/mlflow.db"
+        cfg.tracker.uri = mlflow_db(tmp_path / "mlflow.db")
     first = run(cfg)
     with open_dict(cfg):
         cfg.resume = str(tmp_path / "out" / "checkpoints")

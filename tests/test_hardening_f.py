@@ -18,6 +18,7 @@ from omegaconf import open_dict
 from fedexp.engine.runner import run
 from fedexp.tracking import mlflow_tracker
 from fedexp.tracking.mlflow_tracker import HOST_TAG, PID_TAG, REAPED_TAG, MLflowTracker
+from helpers import mlflow_db
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +28,7 @@ CLI = [sys.executable, "-c", "from fedexp.cli import main; main()", "run"]
 @pytest.fixture(scope="module")
 def db(tmp_path_factory):
     """One SQLite MLflow store for the module (creating one costs seconds)."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    uri = mlflow_db(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
     MlflowClient(uri).search_experiments()  # create it now, not inside a test or a child
     return uri
 

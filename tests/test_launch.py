@@ -30,7 +30,7 @@ from fedexp.cli_distributed import (
 from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
-from helpers import compose_config, run_cli
+from helpers import compose_config, mlflow_db, run_cli
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TINY = [
@@ -83,7 +83,7 @@ def one_process(tmp_path_factory) -> Path:
 def test_torchrun_two_processes_write_what_one_does(one_process, tmp_path):
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
     tracker = [f"tracker.uri={uri}", "tracker.experiment=launch", "tracker.system_metrics=false"]
     proc = subprocess.run(
         [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "fedexp", "run", *TINY] + tracker,

@@ -36,7 +36,7 @@ from fedexp.report.reach import kib_ticks, reach_plot, reach_table
 from fedexp.tracking.base import NullTracker
 from fedexp.tracking.links import experiment_url, fedexp_command, ui_command
 from fedexp.ui import missing_store, server_command, server_env
-from helpers import ROOT, run_cli
+from helpers import ROOT, mlflow_db, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,7 +73,7 @@ def _log_run(client: MlflowClient, experiment: str, algorithm: str, seed: int, *
 
 @pytest.fixture
 def store(tmp_path):
-    uri = f"sqlite:///{tmp_path}/m.db"
+    uri = mlflow_db(tmp_path / "m.db")
     return uri, MlflowClient(uri)
 
 
@@ -100,7 +100,7 @@ def test_the_ui_hint_is_one_fedexp_ui_command(tmp_path, monkeypatch):
 
 def test_a_run_prints_where_to_look_on_one_line_each(tmp_path):
     """A real run: the view line is one line (not wrapped at 80 columns), with `fedexp ui`."""
-    uri = f"sqlite:///{tmp_path}/m.db"
+    uri = mlflow_db(tmp_path / "m.db")
     proc = subprocess.run(
         [*CLI, "run", "rounds=2", "num_clients=3", "progress=none", "checkpoint_every=0"]
         + [f"tracker.uri={uri}", "tracker.experiment=loop2", f"hydra.run.dir={tmp_path}/run"],

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedexp.tracking.links import ML_VIEW_QUERY, experiment_url, run_url, runs_url, ui_base
+from helpers import mlflow_db
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -41,7 +42,7 @@ def test_headless_chromium_shows_the_runs_table(tmp_path):
 def test_run_and_sweep_lines_link_to_the_machine_learning_view(tmp_path):
     from fedexp.tracking.mlflow_tracker import MLflowTracker
 
-    uri = f"sqlite:///{tmp_path}/m.db"
+    uri = mlflow_db(tmp_path / "m.db")
     tracker = MLflowTracker(uri, "links", system_metrics=False)
     tracker.start("one", {}, {})
     tracker.end()

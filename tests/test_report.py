@@ -11,12 +11,13 @@ from omegaconf import open_dict
 
 from fedexp.engine.runner import run
 from fedexp.report import collect, reach, reach_plot, reach_table, table
+from helpers import mlflow_db
 
 
 def test_report_tables_from_mlflow(small_cfg, tmp_path, capsys):
     from fedexp.report import main
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
 
     def grid_run(algorithm: str, seed: int, *extra: str):
         cfg = small_cfg(

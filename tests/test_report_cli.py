@@ -19,6 +19,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from fedexp.report import main
+from helpers import mlflow_db
 
 _clock = itertools.count(1_700_000_000_000, 1000)
 
@@ -26,7 +27,7 @@ _clock = itertools.count(1_700_000_000_000, 1000)
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A fresh SQLite MLflow store: ``(uri, client)``."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('report')}/m.db"
+    uri = mlflow_db(tmp_path_factory.mktemp("report") / "m.db")
     return uri, MlflowClient(uri)
 
 

@@ -18,6 +18,7 @@ from test_report_cli import cell, log_run, md_rows, report
 
 from fedexp.report.collect import Run, epsilon_of
 from fedexp.report.render import epsilon_text, key_value
+from helpers import mlflow_db
 
 #: final acc/mean per (algorithm, target ε) over seeds 0 and 1; None: privacy=none (ε = ∞)
 ACC = {
@@ -48,7 +49,7 @@ def private(target: float | None, **extra: object) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A fresh SQLite MLflow store (made once: a store's set-up takes seconds): (uri, client)."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('report_eps')}/m.db"
+    uri = mlflow_db(tmp_path_factory.mktemp("report_eps") / "m.db")
     return uri, MlflowClient(uri)
 
 

@@ -8,13 +8,13 @@ from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
 from fedexp.engine.runner import run
-from helpers import deterministic, run_cli
+from helpers import deterministic, mlflow_db, run_cli
 
 
 def _mlflow_cfg(make, tmp_path, *overrides):
     cfg = make(*overrides)
     with open_dict(cfg):
-        cfg.tracker.uri = f"sqlite:///{tmp_path}/mlflow.db"
+        cfg.tracker.uri = mlflow_db(tmp_path / "mlflow.db")
     return cfg
 
 
@@ -97,7 +97,7 @@ def test_resume_with_changed_settings_is_refused(small_cfg, tmp_path):
 
 
 def test_two_job_sweep_loses_no_run_and_no_metric(tmp_path):
-    db = f"sqlite:///{tmp_path}/mlflow.db"
+    db = mlflow_db(tmp_path / "mlflow.db")
     proc = run_cli(
         "run",
         "-m",

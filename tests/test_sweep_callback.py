@@ -23,6 +23,7 @@ from fedexp.sweep import (
     varying_keys,
     write_status,
 )
+from helpers import mlflow_db
 
 BASIC = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -120,7 +121,7 @@ def _job(tmp_path, num, info, status, **fields):
 @pytest.fixture(scope="module")
 def uri(tmp_path_factory):
     """One SQLite MLflow store for the module (creating one costs seconds)."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/m.db"
+    return mlflow_db(tmp_path_factory.mktemp("mlflow") / "m.db")
 
 
 def test_parent_run_summary_and_outcome(tmp_path, capsys, uri):

@@ -55,7 +55,7 @@ from fedexp.tracking.links import (
     shared_view,
     sweep_view_url,
 )
-from helpers import run_cli
+from helpers import mlflow_db, run_cli
 
 TINY = ["rounds=1", "num_clients=3", "device=cpu", "checkpoint_every=0"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,7 +298,7 @@ def test_read_shared_view_takes_what_mlflow_takes():
 def test_a_sweep_in_mlflow_names_groups_colours_and_summarises(tmp_path):
     """``algorithm=fedavg,local seed=0,1`` into a SQLite store (4 jobs, one test: each
     xdist worker would run a shared fixture again)."""
-    uri = f"sqlite:///{tmp_path}/m.db"
+    uri = mlflow_db(tmp_path / "m.db")
     proc = _fedexp(
         "run",
         "-m",
@@ -396,7 +396,7 @@ def test_the_parent_summary_averages_seeds_per_configuration():
 
 @pytest.mark.parametrize("launcher", ["basic", "parallel"])
 def test_ctrl_c_ends_the_jobs_killed_and_prints_the_summary(tmp_path, launcher):
-    uri = f"sqlite:///{tmp_path}/m.db"
+    uri = mlflow_db(tmp_path / "m.db")
     args = ["run", "-m", "algorithm=fedavg,local", "seed=0,1", *TINY, "rounds=100000"]
     args += ["eval_every=1000", f"tracker.uri={uri}", f"hydra/launcher={launcher}"]
     args += [f"hydra.sweep.dir={tmp_path}/sweep"]
@@ -436,7 +436,7 @@ def test_ctrl_c_ends_the_jobs_killed_and_prints_the_summary(tmp_path, launcher):
 def test_a_sweep_stopped_before_any_run_leaves_nothing_in_mlflow(tmp_path, capsys):
     from mlflow.entities import ViewType
 
-    uri = f"sqlite:///{tmp_path}/m.db"
+    uri = mlflow_db(tmp_path / "m.db")
     tracker = {"_target_": sweep.MLFLOW_TARGET, "uri": uri, "experiment": None}
     cfg = OmegaConf.create(
         {

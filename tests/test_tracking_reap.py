@@ -35,7 +35,7 @@ from fedexp.tracking.mlflow_tracker import (
     _started,
     check_sqlite_path,
 )
-from helpers import run_cli
+from helpers import mlflow_db, run_cli
 
 HOST = socket.gethostname()
 
@@ -43,7 +43,7 @@ HOST = socket.gethostname()
 @pytest.fixture(scope="module")
 def db(tmp_path_factory):
     """One SQLite store for the module (creating one costs seconds)."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    uri = mlflow_db(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
     MlflowClient(uri).search_experiments()  # create it now, not inside a test or a child
     return uri
 

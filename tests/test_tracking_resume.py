@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
 from fedexp.engine.runner import run
-from helpers import SMALL, compose_config
+from helpers import SMALL, compose_config, mlflow_db
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def uri(tmp_path_factory):
     """One store for the module (each test its own experiment): MLflow sets a store up once."""
-    return f"sqlite:///{tmp_path_factory.mktemp('store')}/m.db"
+    return mlflow_db(tmp_path_factory.mktemp("store") / "m.db")
 
 
 def _cfg(tmp, uri, experiment, *overrides):
