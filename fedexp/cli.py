@@ -393,6 +393,50 @@ def _group_option_errors(args: list[str]) -> list[str]:
     return errors
 
 
+#: Hydra's own command-line flags (``fedexp run --cfg job``...), those that take a value after.
+_HYDRA_FLAGS = frozenset(
+    {"-m", "--multirun", "--resolve", "--hydra-help", "--run", "-r", "--version", "--info", "-i"}
+)
+_HYDRA_VALUE_FLAGS = frozenset(
+    {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+     "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
+)  # fmt: skip
+
+
+_INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
+
+
+def _override_shape_errors(args: list[str]) -> list[str]:
+    """``rounds 10`` or ``--rounds=10``: one line saying to write ``rounds=10``.
+
+    Hydra takes its overrides as ``key=value`` (``+key=value``, ``~key``); anything else that
+    is not one of Hydra's own flags would meet Hydra's parser error or its usage text.
+    """
+    errors: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg in _HYDRA_VALUE_FLAGS:
+            i += 1  # its value
+            continue
+        if arg in ("--info", "-i") and i < len(args) and args[i] in _INFO_VALUES:
+            i += 1  # its optional value
+            continue
+        if arg in _HYDRA_FLAGS or arg.startswith("~") or ("=" in arg and arg[0] != "-"):
+            continue
+        if arg.startswith("-") and arg.split("=")[0] in _HYDRA_VALUE_FLAGS | _HYDRA_FLAGS:
+            continue  # --cfg=job, --info=plugins
+        key, sep, value = arg.lstrip("-").partition("=")
+        if not sep and i < len(args) and "=" not in args[i] and not args[i].startswith("-"):
+            value, sep = args[i], "="
+            i += 1
+        shown = f"{arg} {value}" if sep and "=" not in arg else arg
+        example = f"{key}={value}" if sep and value else f"{key}=<value>"
+        errors.append(f"{shown!r}: overrides are written key=value, e.g. {example}")
+    return errors
+
+
 def _wants_help(args: list[str]) -> bool:
     """``fedexp run --help``/``-h`` (ours); ``--hydra-help`` is left to Hydra."""
     return any(a in ("-h", "--help") for a in args)
@@ -429,7 +473,8 @@ def main() -> None:
     from fedexp.config.schema import override_errors
 
     # lr=-1, algorithm=nope, algorithm.lamda=0.1: one line before Hydra composes anything
-    early = _group_option_errors(args[1:]) or unknown_key_errors(args[1:], CONFIG_DIR)
+    early = _override_shape_errors(args[1:]) or _group_option_errors(args[1:])
+    early = early or unknown_key_errors(args[1:], CONFIG_DIR)
     early = early or override_errors(args[1:])
     if early:
         _refuse("; ".join(early))

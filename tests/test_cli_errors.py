@@ -172,3 +172,31 @@ def test_interrupted_run_prints_how_to_resume_and_resumes(tmp_path):
     done = run_cli("run", *resumed, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Per-client results" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["rounds", "10"], "'rounds 10': overrides are written key=value, e.g. rounds=10"),
+        (["--rounds=10"], "'--rounds=10': overrides are written key=value, e.g. rounds=10"),
+        (["--rounds", "10"], "'--rounds 10': overrides are written key=value, e.g. rounds=10"),
+        (["seed"], "'seed': overrides are written key=value, e.g. seed=<value>"),
+    ],
+)
+def test_an_override_not_written_key_value_is_one_line(args, said):
+    """``rounds 10`` or ``--rounds=10``: one ``fedexp:`` line, exit 2, not Hydra's parser
+    error or its usage text (issue 43); Hydra's own flags and sweeps pass."""
+    from fedexp.cli import _override_shape_errors
+
+    assert _override_shape_errors(args) == [said]
+    fine = ["rounds=2", "-m", "seed=0,1", "--cfg", "job", "--info", "plugins", "~tracker", "+a=1"]
+    assert _override_shape_errors(fine) == []
+
+
+def test_cli_says_how_to_write_an_override(tmp_path):
+    proc = run_cli("run", "rounds", "10", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "fedexp: error: 'rounds 10': overrides are written key=value, e.g. rounds=10"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,6 @@
-"""Processes: one run over several, and what they exchange in a round.
+"""Processes: one run over several.
 
-``ranks.py`` (torch.distributed collectives), ``exchange.py`` (the round's exchange: one
-process or ranks), ``launch.py`` (``distributed.nproc=P`` started by fedexp),
-``shared_data.py`` (a data set loaded once a machine).
+``ranks.py`` (torch.distributed collectives), ``launch.py`` (``distributed.nproc=P`` started by
+fedexp), ``shared_data.py`` (a data set loaded once a machine). What the processes exchange in a
+round is the round's: ``fedexp.engine.round.exchange``.
 """

@@ -36,9 +36,9 @@ from fedexp.engine.clients.part_memory import PartMemory, merge_memories
 from fedexp.engine.clients.pool import ClientTable, TrainPool
 from fedexp.engine.clients.states import ClientStates, merge_exports
 from fedexp.engine.files.checkpoint import flatten_state, unflatten_state
-from fedexp.engine.processes.exchange import Alone, RankExchange
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.round.evaluation import Evaluation
+from fedexp.engine.round.exchange import Alone, RankExchange
 from fedexp.engine.round.ledger import ByteLedger
 from fedexp.engine.round.stages import (
     Privatize,
@@ -119,7 +119,7 @@ class Engine(Transport, Evaluation):
     ranks: Ranks | None = None
     #: where the clients' states are memory-mapped (``store=disk``); None: in memory
     store: Path | None = None
-    #: the processes' exchange (``fedexp.engine.processes.exchange``), from ``ranks``
+    #: the processes' exchange (``fedexp.engine.round.exchange``), from ``ranks``
     exchange: Alone | RankExchange = field(init=False, repr=False)
     #: who takes part in a round (``fedexp.engine.round.stages.Sampler``)
     sampler: Sampler = field(init=False, repr=False)

@@ -10,7 +10,7 @@ one of these objects:
 * the uplink, a chain of :class:`UplinkStage` through which an :class:`Uplink` passes on the
   sending side (clip and local noise, then the channel: codec with error feedback, wire and
   ledger, decode) and, after the processes' exchange
-  (:mod:`fedexp.engine.processes.exchange`), on the server's side (re-clip and server noise, the
+  (:mod:`fedexp.engine.round.exchange`), on the server's side (re-clip and server noise, the
   accountant). No DP is a chain without :class:`Privatize`; a lossless channel is the same
   :class:`Wire` with the dense codec. pfl-research's postprocessors are the model: each stage
   transforms the message on one side and may undo or finish it on the other.
