@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import shutil
 import textwrap
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
@@ -20,37 +21,53 @@ from fedexp.config.schema import RunConfig
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
-_INTRO = """\
-fedexp: federated-learning experiments (personalised FL, communication compression) from
-Hydra configs, tracked in MLflow.
+_INTRO = (
+    "fedexp: federated-learning experiments (personalised FL, communication compression) "
+    "from Hydra configs, tracked in MLflow."
+)
 
-usage:
-  fedexp run [KEY=VALUE ...] [GROUP=OPTION ...]   one run; results and tables on the terminal,
-                                                  everything in MLflow (tracker=mlflow)
-  fedexp run -m KEY=A,B [KEY=C,D ...]             a sweep: one job per combination (a parent
-                                                  MLflow run, a child run per job), a summary
-                                                  at the end; exit code 1 if any job failed
-  fedexp report --experiment NAME [...]           mean ± std tables over seeds from MLflow
-                                                  (fedexp report --help)
-  fedexp ui [--uri URI] [--port N] [--experiment NAME]
-                                                  MLflow's web UI on the runs' store (default:
-                                                  sqlite:///mlflow.db here) on 127.0.0.1, and
-                                                  the link that opens it; Ctrl-C stops it
-  fedexp --help, fedexp run --help                this help
-  fedexp run --hydra-help                         Hydra's own options (--cfg job, --info, ...)
-"""
+#: ``fedexp`` commands: (command line, what it does).
+_USAGE = [
+    (
+        "fedexp run [KEY=VALUE ...] [GROUP=OPTION ...]",
+        "one run; results and tables on the terminal, everything in MLflow (tracker=mlflow)",
+    ),
+    (
+        "fedexp run -m KEY=A,B [KEY=C,D ...]",
+        "a sweep: one job per combination (a parent MLflow run, a child run per job), a "
+        "summary at the end; exit code 1 if any job failed",
+    ),
+    (
+        "fedexp report --experiment NAME [...]",
+        "mean ± std tables over seeds from MLflow (fedexp report --help)",
+    ),
+    (
+        "fedexp ui [--uri URI] [--port N] [--experiment NAME]",
+        "MLflow's web UI on the runs' store (default: sqlite:///mlflow.db here) on 127.0.0.1, "
+        "and the link that opens it; Ctrl-C stops it",
+    ),
+    ("fedexp --help, fedexp run --help", "this help"),
+    ("fedexp run --hydra-help", "Hydra's own options (--cfg job, --info, ...)"),
+]
 
-_EXAMPLES = """\
-examples:
-  fedexp run                                      FedAvg, logistic regression, breast cancer
-  fedexp run algorithm=ditto algorithm.lam=0.1 rounds=20 seed=1
-  fedexp run dataset=csv dataset.path=data/chd.csv dataset.label=TenYearCHD
-  fedexp run --cfg job algorithm=fedprox          print the composed config, run nothing
-  fedexp run -m algorithm=fedavg,ditto seed=0,1,2 hydra/launcher=parallel
-  fedexp run -m +experiment=pfednet_tables hydra/launcher=parallel
-  fedexp report -e fedexp/pfednet_tables --rows choice.algorithm --cols partition.delta
-  fedexp ui                                       look at the runs in MLflow's web UI
-"""
+_NOTE = (
+    "hydra/launcher applies to sweeps (-m): parallel = joblib processes on this machine "
+    "(hydra.launcher.n_jobs=2), slurm = one SLURM job per run (on the cluster's login node). "
+    "MLflow: tracker.uri=URI (default sqlite:///mlflow.db in the working directory), "
+    "tracker.experiment=NAME (default: fedexp; a sweep gets one of its own)."
+)
+
+#: Example command lines: (command line, what it does).
+_EXAMPLES = [
+    ("fedexp run", "FedAvg, logistic regression, breast cancer"),
+    ("fedexp run algorithm=ditto algorithm.lam=0.1 rounds=20 seed=1", ""),
+    ("fedexp run dataset=csv dataset.path=data/chd.csv dataset.label=TenYearCHD", ""),
+    ("fedexp run --cfg job algorithm=fedprox", "print the composed config, run nothing"),
+    ("fedexp run -m algorithm=fedavg,ditto seed=0,1,2 hydra/launcher=parallel", ""),
+    ("fedexp run -m +experiment=pfednet_tables hydra/launcher=parallel", ""),
+    ("fedexp report -e fedexp/pfednet_tables --rows choice.algorithm --cols partition.delta", ""),
+    ("fedexp ui", "look at the runs in MLflow's web UI"),
+]
 
 
 def setting_docs(cls: type = RunConfig) -> dict[str, str]:
@@ -147,40 +164,61 @@ def config_groups() -> list[tuple[str, list[str], str | None]]:
     return out
 
 
+def _wrap(text: str, width: int, **kwargs: str) -> list[str]:
+    """``textwrap.wrap`` that keeps hyphenated words and long tokens (paths, keys) whole."""
+    return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False, **kwargs)
+
+
+def _fill(text: str, width: int, **kwargs: str) -> str:
+    return "\n".join(_wrap(text, width, **kwargs))
+
+
 def _block(rows: list[tuple[str, str]], width: int = 100, left: int = 30) -> str:
     """Two columns: the left padded to ``left``, the right wrapped with a hanging indent."""
     lines = []
     for head, text in rows:
-        head = f"  {head}"
-        pad = head.ljust(left - 1) + " " if len(head) < left - 1 else head + "\n" + " " * left
-        wrapped = textwrap.wrap(text, width - left) or [""]
-        lines.append(pad + wrapped[0])
+        if not text or len(head) + 2 >= left - 1:  # the head on its own line(s)
+            lines += _wrap(head, width, initial_indent="  ", subsequent_indent="      ")
+            lines += [" " * left + more for more in _wrap(text, width - left)]
+            continue
+        wrapped = _wrap(text, width - left) or [""]
+        lines.append(f"  {head}".ljust(left) + wrapped[0])
         lines += [" " * left + more for more in wrapped[1:]]
     return "\n".join(lines)
 
 
-def help_text() -> str:
-    """The whole ``fedexp --help``."""
-    settings = _block([(f"{name}={default}", meaning) for name, default, meaning in run_settings()])
+def help_text(width: int | None = None) -> str:
+    """The whole ``fedexp --help``, at most ``width`` columns (default: the terminal's, 60-100)."""
+    if width is None:
+        width = min(100, max(60, shutil.get_terminal_size((100, 24)).columns))
+    settings = _block(
+        [(f"{name}={default}", meaning) for name, default, meaning in run_settings()], width
+    )
     groups = []
     for group, options, default in config_groups():
         marked = [f"{o}*" if o == default else o for o in options]
         groups.append((group, " ".join(marked)))
     return "\n".join(
         [
-            _INTRO,
+            _fill(_INTRO, width),
+            "",
+            "usage:",
+            _block(_USAGE, width, left=50 if width >= 100 else 40),
+            "",
             "run settings (KEY=VALUE; shown with the default):",
             settings,
             "",
-            "config groups (GROUP=OPTION; * marks the default; an option's keys are set with",
-            "GROUP.KEY=VALUE, e.g. algorithm.lam=0.1: see conf/GROUP/OPTION.yaml):",
-            _block(groups, left=20),
+            _fill(
+                "config groups (GROUP=OPTION; * marks the default; an option's keys are set "
+                "with GROUP.KEY=VALUE, e.g. algorithm.lam=0.1: see conf/GROUP/OPTION.yaml):",
+                width,
+            ),
+            _block(groups, width, left=20),
             "",
-            "  hydra/launcher applies to sweeps (-m): parallel = joblib processes on this machine",
-            "  (hydra.launcher.n_jobs=2), slurm = one SLURM job per run (on the cluster's login",
-            "  node). MLflow: tracker.uri=URI (default sqlite:///mlflow.db in the working",
-            "  directory), tracker.experiment=NAME (default: fedexp; a sweep gets one of its own).",
+            _fill(_NOTE, width, initial_indent="  ", subsequent_indent="  "),
             "",
-            _EXAMPLES,
+            "examples:",
+            _block(_EXAMPLES, width, left=50 if width >= 100 else 40),
+            "",
         ]
     )

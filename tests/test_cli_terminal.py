@@ -177,3 +177,17 @@ def test_parallel_job_logs_progress_with_its_job_id(caplog):
     assert "[job 3] something else" in caplog.text
     assert "after the job" in caplog.text and "[job 3] after the job" not in caplog.text
     assert RoundProgress(2, mode="auto", console=terminal).mode == "bar"
+
+
+@pytest.mark.parametrize("columns", [60, 80, 100, 200])
+def test_help_fits_the_terminal(columns, monkeypatch):
+    """``fedexp --help`` keeps to the terminal's width (60-100 columns; wider terminals get
+    100), every setting and group still listed (issue 43)."""
+    from fedexp.cli_help import help_text
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    out = help_text()
+    assert max(len(line) for line in out.splitlines()) == min(columns, 100)
+    for name, default in _expected_defaults().items():
+        assert re.search(rf"^  {re.escape(name)}={re.escape(default)}\b", out, re.M), name
+    assert re.search(r"^  hydra/launcher +parallel slurm$", out, re.M)
