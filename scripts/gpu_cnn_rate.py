@@ -35,6 +35,7 @@ from fedexp.data.federated import ClientData  # noqa: E402
 from fedexp.engine.round.engine import Engine  # noqa: E402
 from fedexp.engine.solver.context import Context  # noqa: E402
 from fedexp.engine.solver.optim import SGD  # noqa: E402
+from fedexp.engine.solver.steps import train  # noqa: E402
 from fedexp.models.flat import FlatModel  # noqa: E402
 from fedexp.models.task import ClassificationTask  # noqa: E402
 
@@ -58,6 +59,7 @@ def engine(clients: int, device: torch.device) -> Engine:
         personal_idx=torch.zeros(0, dtype=torch.long, device=device),
         shared_idx=torch.arange(model.layout.numel, device=device),
         optimizer=SGD(),
+        solver=train,
     )
     return Engine(
         ctx=ctx,

@@ -15,7 +15,6 @@ from fedexp.algorithms.fedavg import FedAvg
 from fedexp.engine import rng
 from fedexp.engine.runner import build_engine, run
 from fedexp.engine.solver.optim import SGD, Adam
-from fedexp.engine.solver.steps import train
 from fedexp.tracking.base import NullTracker
 from helpers import assert_resume_exact, solo
 
@@ -90,7 +89,7 @@ def test_batchnorm_statistics_follow_a_plain_pytorch_loop(small_cfg):
     module = copy.deepcopy(ctx.model.module).double()
     x0 = ctx.model.initial().double()
     double = _double(data)
-    ours = train(ctx, x0[None], solo(double, key=3), steps=4, lr=0.1)
+    ours = ctx.train(x0[None], solo(double, key=3), steps=4, lr=0.1)
     stream = rng.Stream(3)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     module.train()
@@ -281,7 +280,7 @@ def test_steps_on_one_fixed_minibatch(small_cfg):
     idx = torch.randint(data.num_train, (8,), generator=torch.Generator().manual_seed(0))
     xb, yb = data.x_train[idx], data.y_train[idx]
     cohort = solo(data)
-    out = train(ctx, e.x0[None], cohort, steps=3, lr=0.1, batch=(xb[None], yb[None]))
+    out = ctx.train(e.x0[None], cohort, steps=3, lr=0.1, batch=(xb[None], yb[None]))
     assert cohort.draws.tolist() == [0]  # nothing drawn
     p = e.x0.clone()
     for _ in range(3):

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from fedexp.engine.runner import build_engine
-from fedexp.engine.solver.steps import train
 from helpers import solo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,7 +117,7 @@ def test_a_cohort_of_one_takes_the_steps_a_plain_loop_takes(small_cfg):
     engine = build_engine(small_cfg("model=mlp", "model.hidden=8"))
     ctx, data = engine.ctx, engine.clients[2]
     cohort = solo(data, key=12345)
-    out = train(ctx, engine.x0[None], cohort, steps=4, lr=0.1)
+    out = ctx.train(engine.x0[None], cohort, steps=4, lr=0.1)
     assert cohort.draws.tolist() == [4]
     p = engine.x0.clone()
     stream = rng.Stream(12345)

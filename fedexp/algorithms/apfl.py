@@ -45,7 +45,7 @@ from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Fraction, Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 
 class APFL(FedAvg):
@@ -139,8 +139,7 @@ class APFL(FedAvg):
         v = torch.stack([s["v"] for s in states])
         alpha = torch.stack([s["alpha"] for s in states]).to(model_in)
         opt = ctx.optimizer
-        local = train(
-            ctx,
+        local = ctx.train(
             torch.cat([model_in.detach(), v, alpha], dim=1),
             cohort,
             objective=self.objective(ctx, model_in.detach()),

@@ -19,7 +19,7 @@ from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 
 class Ditto(FedAvg):
@@ -58,8 +58,7 @@ class Ditto(FedAvg):
         assert isinstance(model_in, torch.Tensor)
         result = super().client_update(ctx, model_in, states, cohort)
         opt = ctx.optimizer
-        personal = train(
-            ctx,
+        personal = ctx.train(
             torch.stack([s["v"] for s in states]),
             cohort,
             objective=ctx.proximal_objective(model_in.detach(), self.lam),

@@ -9,7 +9,7 @@ tensors. On receiving the global model Θ it builds
 
 learns W_i on a random s % of its training data, minibatch by minibatch,
 W_i ← clip(W_i − η_W ∇_W L(Θ̂_i(W_i)), 0, 1) (autograd through Θ̂_i, W_i the only leaf), then
-trains Θ̂_i for E local steps (``train``, the run's optimiser) and uploads FedAvg's
+trains Θ̂_i for E local steps (``ctx.train``, the run's optimiser) and uploads FedAvg's
 Δ = Θ − θ^E, the change against the received model: with η_s = 1 the server's new model is
 the weighted mean of the trained local models, as in the paper. The server is FedAvg's.
 
@@ -66,7 +66,7 @@ from fedexp.config.ranges import Positive, PositiveInt, Range
 from fedexp.data.client import ClientData
 from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 #: stream purpose of the ALA data slice (beside ``fedexp.engine.rng``'s)
 ALA_STREAM = 41
@@ -224,8 +224,7 @@ class FedALA(FedAvg):
         ]
         init = torch.stack([a[0] for a in done])
         opt = ctx.optimizer
-        local = train(
-            ctx,
+        local = ctx.train(
             init,
             cohort,
             objective=self.objective(ctx, init),

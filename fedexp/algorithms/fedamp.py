@@ -66,7 +66,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
 from fedexp.config.ranges import Fraction, NonNegative, Positive
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
 
 #: σ of FedAMP's A(x) = 1 − e^{−x/σ} when none is given: the scale of the squared distances
@@ -203,8 +203,7 @@ class FedAMP(Algorithm):
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
         anchor = model_in.detach()
-        local = train(
-            ctx,
+        local = ctx.train(
             anchor,
             cohort,
             objective=ctx.proximal_objective(anchor, self.lam / self.alpha_k),

@@ -17,7 +17,7 @@ from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, Sta
 from fedexp.config.ranges import Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Objective
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 #: η_s, the server step on the averaged model difference (every FedAvg-style server's).
 ServerLr = Annotated[float, Range(gt=0, note="1: plain averaging")]
@@ -49,8 +49,7 @@ class FedAvg(Algorithm):
         """E local steps of the run's optimiser (its state kept); send Δ = x − θ^E."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
-        local = train(
-            ctx,
+        local = ctx.train(
             model_in,
             cohort,
             objective=self.objective(ctx, model_in.detach()),

@@ -53,7 +53,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Message, Stacked, State
 from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 
 def dwa_weights(
@@ -127,8 +127,8 @@ class FedDWA(Algorithm):
         """E local steps → θ_i; one more pass → θ̂_i; send both."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
-        local = train(ctx, model_in, cohort, opt_states=[opt.load(s) for s in states])
-        guide = train(ctx, local.params, cohort, opt_states=local.opt_state, steps=self.guide_steps)
+        local = ctx.train(model_in, cohort, opt_states=[opt.load(s) for s in states])
+        guide = ctx.train(local.params, cohort, opt_states=local.opt_state, steps=self.guide_steps)
         kept = {}
         if self.evaluate != "personal":
             kept[self.evaluate] = guide.params if self.evaluate == "guide" else local.params

@@ -23,7 +23,7 @@ import torch
 from fedexp.algorithms.base import Cohort, CohortResult, Message, Stacked, State, weighted_mean
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 
 class FedPer(FedAvg):
@@ -91,8 +91,7 @@ class FedPer(FedAvg):
         """E local steps on (received body, own head); keep the head, send Δ of the body."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
-        local = train(
-            ctx,
+        local = ctx.train(
             self.assemble(ctx, model_in, torch.stack([s["head"] for s in states])),
             cohort,
             objective=ctx.model_objective(),

@@ -34,7 +34,7 @@ from fedexp.algorithms.fedper import FedPer
 from fedexp.config.ranges import NonNegative, Range
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 
 class FedRep(FedPer):
@@ -97,8 +97,7 @@ class FedRep(FedPer):
         for name, idx, steps in (("head", head, head_steps), ("body", body, body_steps)):
             if steps == 0:
                 continue
-            local = train(
-                ctx,
+            local = ctx.train(
                 theta,
                 cohort,
                 objective=ctx.model_objective(),

@@ -65,7 +65,7 @@ from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Positive
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
 
 
@@ -200,8 +200,7 @@ class FedRoD(FedAvg):
             keep = torch.zeros(p.shape[1], dtype=torch.bool, device=dev)
             frozen = torch.cat([ctx.model.buffer_mask, keep])
         aux = {"log_prior": log_priors(counts, self.count_floor).to(model_in.dtype)}
-        local = train(
-            ctx,
+        local = ctx.train(
             torch.cat([model_in, p], dim=1),
             cohort,
             objective=Objective(joint.loss, aux=aux, frozen=frozen),

@@ -35,7 +35,7 @@ from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.algorithms.fedprox import FedProx
 from fedexp.config.ranges import NonNegative, Range
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 
 class _FineTune:
@@ -61,10 +61,9 @@ class _FineTune:
         steps = self._steps(ctx, cohort)
         if steps == 0:
             return super().client_update(ctx, model_in, states, cohort)  # type: ignore[misc]
-        ft = train(ctx, model_in, cohort, steps=steps)
+        ft = ctx.train(model_in, cohort, steps=steps)
         opt = ctx.optimizer
-        local = train(
-            ctx,
+        local = ctx.train(
             ft.params,
             cohort,
             objective=self.objective(ctx, model_in.detach()),  # type: ignore[attr-defined]
@@ -79,7 +78,7 @@ class _FineTune:
     ) -> torch.Tensor:
         """The current global model fine-tuned on each client's data (§V-B2's protocol)."""
         x = server["x"].repeat(len(cohort), 1)
-        return train(ctx, x, cohort, steps=self._steps(ctx, cohort)).params
+        return ctx.train(x, cohort, steps=self._steps(ctx, cohort)).params
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int

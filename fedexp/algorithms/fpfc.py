@@ -51,7 +51,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
 from fedexp.config.ranges import Positive, Range
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 from fedexp.graph.fusion import check_penalty, prox_rows
 from fedexp.graph.incidence import q_rows, qt_rows
 
@@ -118,8 +118,7 @@ class FPFC(Algorithm):
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
         mu = self.rho * max(ctx.num_clients - 1, 1)
-        local = train(
-            ctx,
+        local = ctx.train(
             torch.stack([s["theta"] for s in states]),
             cohort,
             objective=ctx.proximal_objective(model_in.detach(), mu),

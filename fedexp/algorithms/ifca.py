@@ -67,7 +67,7 @@ from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.losses import train_losses
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 #: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
 CLUSTER_INIT = 31
@@ -150,8 +150,7 @@ class IFCA(Algorithm):
         theta = clusters[rows, j]
         opt = ctx.optimizer
         before = torch.stack([s["cluster"][0] for s in states]).tolist()
-        local = train(
-            ctx,
+        local = ctx.train(
             theta,
             cohort,
             opt_states=[  # kept in the same cluster, fresh when ĵ changed

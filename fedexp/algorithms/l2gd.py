@@ -51,7 +51,7 @@ from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, Sta
 from fedexp.config.ranges import Positive, PositiveInt, Range
 from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
 
 #: Purpose of the shared coin stream (beside ``fedexp.engine.rng``'s purposes).
@@ -142,8 +142,10 @@ class L2GD(Algorithm):
         x = torch.stack([s["x"] for s in states])
         if ones > 0:  # lerp is exact at both ends: weight 0 keeps x, weight 1 gives x̄
             x = torch.lerp(x, model_in, 1.0 - (1.0 - self.averaging_rate(ctx)) ** ones)
-        opt, lr = ctx.optimizer, self.local_lr(ctx)
-        local = train(ctx, x, cohort, opt_states=[opt.load(s) for s in states], steps=zeros, lr=lr)
+        opt = ctx.optimizer
+        local = ctx.train(
+            x, cohort, opt_states=[opt.load(s) for s in states], steps=zeros, lr=self.local_lr(ctx)
+        )
         new_states = unstack_states(states, opt, local.opt_state, x=local.params)
         full = torch.ones(len(cohort), device=x.device)
         metrics = {"local_steps": full * zeros, "averaging_steps": full * ones}

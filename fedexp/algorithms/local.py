@@ -10,7 +10,7 @@ import torch
 
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 
 class LocalOnly(Algorithm):
@@ -36,7 +36,7 @@ class LocalOnly(Algorithm):
         """E local steps on each client's own model (optimiser state kept); no upload."""
         opt = ctx.optimizer
         theta = torch.stack([s["theta"] for s in states])
-        local = train(ctx, theta, cohort, opt_states=[opt.load(s) for s in states])
+        local = ctx.train(theta, cohort, opt_states=[opt.load(s) for s in states])
         new_states = unstack_states(states, opt, local.opt_state, theta=local.params)
         return CohortResult(None, new_states, {"train_loss": local.loss})
 

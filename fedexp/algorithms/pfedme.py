@@ -43,7 +43,7 @@ from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Positive, PositiveInt
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.optim import SGD
-from fedexp.engine.solver.steps import check_rows, draw_batch, train, unstack_states
+from fedexp.engine.solver.steps import check_rows, draw_batch, unstack_states
 
 
 class PFedMe(FedAvg):
@@ -94,8 +94,7 @@ class PFedMe(FedAvg):
         w = model_in.detach().clone()
         theta, total = w, torch.zeros(len(cohort), device=w.device)
         for _ in range(rounds):
-            inner = train(
-                ctx,
+            inner = ctx.train(
                 theta,
                 cohort,
                 objective=ctx.proximal_objective(w, self.lam),

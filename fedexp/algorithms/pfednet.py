@@ -30,7 +30,6 @@ from fedexp.config.ranges import NonNegative, NonNegativeInt, Positive, Positive
 from fedexp.data.client import ClientData
 from fedexp.engine.solver import steps as solver
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train
 from fedexp.graph import (
     covariance_sketch,
     kernel_sketch,
@@ -176,7 +175,7 @@ class PFedNet(Algorithm):
         steps = max(1, math.ceil(self.sketch_epochs * per_epoch))
         # the local steps draw from a stream keyed by the sketch's generator
         key = int(torch.randint(1 << 62, (1,), generator=generator))
-        return train(ctx, ctx.model.initial()[None], solver.alone(data, key), steps=steps).params[0]
+        return ctx.train(ctx.model.initial()[None], solver.alone(data, key), steps=steps).params[0]
 
     def server_setup(self, ctx: Context, server: State, sketches: dict[int, torch.Tensor]) -> State:
         """The k-NN similarity network of the sketches; ADMM variables W = Ω = 0."""
@@ -213,7 +212,7 @@ class PFedNet(Algorithm):
             if self.local_mask and phase != "joint":
                 mask = torch.zeros_like(model_in[0])
                 mask[self._sent_idx(ctx, phase)] = 1.0
-            local = train(ctx, model_in, cohort, mask=mask)
+            local = ctx.train(model_in, cohort, mask=mask)
             grad, loss = (model_in - local.params) / ctx.lr, local.loss
         return CohortResult(self._upload(ctx, phase, grad), states, {"train_loss": loss})
 

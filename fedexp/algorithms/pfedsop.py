@@ -49,7 +49,7 @@ import torch
 from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
 from fedexp.config.ranges import Positive, Range
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 
 
 def gompertz(theta: torch.Tensor, lam: float) -> torch.Tensor:
@@ -151,7 +151,7 @@ class PFedSOP(Algorithm):
         eta1 = ctx.lr if self.personal_lr is None else self.personal_lr
         x_start = torch.func.vmap(partial(self.newton_start, eta1))(x, delta, model_in.to(x), seen)
         opt = ctx.optimizer
-        local = train(ctx, x_start, cohort, opt_states=[opt.load(s) for s in states])
+        local = ctx.train(x_start, cohort, opt_states=[opt.load(s) for s in states])
         delta = (x_start - local.params) / ctx.lr
         x_new = local.params if self.keep_trained else x_start
         if ctx.model.has_buffers:  # running statistics: no gradient, taken from x^T

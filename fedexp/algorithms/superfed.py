@@ -53,7 +53,7 @@ from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.losses import train_losses
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.optim import State as OptState
-from fedexp.engine.solver.steps import train, unstack_states
+from fedexp.engine.solver.steps import unstack_states
 from fedexp.models.flat import FlatModel
 
 #: the evaluation grid of the authors' code
@@ -167,8 +167,7 @@ class SuPerFed(FedAvg):
         opt = ctx.optimizer
         d = model_in.shape[-1]
         w_l = torch.stack([s["local"] for s in states])
-        out = train(
-            ctx,
+        out = ctx.train(
             torch.cat([model_in.detach(), w_l], dim=1),
             cohort,
             objective=self.mixing_objective(ctx, model_in),

@@ -60,7 +60,7 @@ from fedexp.config.ranges import OpenFraction, Positive, PositiveInt, Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.optim import SGD, Adam, stack_states
-from fedexp.engine.solver.steps import draw_batch, train, unstack_states
+from fedexp.engine.solver.steps import draw_batch, unstack_states
 from fedexp.models.cp import CPLayout, als, compose
 from fedexp.models.flat import Layout
 
@@ -182,8 +182,7 @@ class TDPFed(Algorithm):
         for _ in range(rounds):
             batch = draw_batch(ctx, cohort)
             if self.personal_steps > 0:
-                personal = train(
-                    ctx,
+                personal = ctx.train(
                     theta,
                     cohort,
                     objective=ctx.proximal_objective(compose_rows(a), self.lam),
@@ -200,8 +199,7 @@ class TDPFed(Algorithm):
                 a = torch.where(frozen_a, torch.stack(fitted), a)
             if self.factor_steps > 0:
                 aux = {"theta": theta.detach(), "lam": lam}
-                fit = train(
-                    ctx,
+                fit = ctx.train(
                     a,
                     cohort,
                     objective=Objective(partial(self.factor_loss, cp), aux=aux, frozen=frozen_a),

@@ -38,6 +38,7 @@ from fedexp.engine.processes.shared_data import load_dataset
 from fedexp.engine.round.engine import Engine, RoundCallback
 from fedexp.engine.round.ledger import ByteLedger
 from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.steps import train
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
@@ -146,6 +147,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         personal_idx=personal,
         shared_idx=torch.nonzero(shared_mask).flatten(),
         optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
+        solver=train,
     )
     algorithm = instantiate_checked(cfg.algorithm, "algorithm")
     privacy = _privacy(cfg, algorithm)

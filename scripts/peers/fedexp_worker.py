@@ -33,6 +33,7 @@ def build(args, data: list):
     from fedexp.engine.round.engine import Engine
     from fedexp.engine.runner import build_channel
     from fedexp.engine.solver.context import Context
+    from fedexp.engine.solver.steps import train
     from fedexp.models.flat import FlatModel
     from fedexp.models.task import ClassificationTask
     from helpers import compose_config
@@ -64,6 +65,7 @@ def build(args, data: list):
         personal_idx=torch.zeros(0, dtype=torch.long),
         shared_idx=torch.arange(model.layout.numel),
         optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
+        solver=train,
     )
     return Engine(
         ctx=ctx,

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from fedexp.engine.runner import build_engine
-from fedexp.engine.solver.steps import train
 from helpers import solo
 
 #: few local steps keep the file fast; no property here depends on their number
@@ -75,8 +74,7 @@ def test_one_step_matches_the_hand_computation(small_cfg):
         g_bar = _grad(data, v_bar)
         inner = float((v - w) @ g_bar)  # ∇_α f(v̄) = ⟨v − w, ∇f(v̄)⟩
         alg.alpha_lr = 0.1 / abs(inner)  # η_α: a step of 0.1, inside [0, 1]
-        out = train(
-            ctx,
+        out = ctx.train(
             torch.cat([w, v, torch.tensor([alpha])])[None],
             solo(data),
             objective=alg.objective(ctx, w),

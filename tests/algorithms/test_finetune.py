@@ -9,7 +9,6 @@ import torch
 
 from fedexp.algorithms.finetune import FedAvgFT, FedProxFT
 from fedexp.engine.runner import build_engine
-from fedexp.engine.solver.steps import train
 from helpers import cohort_of, deterministic, refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,8 +57,8 @@ def test_local_training_starts_from_the_finetuned_model(small_cfg):
     expected = torch.zeros_like(x0)
     clients = list(range(len(e.clients)))
     cohort = cohort_of(e, clients, 0)  # every client's stream of round 0
-    fts = train(ctx, x0.expand(len(clients), -1), cohort, steps=3).params
-    locals_ = train(ctx, fts, cohort).params
+    fts = ctx.train(x0.expand(len(clients), -1), cohort, steps=3).params
+    locals_ = ctx.train(fts, cohort).params
     for n, s, ft, local in zip(clients, e.client_states, fts, locals_, strict=True):
         assert torch.equal(s["ft"], ft)
         assert torch.equal(e.algorithm.eval_params(ctx, e.server, s, n), ft)

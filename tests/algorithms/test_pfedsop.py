@@ -9,7 +9,6 @@ import torch
 
 from fedexp.algorithms.pfedsop import PFedSOP, angle, gompertz, sop_direction
 from fedexp.engine.runner import build_engine
-from fedexp.engine.solver.steps import train
 from helpers import assert_resume_exact, cohort_of, refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,7 +57,7 @@ def test_gompertz_weight_and_angle():
 def _trained(e, clients, starts, t):
     """ctx.train from ``starts`` [m, d] on the clients' streams of round t (what the round
     ran), row by row."""
-    return train(e.ctx, starts, cohort_of(e, clients, t)).params
+    return e.ctx.train(starts, cohort_of(e, clients, t)).params
 
 
 def test_first_time_client_takes_no_step_and_sends_its_local_update(small_cfg):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 
 from fedexp.algorithms.fedrep import FedRep
 from fedexp.engine.runner import build_engine
-from fedexp.engine.solver.steps import train
 from helpers import cohort_of, refused
 
 MLP = ("model=mlp", "model.hidden=8")
@@ -29,19 +27,18 @@ def _rounds(engine, n):
     return engine, metrics
 
 
-def _masked(engine, idx, monkeypatch):
+def _masked(engine, idx):
     """``engine`` whose local training moves only the coordinates ``idx``."""
     ctx = engine.ctx
-    module = sys.modules[type(engine.algorithm).__module__]
-    original = module.train
+    original = ctx.train
     mask = torch.zeros(ctx.model.layout.numel, device=ctx.device)
     mask[idx] = 1.0
 
-    def masked(*args, **kwargs):
+    def train(*args, **kwargs):
         assert kwargs.get("mask") is None
         return original(*args, **{**kwargs, "mask": mask})
 
-    monkeypatch.setattr(module, "train", masked)
+    ctx.train = train
     return engine
 
 
@@ -126,8 +123,7 @@ def test_fedbn_keeps_batchnorm_local(small_cfg):
     sizes = torch.tensor([float(c.num_train) for c in engine.clients], dtype=torch.float64)
     omega = sizes / sizes.sum()
     thetas = [  # each client alone on its stream of round 0
-        train(ctx, x0[None], cohort_of(engine, [n], 0)).params[0]
-        for n in range(len(engine.clients))
+        ctx.train(x0[None], cohort_of(engine, [n], 0)).params[0] for n in range(len(engine.clients))
     ]
     for n, theta in enumerate(thetas):  # each client's BN part is its own local result
         assert torch.equal(engine.client_states[n]["head"], theta[bn])
@@ -149,14 +145,14 @@ def test_fedbn_keeps_batchnorm_local(small_cfg):
 
 
 # ---------------------------------------------------------------------------- FedRep
-def test_fedrep_without_head_phase_is_fedavg_with_a_frozen_head(small_cfg, monkeypatch):
+def test_fedrep_without_head_phase_is_fedavg_with_a_frozen_head(small_cfg):
     """τ_h = 0: the body follows FedAvg whose head coordinates are frozen at x0."""
     over = (*MLP, "optimizer.momentum=0.9", "participation=0.6")
     rep, _ = _rounds(
         build_engine(small_cfg("algorithm=fedrep", "algorithm.head_steps=0", *over)), 3
     )
     avg = build_engine(small_cfg("algorithm=fedavg", *over))
-    avg, _ = _rounds(_masked(avg, rep.algorithm.body_idx(rep.ctx), monkeypatch), 3)
+    avg, _ = _rounds(_masked(avg, rep.algorithm.body_idx(rep.ctx)), 3)
     assert torch.equal(rep.server["x"], avg.server["x"])
     head = rep.algorithm.personal_idx(rep.ctx)
     for s in rep.client_states:
@@ -164,7 +160,7 @@ def test_fedrep_without_head_phase_is_fedavg_with_a_frozen_head(small_cfg, monke
         assert not any(k.startswith("opt_head.") for k in s)
 
 
-def test_fedrep_head_phase_leaves_the_body_alone(small_cfg, monkeypatch):
+def test_fedrep_head_phase_leaves_the_body_alone(small_cfg):
     """τ_φ = 0: the body stays x0 exactly; each head is local training of the head alone."""
     rep = build_engine(
         small_cfg("algorithm=fedrep", "algorithm.body_steps=0", "algorithm.head_ratio=1", *MLP)
@@ -172,8 +168,7 @@ def test_fedrep_head_phase_leaves_the_body_alone(small_cfg, monkeypatch):
     rep, _ = _rounds(rep, 3)
     assert torch.equal(rep.server["x"], rep.x0)
     head = rep.algorithm.personal_idx(rep.ctx)
-    local = _masked(build_engine(small_cfg("algorithm=local", *MLP)), head, monkeypatch)
-    local, _ = _rounds(local, 3)
+    local, _ = _rounds(_masked(build_engine(small_cfg("algorithm=local", *MLP)), head), 3)
     for a, b in zip(rep.client_states, local.client_states, strict=True):
         assert torch.equal(a["head"], b["theta"][head])
         assert not torch.equal(a["head"], rep.x0[head])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,9 @@ class Context:
     optimizer: Optimizer = field(default_factory=SGD)
     #: False once the solver found the model or loss not vmappable (then row by row)
     vmap_ok: bool = True
+    #: the local solver, ``(ctx, params, cohort, **options) -> CohortLocal``: the run's builder
+    #: hands it :func:`fedexp.engine.solver.steps.train` (the context imports no solver)
+    solver: Callable[..., Any] | None = field(default=None, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -125,6 +129,18 @@ class Context:
         loss, post = objective.loss(p, x, y, objective.aux, u)
         (grad,) = torch.autograd.grad(loss, p)
         return loss.detach(), grad, None if post is None else post.detach()
+
+    # ---------------------------------------------------------- local solver
+    def train(self, params: torch.Tensor, cohort: Cohort, **options: Any) -> Any:
+        """Local training of every client of ``cohort`` (the run's :attr:`solver`).
+
+        ``params`` [m, d] are the clients' starting points in cohort order; ``options`` are
+        the solver's (objective, opt_states, steps, lr, mask, optimizer, batch). Returns its
+        ``CohortLocal`` (params [m, d], loss [m], opt_state).
+        """
+        if self.solver is None:
+            raise RuntimeError("Context.train: no local solver was given (Context(solver=...))")
+        return self.solver(self, params, cohort, **options)
 
     def work_key(self, data: ClientData) -> Hashable:
         """Clients with equal keys take the same steps on alike batches: one sub-cohort.
