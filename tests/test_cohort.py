@@ -106,15 +106,19 @@ def test_a_streams_draws_are_its_row_of_the_cohort_draw(sampling):
     sizes = torch.tensor([10, 1, 37, 100])
     alone = []
     for n, num in zip(clients, sizes.tolist(), strict=True):
-        alone.append(torch.stack([streams[n].indices(8, num) for _ in range(3)]))
+        alone.append([streams[n].indices(8, num) for _ in range(3)])
     keys = rng.stream_keys(5, rng.CLIENT, 2, clients)
     for step in range(3):
         draws = torch.full((4,), step, dtype=torch.int64)
         together = rng.minibatch_indices(keys, draws, 8, sizes, sampling)
-        for i in range(4):
-            assert torch.equal(together[i], alone[i][step])
+        for i in range(4):  # alone, a short batch is its row's samples (a prefix)
+            width = len(alone[i][step])
+            assert width == (
+                8 if sampling == "replacement" else rng.pass_width(step, 8, int(sizes[i]))
+            )
+            assert torch.equal(together[i][:width], alone[i][step])
     assert all(s.draws == 3 for s in streams.values())
-    assert int(alone[1].max()) == 0  # one sample: always index 0
+    assert all(int(b.max()) == 0 for b in alone[1])  # one sample: always index 0
 
 
 def test_batch_indices_are_uniform_and_streams_differ():

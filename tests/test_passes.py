@@ -1,10 +1,12 @@
-"""Local epochs are shuffled passes (issue 23, item 1): the draws of ``sampling=shuffle``.
+"""Local epochs are a shuffling DataLoader's epochs (issues 23 and 44): ``sampling=shuffle``.
 
 pFedSOP (§V-B), FedRep, FedALA and TDPFed train "one local epoch" as a pass of a shuffling
-DataLoader: every sample once, in a random order, a fresh order each pass. With
-``sampling=shuffle`` (the default) a client's minibatches cut successive pseudorandom
-permutations of its data (``fedexp.engine.rng.pass_indices``), counter-based like the draws
-with replacement, so a client draws the same alone, in any cohort and in any grouping.
+DataLoader: every sample once, in a random order, a fresh order each epoch, cut into ⌈n/B⌉
+batches of B with a short last batch of n mod B. With ``sampling=shuffle`` (the default) a
+client's minibatches cut successive pseudorandom permutations of its data epoch by epoch
+(``fedexp.engine.rng.pass_indices``), counter-based like the draws with replacement, so a
+client draws the same alone, in any cohort and in any grouping; in a cohort of unequal clients
+a short batch is padded to B and its padding weighs nothing.
 """
 
 from __future__ import annotations
@@ -17,29 +19,45 @@ import torch
 from fedexp.engine import rng
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver.steps import draw_batch
+from fedexp.models.task import PADDING
 from helpers import cohort_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _sequence(keys: torch.Tensor, num: torch.Tensor, size: int, draws: int) -> torch.Tensor:
-    """The first ``draws`` minibatches of each stream, concatenated: [m, draws · size]."""
-    return torch.cat(
-        [rng.pass_indices(keys, torch.full_like(keys, t), size, num) for t in range(draws)], 1
-    )
+def _epochs(keys: torch.Tensor, num: torch.Tensor, size: int, epochs: int) -> list[list[int]]:
+    """Each stream's samples of its first ``epochs`` epochs, in order, padding left out."""
+    per = [math.ceil(int(n) / size) for n in num]
+    out: list[list[int]] = [[] for _ in per]
+    for t in range(epochs * max(per)):
+        draws = torch.full_like(keys, t)
+        idx = rng.pass_indices(keys, draws, size, num)
+        valid = rng.pass_valid(draws, size, num)
+        for i, p in enumerate(per):
+            if t < epochs * p:
+                out[i].extend(idx[i][valid[i]].tolist())
+    return out
 
 
 @pytest.mark.parametrize("size", [1, 3, 32, 100])
-def test_each_pass_is_a_permutation(size):
-    """Positions [e·n, (e+1)·n) of a stream's sequence are a permutation of its n samples,
-    for every domain size (powers of two, one above, one sample) and batch size."""
+def test_each_epoch_is_a_permutation_in_short_last_batches(size):
+    """Epoch e of a stream is ⌈n/B⌉ draws whose samples (padding left out) are a permutation of
+    its n samples; every batch is full but the last, which holds n − (⌈n/B⌉ − 1)·B, for every
+    domain size (powers of two, one above, one sample) and batch size."""
     sizes = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 64, 65, 100, 255, 256, 257]
     keys = rng.stream_keys(3, rng.CLIENT, 1, list(range(len(sizes))))
     num = torch.tensor(sizes)
-    seq = _sequence(keys, num, size, math.ceil(3 * max(sizes) / size))
+    seqs = _epochs(keys, num, size, 3)
     for i, n in enumerate(sizes):
+        assert len(seqs[i]) == 3 * n
         for e in range(3):
-            assert sorted(seq[i, e * n : (e + 1) * n].tolist()) == list(range(n)), (n, e)
+            assert sorted(seqs[i][e * n : (e + 1) * n]) == list(range(n)), (n, e)
+        per = math.ceil(n / size)
+        widths = [rng.pass_width(t, size, n) for t in range(3 * per)]
+        assert widths == ([size] * (per - 1) + [n - (per - 1) * size]) * 3
+        valid = rng.pass_valid(torch.arange(3 * per), size, torch.full((3 * per,), n))
+        assert valid.sum(1).tolist() == widths
+        assert all(v[:w].all() and not v[w:].any() for v, w in zip(valid, widths, strict=True))
 
 
 def test_passes_differ_and_orders_are_uniform():
@@ -48,7 +66,7 @@ def test_passes_differ_and_orders_are_uniform():
     network leaves behind)."""
     m, n = 4000, 6
     keys = rng.stream_keys(0, rng.CLIENT, 0, list(range(m)))
-    seq = _sequence(keys, torch.full((m,), n), n, 2)
+    seq = torch.tensor(_epochs(keys, torch.full((m,), n), n, 2))
     first, second = seq[:, 0], seq[:, 1]
     same = float((seq[:, :n] == seq[:, n:]).all(1).float().mean())
     assert same < 3 / math.factorial(n)  # passes differ (uniform orders: 1 / 720 alike)
@@ -63,30 +81,37 @@ def test_passes_differ_and_orders_are_uniform():
     assert chi2 < 59.7  # χ²(29), 0.999 quantile
 
 
-def test_one_local_epoch_visits_every_sample_once(small_cfg):
-    """The engine's default draws: ⌈n/B⌉ minibatches of a cohort visit each client's every
-    training sample, each once within its first n positions (with replacement they miss
-    about e⁻¹ of them)."""
-    engine = build_engine(small_cfg("local_epochs=1", "batch_size=8"))
+def test_local_epochs_visit_every_sample_exactly_e_times(small_cfg):
+    """The engine's default draws: E·⌈n/B⌉ minibatches of a cohort of unequal clients visit
+    each client's every training sample exactly E times, and nothing more: the padding of the
+    short batches is marked (with replacement they miss about e⁻¹ of them)."""
+    engine = build_engine(small_cfg("local_epochs=2", "batch_size=8"))
     assert engine.ctx.sampling == "shuffle"
     clients = list(range(len(engine.clients)))
-    cohort = cohort_of(engine, clients, 0)
     num = [engine.clients[n].num_train for n in clients]
-    seen = [[] for _ in clients]
-    pool = engine.pool
-    for _ in range(math.ceil(max(num) / 8)):
-        draw_batch(engine.ctx, cohort)
-    keys, draws = cohort.keys, torch.zeros_like(cohort.draws)
-    for t in range(math.ceil(max(num) / 8)):
-        idx = rng.minibatch_indices(keys, draws + t, 8, pool.size[cohort.rows], "shuffle")
-        for i in range(len(clients)):
-            seen[i].extend(idx[i].tolist())
+    assert len({n % 8 for n in num}) > 1  # clients whose last batches differ
+    cohort = cohort_of(engine, clients, 0)
+    steps = [engine.ctx.steps_for(engine.clients[n]) for n in clients]
+    assert steps == [2 * math.ceil(n / 8) for n in num]
+    seen: list[list[int]] = [[] for _ in clients]
+    for t in range(max(steps)):
+        draws = cohort.draws.clone()
+        x, y = draw_batch(engine.ctx, cohort)
+        idx = rng.pass_indices(cohort.keys, draws, 8, engine.pool.size[cohort.rows])
+        for i, n in enumerate(clients):
+            if t >= steps[i]:
+                continue
+            keep = y[i] != PADDING
+            data = engine.clients[n]
+            assert torch.equal(x[i][keep], data.x_train[idx[i][keep]])
+            assert torch.equal(y[i][keep], data.y_train[idx[i][keep]].to(y.dtype))
+            seen[i].extend(idx[i][keep].tolist())
     for i, n in enumerate(num):
-        assert sorted(seen[i][:n]) == list(range(n))
-    engine.ctx.sampling = "replacement"
+        assert sorted(seen[i]) == sorted(list(range(n)) * 2)
+    keys, draws = cohort.keys, torch.zeros_like(cohort.draws)
     idx = torch.cat(
         [
-            rng.minibatch_indices(keys, draws + t, 8, pool.size[cohort.rows], "replacement")
+            rng.minibatch_indices(keys, draws + t, 8, engine.pool.size[cohort.rows], "replacement")
             for t in range(math.ceil(num[0] / 8))
         ],
         1,
@@ -94,19 +119,19 @@ def test_one_local_epoch_visits_every_sample_once(small_cfg):
     assert len(set(idx[0, : num[0]].tolist())) < num[0]
 
 
-def test_draw_batch_gathers_the_pass_indices(small_cfg):
-    """What the solver gathers is each client's rows at its pass indices."""
+def test_a_stream_alone_draws_the_short_batch_unpadded(small_cfg):
+    """What a client's stream gives it alone (``ClientData.batch``) is its cohort row without
+    the padding: the short last batch of an epoch has n mod B samples."""
     engine = build_engine(small_cfg("batch_size=8"))
     clients = [0, 2, 4]
     cohort = cohort_of(engine, clients, 1)
-    x, y = draw_batch(engine.ctx, cohort)
-    idx = rng.pass_indices(cohort.keys, torch.zeros_like(cohort.draws), 8,
-                           engine.pool.size[cohort.rows])  # fmt: skip
-    for i, n in enumerate(clients):
-        data = engine.clients[n]
-        assert torch.equal(x[i], data.x_train[idx[i]])
-        assert torch.equal(y[i], data.y_train[idx[i]])
-    assert cohort.draws.tolist() == [1, 1, 1]
+    streams = rng.client_streams(engine.seed, 1, clients)
+    for _ in range(math.ceil(max(engine.clients[n].num_train for n in clients) / 8)):
+        x, y = draw_batch(engine.ctx, cohort)
+        for i, n in enumerate(clients):
+            xb, yb = engine.clients[n].batch(8, streams[n])
+            keep = y[i] != PADDING
+            assert torch.equal(xb, x[i][keep]) and torch.equal(yb.to(y.dtype), y[i][keep])
 
 
 def test_sampling_is_a_setting(small_cfg):
@@ -130,3 +155,42 @@ def test_the_cpu_kernel_is_the_tensor_arithmetic():
             rng.pass_indices(keys, draws, size, num),
             rng.pass_indices_tensor(keys, draws, size, num),
         ), size
+
+
+@pytest.mark.parametrize(
+    "model", [("model=logreg",), ("model=mlp", "model.hidden=6", "model.norm=batch")]
+)
+def test_a_cohort_of_unequal_clients_trains_as_each_alone_in_plain_epochs(small_cfg, model):
+    """30 steps of a cohort of clients whose epochs differ in length and in n mod B (short
+    batches padded at different steps; one vmapped step, BatchNorm's row by row) equal, client
+    by client, a plain loop: the epochs of a shuffling DataLoader, batches of B and a short
+    last one, a plain SGD step on the mean loss of each batch (autograd on the module;
+    BatchNorm's statistics of the batch's samples)."""
+    engine = build_engine(small_cfg(*model, "local_steps=30", "batch_size=8", "lr=0.1"))
+    ctx = engine.ctx
+    clients = list(range(len(engine.clients)))
+    num = [engine.clients[n].num_train for n in clients]
+    assert len({n % 8 for n in num}) > 2 and len({math.ceil(n / 8) for n in num}) > 1
+    assert all(n % 8 == 0 or math.ceil(n / 8) < 30 for n in num)  # short batches are met
+    cohort = cohort_of(engine, clients, 0)
+    start = engine.server["x"].detach().clone()
+    params = start.expand(len(clients), -1).clone()
+    out = ctx.train(params, cohort, steps=30, lr=0.1)
+    objective = ctx.model_objective()
+    for i, n in enumerate(clients):
+        data, p, key = engine.clients[n], start.clone(), cohort.keys[i : i + 1]
+        size = torch.tensor([num[i]])
+
+        def batches(data=data, key=key, size=size):  # noqa: ANN001, ANN202
+            """torch's DataLoader, epoch after epoch; epoch e's order: the stream's e-th."""
+            for e in range(30):
+                order = rng.pass_indices(key, torch.tensor([e]), int(size), size)[0].tolist()
+                dataset = torch.utils.data.TensorDataset(data.x_train, data.y_train)
+                yield from torch.utils.data.DataLoader(dataset, batch_size=8, sampler=order)
+
+        for _, (xb, yb) in zip(range(30), batches(), strict=False):
+            _, grad, post = ctx.loss_grad_post(objective, p, xb, yb, None)
+            p = p - 0.1 * grad
+            if post is not None:  # running statistics: the forward pass's
+                p = torch.where(ctx.model.buffer_mask, post, p)
+        torch.testing.assert_close(out.params[i], p, rtol=1e-5, atol=1e-6)

@@ -49,7 +49,8 @@ class RunConfig:
         num_clients: number of clients N the data are partitioned over.
         participation: fraction of clients sampled each round (at least one is sampled).
         local_steps: local SGD steps per round (used when ``local_epochs`` is null).
-        local_epochs: if set, local steps = ceil(local_epochs * n_train / batch_size) per client.
+        local_epochs: if set, E: local steps = ceil(E * ceil(n_train / batch_size)) per client
+            (E whole: E epochs of a shuffling DataLoader, the last batch of each short).
         batch_size: minibatch size of the index draws; 0 or -1 means full batch.
         sampling: how each client's minibatches are drawn: "shuffle" (successive shuffled
             passes over its data, each sample once a pass, as a shuffling DataLoader's

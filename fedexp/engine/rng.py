@@ -193,16 +193,17 @@ def _permute(
 def pass_indices(
     keys: torch.Tensor, draws: torch.Tensor, size: int, num: torch.Tensor
 ) -> torch.Tensor:
-    """Minibatch indices of many clients at once, in shuffled passes over their data.
+    """Minibatch indices of many clients at once, a shuffling ``DataLoader``'s epochs.
 
-    Each client's stream visits its ``num[i]`` samples in passes, each pass a fresh
-    pseudorandom permutation (keyed by the stream's key and the pass number): the
-    ``size``-sample minibatches of draws 0, 1, 2, ... cut that sequence in order, so
-    ⌈num/size⌉ draws visit every sample once (the last one running into the next pass),
-    as successive epochs of a shuffling ``DataLoader`` do. The j-th position of draw t is
-    position p = t·size + j of the sequence: pass p // num, entry p mod num of its
-    permutation (:func:`_permute`). Counter-based like :func:`batch_indices`: a client's
-    batch is the same drawn alone or with a cohort, in any grouping, on any device.
+    Each client's stream visits its ``num[i]`` samples in epochs, each a fresh pseudorandom
+    permutation (keyed by the stream's key and the epoch number) cut into ⌈num/size⌉
+    minibatches of ``size``, the last one short (num mod size samples), as a shuffling
+    ``DataLoader`` without ``drop_last`` gives them: draw t is batch j = t mod ⌈num/size⌉ of
+    epoch e = ⌊t / ⌈num/size⌉⌋, its position c the entry j·size + c of epoch e's
+    permutation (:func:`_permute`). Positions past the epoch's end (a short batch's
+    padding, :func:`pass_valid`) repeat the epoch's last entry; the solver gives them no
+    weight. Counter-based like :func:`batch_indices`: a client's batch is the same drawn
+    alone or with a cohort, in any grouping, on any device.
 
     Args:
         keys: int64 [m] stream keys (:func:`stream_keys`).
@@ -221,15 +222,40 @@ def pass_indices(
     return pass_indices_tensor(keys, draws, size, num)
 
 
+def _epoch_positions(
+    draws: torch.Tensor, size: int, num: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Epoch ``[m, 1]`` and position in it ``[m, size]`` of each entry of draw ``draws``."""
+    per = (num + size - 1) // size  # minibatches an epoch
+    d = draws.to(num.device)[:, None]
+    offset = (d % per) * size + torch.arange(size, dtype=torch.int64, device=num.device)
+    return d // per, offset
+
+
+def pass_valid(draws: torch.Tensor, size: int, num: torch.Tensor) -> torch.Tensor:
+    """Which entries of :func:`pass_indices` are samples, bool [m, size] on ``num``'s device.
+
+    False for the padding of an epoch's short last minibatch (positions ≥ num).
+    """
+    num = num[:, None]
+    return _epoch_positions(draws, size, num)[1] < num
+
+
+def pass_width(draw: int, size: int, num: int) -> int:
+    """How many of draw ``draw``'s ``size`` entries are samples (one client, on the host)."""
+    per = -(-num // size)
+    return min(size, num - (draw % per) * size)
+
+
 def pass_indices_tensor(
     keys: torch.Tensor, draws: torch.Tensor, size: int, num: torch.Tensor
 ) -> torch.Tensor:
     """:func:`pass_indices` as tensor operations (any device; the CPU runs a compiled loop)."""
     dev = keys.device
     num = num.to(dev)[:, None]
-    pos = draws.to(dev)[:, None] * size + torch.arange(size, dtype=torch.int64, device=dev)
-    passes, offset = pos // num, pos % num
-    key = mix64(keys[:, None] ^ (passes * _GOLDEN) ^ _PASS)
+    epoch, offset = _epoch_positions(draws, size, num)
+    offset = torch.minimum(offset, num - 1)  # a short batch's padding: the epoch's last entry
+    key = mix64(keys[:, None] ^ (epoch * _GOLDEN) ^ _PASS).expand(-1, size).contiguous()
     return _permute(offset, key, _bit_length(num), num)
 
 
@@ -279,12 +305,18 @@ class Stream(torch.Generator):
         self.draws = 0
 
     def indices(self, size: int, num: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The next minibatch's ``size`` indices into ``num`` samples (advances the counter)."""
+        """The next minibatch's indices into ``num`` samples (advances the counter).
+
+        ``size`` of them, or fewer for the short batch that ends an epoch of shuffled passes
+        (:func:`pass_width`).
+        """
         keys = torch.tensor([self.key], dtype=torch.int64, device=device)
-        draws = torch.tensor([self.draws], dtype=torch.int64)
+        draw = self.draws
         self.draws += 1
+        draws = torch.tensor([draw], dtype=torch.int64)
         nums = torch.tensor([num], dtype=torch.int64)
-        return minibatch_indices(keys, draws, size, nums, self.sampling)[0]
+        idx = minibatch_indices(keys, draws, size, nums, self.sampling)[0]
+        return idx[: pass_width(draw, size, num)] if self.sampling == "shuffle" else idx
 
 
 def client_streams(

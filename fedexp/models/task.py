@@ -21,6 +21,11 @@ from fedexp.metrics import (
     segmentation_metrics,
 )
 
+#: The target of a padding row (a short minibatch's place-holder in a cohort's ``[m, B]``
+#: batch, :func:`fedexp.engine.solver.steps.draw_batch`), in every target entry of the row:
+#: torch's ``ignore_index`` default. A task's :meth:`Task.loss` gives such rows no weight.
+PADDING = -100
+
 
 class Task(Protocol):
     """Loss and evaluation of one kind of prediction."""
@@ -28,7 +33,7 @@ class Task(Protocol):
     num_classes: int
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean training loss of a batch (differentiable)."""
+        """Mean training loss of a batch over its rows whose target is not :data:`PADDING`."""
         ...
 
     def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -43,10 +48,18 @@ class ClassificationTask:
         self.num_classes = num_classes
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (binary cross-entropy with logits for one output)."""
+        """Mean cross-entropy (binary cross-entropy with logits for one output).
+
+        The mean over the rows whose label is not :data:`PADDING` (cross-entropy's
+        ``ignore_index``).
+        """
         if logits.shape[-1] == 1:
-            return F.binary_cross_entropy_with_logits(logits[:, 0], y.to(logits.dtype))
-        return F.cross_entropy(logits, y)
+            valid = y != PADDING
+            per_sample = F.binary_cross_entropy_with_logits(
+                logits[:, 0], torch.where(valid, y, 0).to(logits.dtype), reduction="none"
+            )
+            return torch.where(valid, per_sample, 0.0).sum() / valid.sum().clamp(min=1)
+        return F.cross_entropy(logits, y, ignore_index=PADDING)
 
     def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """Accuracy, balanced accuracy and AUC on one client's test split."""
@@ -120,14 +133,26 @@ class SegmentationTask:
 
     def __init__(self, num_classes: int) -> None:
         # imported here: MONAI takes seconds to import and tabular runs never need it
-        from monai.losses import DiceCELoss
+        from monai.losses import DiceLoss
 
         self.num_classes = num_classes
-        self._loss = DiceCELoss(to_onehot_y=True, softmax=True)
+        self._dice = DiceLoss(to_onehot_y=True, softmax=True, reduction="none")
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Dice + cross-entropy of (n, C, H, W) logits against (n, H, W) class masks."""
-        return self._loss(logits, y.long().unsqueeze(1))
+        """Dice + cross-entropy of (n, C, H, W) logits against (n, H, W) class masks.
+
+        What MONAI's :class:`~monai.losses.DiceCELoss` computes (the mean Dice loss over the
+        images and channels plus the mean cross-entropy over the pixels), over the images
+        whose mask is not :data:`PADDING`: MONAI's :class:`~monai.losses.DiceLoss` per image,
+        averaged over those; the cross-entropy with the padding as its ``ignore_index``
+        (every image has as many pixels).
+        """
+        n = y.shape[0]
+        valid = (y.reshape(n, -1)[:, 0] != PADDING).to(logits.dtype)
+        target = y.long().unsqueeze(1)
+        dice = self._dice(logits, target.clamp(min=0)).reshape(n, -1).mean(1)
+        dice = (dice * valid).sum() / valid.sum().clamp(min=1)
+        return dice + F.cross_entropy(logits, target[:, 0], ignore_index=PADDING)
 
     def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """``iou``, ``label_iou``, ``dice``, ``acc`` pooled over the test pixels."""

@@ -28,7 +28,8 @@ class Context:
         num_clients: N.
         lr: client learning rate η_l.
         local_steps: local steps per round when ``local_epochs`` is None.
-        local_epochs: if set, steps = ceil(local_epochs · n_train / batch_size).
+        local_epochs: if set, E: steps = ⌈E · ⌈n_train / batch_size⌉⌉ (E whole: E epochs
+            of ⌈n/B⌉ minibatches, the last of each short).
         batch_size: minibatch size (≤ 0: full batch).
         sampling: "shuffle" (shuffled passes) or "replacement"
             (:func:`fedexp.engine.rng.minibatch_indices`).

@@ -58,21 +58,20 @@ def _kernel(
             span >>= uint64(1)
         a = (bits + uint64(1)) // uint64(2)
         b = bits - a
-        start = uint64(draws[i]) * uint64(size)
-        passes, offset = start // n, start % n
-        key = _mix64(uint64(keys[i]) ^ (passes * _GOLDEN) ^ tweak)
+        per = (n + uint64(size) - uint64(1)) // uint64(size)  # minibatches an epoch
+        epoch = uint64(draws[i]) // per
+        start = (uint64(draws[i]) % per) * uint64(size)
+        key = _mix64(uint64(keys[i]) ^ (epoch * _GOLDEN) ^ tweak)
         shift = (_mix64(key) >> uint64(1)) % n
         for j in range(size):
-            if offset == n:  # the next pass: its key and rotation
-                passes, offset = passes + uint64(1), uint64(0)
-                key = _mix64(uint64(keys[i]) ^ (passes * _GOLDEN) ^ tweak)
-                shift = (_mix64(key) >> uint64(1)) % n
+            offset = start + uint64(j)
+            if offset >= n:  # a short batch's padding: the epoch's last entry
+                offset = n - uint64(1)
             v = _feistel(offset, a, b, key, rounds)
             while v >= n:  # cycle walking
                 v = _feistel(v, a, b, key, rounds)
             v += shift  # the rotation
             out[i, j] = v - n if v >= n else v
-            offset += uint64(1)
 
 
 def pass_indices_cpu(

@@ -31,11 +31,12 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from fedexp.contract import Cohort
-from fedexp.engine.rng import Stream, minibatch_indices
+from fedexp.engine.rng import Stream, minibatch_indices, pass_valid
 from fedexp.engine.solver.objective import Objective
 from fedexp.engine.solver.optim import Optimizer, stack_states
 from fedexp.engine.solver.optim import State as OptState
 from fedexp.errors import DivergenceError
+from fedexp.models.task import PADDING
 
 if TYPE_CHECKING:
     from fedexp.data.client import ClientData
@@ -84,9 +85,12 @@ def draw_batch(ctx: Context, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor
     """Each client's next minibatch, stacked ``[m, B, ...]``: what ``ClientData.batch`` gives it.
 
     The indices of every client's stream at its draw counter (advanced by one), in shuffled
-    passes or with replacement (``ctx.sampling``, :func:`fedexp.engine.rng.minibatch_indices`); with
-    ``ctx.batch_size`` ≤ 0 every client's whole training set (equal sizes: the engine's
-    sub-cohorts), no draw.
+    epochs or with replacement (``ctx.sampling``, :func:`fedexp.engine.rng.minibatch_indices`);
+    with ``ctx.batch_size`` ≤ 0 every client's whole training set (equal sizes: the engine's
+    sub-cohorts), no draw. The short batch that ends a client's epoch (n mod B samples) keeps
+    the cohort's ``[m, B]`` shape: its padding rows have the target
+    :data:`fedexp.models.task.PADDING`, which the task's loss gives no weight, and the row-by-row
+    gradients of models with running statistics leave out (:func:`_rowwise`).
     """
     size = ctx.batch_size
     if size <= 0:
@@ -94,11 +98,16 @@ def draw_batch(ctx: Context, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor
             torch.stack([d.x_train for d in cohort.data]),
             torch.stack([d.y_train for d in cohort.data]),
         )
-    idx = minibatch_indices(
-        cohort.keys, cohort.draws, size, cohort.pool.size[cohort.rows], ctx.sampling
-    )
-    cohort.draws = cohort.draws + 1
-    return cohort.pool.gather(cohort.rows, idx)
+    num = cohort.pool.size[cohort.rows]
+    draws = cohort.draws
+    idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling)
+    cohort.draws = draws + 1
+    x, y = cohort.pool.gather(cohort.rows, idx)
+    if ctx.sampling != "shuffle" or not any(d.num_train % size for d in cohort.data):
+        return x, y  # every batch full
+    valid = pass_valid(draws, size, num).to(y.device)
+    valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
+    return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING)
 
 
 def alone(data: ClientData, key: int) -> Cohort:
@@ -164,14 +173,21 @@ def _rowwise(ctx: Context, obj: Objective, posts: bool) -> Callable:
 
     Each row's gradient by plain autograd (``Context.loss_grad_post`` with the row's
     ``aux``); outputs stacked; the loss's ``post`` vectors (running statistics) only if
-    ``posts`` (else None).
+    ``posts`` (else None). A short batch's padding rows (target
+    :data:`fedexp.models.task.PADDING`, a suffix: :func:`draw_batch`) are left out, so that
+    the loss and the batch statistics are those of the client's samples alone.
     """
 
     def run(params, xb, yb, aux, u):  # noqa: ANN001, ANN202 - vmap's signature
         grads, values, kept = [], [], []
+        widths = None
+        if yb.dim() > 1 and yb.shape[1]:
+            flat = yb.reshape(yb.shape[0], yb.shape[1], -1)[:, :, 0]
+            widths = (flat != PADDING).sum(1).tolist()  # one read for the cohort
         for i in range(params.shape[0]):
             row = replace(obj, aux={k: t[i] for k, t in aux.items()})
-            value, g, post = ctx.loss_grad_post(row, params[i], xb[i], yb[i], u[i])
+            x, y = (xb[i], yb[i]) if widths is None else (xb[i, : widths[i]], yb[i, : widths[i]])
+            value, g, post = ctx.loss_grad_post(row, params[i], x, y, u[i])
             grads.append(g)
             values.append(value)
             if posts and post is not None:
