@@ -87,6 +87,13 @@ VARIANTS: list[tuple[str, tuple[str, ...]]] = [
     ("pfedme-full-batch-unequal", ("algorithm=pfedme", "batch_size=0",
                                    "algorithm.local_rounds=2")),
     ("ditto-epochs", ("algorithm=ditto", "local_epochs=0.5", "participation=0.6")),
+    # a DataLoader's epochs (issue 44): shuffled, short last batches padded in the cohort
+    # (vmapped) and left out of BatchNorm's forward pass (row by row)
+    ("fedavg-epochs-shuffled", ("algorithm=fedavg", "local_epochs=2", "batch_size=16",
+                                "sampling=shuffle")),
+    ("fedbn-epochs-shuffled", ("algorithm=fedbn", "model=mlp", "model.hidden=8",
+                               "model.norm=batch", "local_epochs=1", "batch_size=16",
+                               "sampling=shuffle")),
 ]  # fmt: skip
 
 
@@ -105,9 +112,13 @@ PINNED_BY_ALGORITHM: dict[str, tuple[str, ...]] = {
 
 
 def pins(overrides: tuple[str, ...]) -> tuple[str, ...]:
-    """:data:`PINNED` and the pins of the algorithm ``overrides`` select."""
+    """:data:`PINNED` and the pins of the algorithm ``overrides`` select (but a key the case
+    sets itself)."""
     alg = next(o.split("=", 1)[1] for o in overrides if o.startswith("algorithm="))
-    return (*PINNED, *PINNED_BY_ALGORITHM.get(alg, ()))
+    own = {o.split("=", 1)[0] for o in overrides}
+    return tuple(
+        p for p in (*PINNED, *PINNED_BY_ALGORITHM.get(alg, ())) if p.split("=", 1)[0] not in own
+    )
 
 
 def _first_variant(alg: str) -> tuple[str, ...]:
