@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from fedexp.config.groups import check_groups
 from fedexp.contract import StackedUpdates
 from fedexp.engine import rng
 from fedexp.engine.runner import build_engine, run
@@ -16,7 +17,7 @@ from fedexp.privacy.mechanisms import adaptive_clip, clip_factors, joint_norms
 from fedexp.privacy.settings import Privacy
 from fedexp.privacy.uplink import PrivateUplink
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, SMALL, assert_resume_exact, compose_config
+from helpers import CONF, SMALL, assert_resume_exact, compose_config, run_cli
 
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
 TINY = [*SMALL, "num_clients=10", "batch_size=8", "tracker=none"]
@@ -298,16 +299,47 @@ def test_the_servers_that_declare_mean_read_only_the_weighted_mean(monkeypatch):
     assert "fedavg" in checked and "fedamp" in checked and len(checked) >= 10
 
 
-def test_an_empty_poisson_cohort_is_a_round_that_adds_nothing():
-    cfg = compose_config(*TINY, "privacy=central", "participation=0.01", "num_clients=10")
+def test_an_empty_poisson_cohort_releases_the_noise_alone():
+    """The analysed mechanism adds N(0, z²C²) to the (empty) sum and divides by E: a round
+    without clients moves FedAvg's model by that noise, of std zC/E, from the server's stream
+    (before: the model was left as it was)."""
+    z, clip = 2.0, 0.5
+    cfg = compose_config(
+        *TINY,
+        "privacy=central",
+        "participation=0.01",
+        "num_clients=10",
+        f"privacy.noise_multiplier={z}",
+        f"privacy.clip={clip}",
+    )
     engine = build_engine(cfg)
-    before = {k: v.clone() for k, v in engine.server.items()}
-    empty = next(t for t in range(100) if not rng.poisson_sample(0, t, 10, 0.01))
-    engine.round = empty
-    metrics = engine.run_round()
-    assert metrics["clients/sampled"] == 0
-    assert all(torch.equal(before[k], engine.server[k]) for k in before)
-    assert metrics["privacy/epsilon"] > 0
+    engine.setup()
+    expected = 0.01 * 10  # E = qN
+    empty = [t for t in range(60) if not rng.poisson_sample(0, t, 10, 0.01)][:12]
+    moves = []
+    for t in empty:
+        before = engine.server["x"].clone()
+        engine.round = t
+        metrics = engine.run_round()
+        assert metrics["clients/sampled"] == 0 and metrics["privacy/epsilon"] > 0
+        assert metrics["privacy/noise_std"] == pytest.approx(z * clip / expected)
+        move = (before - engine.server["x"]) / engine.algorithm.server_lr
+        gen = rng.generator(0, rng.PRIVACY_SERVER, t)
+        draw = torch.randn(move.numel(), generator=gen, dtype=torch.float64) * z * clip / expected
+        assert torch.allclose(move.double(), draw, rtol=1e-5, atol=1e-5)
+        moves.append(move)
+    std = float(torch.cat(moves).double().std())
+    assert std == pytest.approx(z * clip / expected, rel=0.15)  # 12 rounds x 31 coordinates
+
+
+def test_an_empty_cohort_releases_nothing_where_no_sum_is_noised():
+    each = _uplink(reads="each")
+    assert each.empty_release(3, torch.ones(4)) == ({}, {}, {"privacy/clip": 1.0})
+    summed = _uplink()
+    assert summed.empty_release(3, None)[0] == {}  # the algorithm sends nothing
+    updates, weights, _ = summed.empty_release(3, {"a": torch.ones(4), "b": torch.ones(2)})
+    assert weights == {0: 1.0} and set(updates[0]) == {"a", "b"}
+    assert not torch.equal(updates[0]["a"], updates[0]["b"][:2].repeat(2))  # a draw per part
 
 
 def test_a_dp_run_with_adaptive_clipping_resumes_exactly(tmp_path):
@@ -343,3 +375,96 @@ def test_settings_an_algorithm_cannot_meet_are_refused():
         build_engine(compose_config(*TINY, "privacy=adaptive", "algorithm=fedamp"))
     with pytest.raises(ConfigError, match="count_stddev"):
         build_engine(compose_config(*TINY, "privacy=adaptive", "privacy.count_stddev=0.1"))
+
+
+# ---------------------------------------------------------------- fixed for a run's life
+def _checkpointed(tmp_path, *privacy: str):
+    cfg = compose_config(
+        *TINY, "rounds=2", "checkpoint_every=1", *privacy, output_dir=tmp_path / "first"
+    )
+    run(cfg, tracker=NullTracker())
+    return tmp_path / "first" / "checkpoints"
+
+
+@pytest.mark.parametrize(
+    ("first", "resumed", "key", "old", "new"),
+    [
+        ([], ["privacy=central"], "privacy.mode", "none", "central"),  # adding DP
+        (["privacy=central"], [], "privacy.mode", "central", "none"),  # dropping it
+        (["privacy=central"], ["privacy=central", "privacy.clip=2"], "privacy.clip", "1.0", "2"),
+        (
+            ["privacy=central", "privacy.target_epsilon=5"],
+            ["privacy=central", "privacy.target_epsilon=5", "rounds=4"],
+            "rounds",
+            "2",
+            "4",
+        ),
+    ],
+)
+def test_a_resume_with_other_dp_settings_is_refused(tmp_path, first, resumed, key, old, new):
+    folder = _checkpointed(tmp_path, *first)
+    cfg = compose_config(
+        *TINY, "rounds=3", *resumed, f"resume={folder}", output_dir=tmp_path / "again"
+    )
+    with pytest.raises(ConfigError) as err:
+        run(cfg, tracker=NullTracker())
+    message = str(err.value)
+    assert f"{key}={new} but the checkpoint's run has {key}={old}" in message
+    assert "\n" not in message
+
+
+def test_a_resume_with_the_same_dp_settings_goes_on_and_keeps_its_tag(tmp_path):
+    folder = _checkpointed(tmp_path, "privacy=adaptive", "privacy.count_stddev=1")
+    cfg = compose_config(
+        *TINY,
+        "rounds=3",
+        "privacy=adaptive",
+        "privacy.count_stddev=1",
+        f"resume={folder}",
+        output_dir=tmp_path / "again",
+    )
+    tracker = NullTracker()
+    run(cfg, tracker=tracker)
+    assert sorted(tracker.metrics["privacy/epsilon"]) == [1, 2, 3]
+    # the tag is made of the settings (the initial C), not of the resumed state
+    up = _uplink(adaptive=True, clip=0.1, count_stddev=1.0)
+    tag = up.describe()
+    up.load_state({"clip": torch.tensor([0.037], dtype=torch.float64)})
+    assert up.describe() == tag and "C=0.1 (adaptive, initial)" in tag
+
+
+# ---------------------------------------------------------------- refused settings
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["privacy=central", "privacy.clip=inf"],
+        ["privacy=local", "privacy.clip=inf"],
+        ["privacy=central", "privacy.clip=inf", "privacy.target_epsilon=3"],
+    ],
+)
+def test_no_clip_bound_with_noise_is_refused_before_round_0(overrides):
+    cfg = compose_config(*TINY, *overrides)
+    with pytest.raises(ConfigError, match=r"privacy\.clip=inf: .*needs a finite clip bound"):
+        check_groups(cfg)
+    with pytest.raises(ConfigError, match=r"privacy\.clip=inf"):
+        build_engine(cfg)
+
+
+def test_noise_that_drowns_every_update_is_refused_naming_its_cause(tmp_path):
+    # E = 10 uploads a round: z / E > 100
+    with pytest.raises(ConfigError, match=r"privacy\.noise_multiplier=1500: the noise drowns"):
+        check_groups(compose_config(*TINY, "privacy=central", "privacy.noise_multiplier=1500"))
+    check_groups(compose_config(*TINY, "privacy=central", "privacy.target_epsilon=1e-9"))
+    out = run_cli(
+        "run",
+        *TINY,
+        "privacy=local",
+        "privacy.target_epsilon=1e-9",
+        f"output_dir={tmp_path / 'o'}",
+        cwd=tmp_path,
+    )
+    lines = [line for line in out.stderr.splitlines() if "INFO" not in line]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("fedexp: error: privacy.target_epsilon=1e-09: the noise drowns")
+    assert "× privacy.clip=1" in lines[0] and "lr" not in lines[0].split("(or")[0]
+    assert "Traceback" not in out.stderr

@@ -15,8 +15,10 @@ def check_privacy(cfg: DictConfig) -> None:
     """Refuse DP settings that the run's algorithm or sizes cannot meet, in one line.
 
     Builds the mechanism as the run will (without ``target_epsilon``'s calibration, which
-    only fails for targets no noise reaches): adaptive clipping on a server that reads each
-    upload, an adaptive count noise too small for the total multiplier.
+    only fails for targets no noise reaches, and is checked when the run is built): adaptive
+    clipping on a server that reads each upload, an adaptive count noise too small for the
+    total multiplier, noise that drowns every update (:data:`~fedexp.privacy.uplink.DROWNING`).
+    ``privacy.clip=inf`` with noise is refused by the settings themselves.
 
     Raises:
         ConfigError: naming the key and what is expected.
@@ -25,7 +27,8 @@ def check_privacy(cfg: DictConfig) -> None:
     if node is None or node.get("mode", "none") == "none":
         return
     settings = copy.copy(instantiate_checked(node, "privacy"))
-    settings.target_epsilon = None
+    if settings.target_epsilon is not None:  # z is calibrated later: the ignored z is not checked
+        settings.target_epsilon, settings.noise_multiplier = None, 0.0
     target = cfg.get("algorithm", {}).get("_target_")
     algorithm = locate_target(target, "algorithm._target_") if target else None
     try:

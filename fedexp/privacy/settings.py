@@ -29,7 +29,8 @@ class Privacy:
             "Learning Differentially Private Recurrent Language Models", McMahan et al. 2018)
             or "local" (each client noises its own clipped upload before it leaves).
         clip: C, the L2 norm every client's upload is clipped to (all its parts together); the
-            initial C with ``adaptive``.
+            initial C with ``adaptive``. ``inf`` (no clipping) only without noise
+            (``noise_multiplier=0``, no ``target_epsilon``): noise of std z·C needs a finite C.
         noise_multiplier: z; the noise's standard deviation is z·C. Ignored when
             ``target_epsilon`` is set.
         target_epsilon: the ε at ``delta`` the planned rounds may spend; z is calibrated to it
@@ -74,6 +75,17 @@ class Privacy:
             )
         if adaptive and clip == float("inf"):
             raise ValueError("privacy.clip=inf: adaptive clipping needs a finite initial C")
+        if mode != "none" and clip == float("inf") and (noise_multiplier or target_epsilon):
+            noise = (
+                f"privacy.target_epsilon={target_epsilon:g} calibrates"
+                if target_epsilon
+                else f"privacy.noise_multiplier={noise_multiplier:g} asks for"
+            )
+            raise ValueError(
+                f"privacy.clip=inf: {noise} noise of std z·C, which needs a finite clip bound C "
+                "(set privacy.clip to one, or privacy.noise_multiplier=0 to clip nothing and "
+                "add no noise)"
+            )
         self.mode, self.clip, self.noise_multiplier = mode, float(clip), float(noise_multiplier)
         self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
         self.delta, self.sampling, self.accountant = float(delta), sampling, accountant

@@ -10,8 +10,11 @@ The order is fixed (docs/privacy.md):
    feedback can send more than C), then noised. If the algorithm's server reads the uploads
    only through their weighted mean (``Algorithm.server_reads == "mean"``), one draw of
    N(0, z²C²) is added to their sum, divided by the expected cohort size E (DP-FedAvg,
-   McMahan et al. 2018); otherwise every upload gets its own draw, and the run is accounted
-   as local DP.
+   McMahan et al. 2018), also when a Poisson cohort is empty (:meth:`PrivateUplink.empty_release`);
+   otherwise every upload gets its own draw, and the run is accounted as local DP.
+
+Settings whose noise would drown every update are refused before round 0
+(:data:`DROWNING`).
 
 Every DP run weighs the clients uniformly (sample counts would reveal a client's data size).
 Parts of kind "exact" (IFCA's cluster id) are neither clipped nor noised, and not covered.
@@ -39,6 +42,18 @@ from fedexp.privacy.mechanisms import (
 from fedexp.privacy.settings import Privacy
 
 _COUNT = 1 << 62  # the server stream's "client" slot of the adaptive clip count's noise
+
+DROWNING = 100.0
+"""Refused: noise whose std on each coordinate of what the server aggregates exceeds this
+many times C, the bound of a whole clipped update's norm (every coordinate together).
+
+The std on the aggregate is zC/E for one draw on the sum (z of the update sum with adaptive
+clipping), zC/√E for a draw on each upload averaged over E uploads (E: the expected cohort,
+at least 1). Past it, one round's noise on a single coordinate is 100 times anything the
+clients can send, and a run ends in a "diverged" loss that a smaller lr cannot cure (e.g.
+``privacy=local privacy.target_epsilon=1e-9``: about 10⁵). The documented runs of
+docs/results.md stay below 20 (pFedNet at ε = 1, z = 81 on each of E = 20 uploads: 18).
+"""
 
 
 def _parts(stacked: Stacked) -> dict[str, torch.Tensor]:
@@ -121,6 +136,7 @@ class PrivateUplink:
             update_noise_multiplier(z, self.count_stddev) if settings.adaptive else z
         )
         self.clip = settings.clip
+        self._refuse_drowning(rounds)
         self.participations = torch.zeros(num_clients, dtype=torch.int64)
         #: rounds that released something (a round whose cohort was empty counts too)
         self.released = 0
@@ -128,6 +144,38 @@ class PrivateUplink:
         self.unprotected = [f"part {name!r}" for name, k in sorted(kinds.items()) if k == "exact"]
         if sketch:
             self.unprotected.append("the set-up sketch")
+
+    def aggregate_noise(self) -> float:
+        """The noise's std on each coordinate of what the server aggregates, over C.
+
+        z_Δ/E with one draw on the sum; z/√E with a draw on each of E uploads (E >= 1).
+        """
+        if self.summed:
+            return self.update_multiplier / self.expected
+        return self.noise_multiplier / max(1.0, self.expected) ** 0.5
+
+    def _refuse_drowning(self, rounds: int) -> None:
+        """Refuse noise past :data:`DROWNING` times C, naming the setting that asked for it."""
+        ratio = self.aggregate_noise()
+        if not ratio > DROWNING:
+            return
+        s = self.settings
+        if s.target_epsilon is not None:
+            key = f"privacy.target_epsilon={s.target_epsilon:g}"
+            why = f"calibrated to it over rounds={rounds} at privacy.delta={s.delta:g}"
+            fix = "raise privacy.target_epsilon"
+        else:
+            key, why = f"privacy.noise_multiplier={s.noise_multiplier:g}", "as set"
+            fix = "lower privacy.noise_multiplier"
+        where = "the noised sum / E" if self.summed else "the mean of the noised uploads"
+        raise ValueError(
+            f"{key}: the noise drowns every update: its std on each coordinate of {where} is "
+            f"{ratio * s.clip:.3g} = {ratio:.3g} × privacy.clip={s.clip:g} "
+            f"(z={self.noise_multiplier:.4g}, {why}; E={self.expected:g} expected uploads a "
+            f"round), more than {DROWNING:g} "
+            f"times the norm bound C of a whole update; {fix} (or the cohort, participation × "
+            "num_clients)"
+        )
 
     # ------------------------------------------------------------------ accounting
     def plan(self, z: float | None = None) -> accountant.PrivacyPlan:
@@ -283,6 +331,46 @@ class PrivateUplink:
         out = self._rebuild(parts, changes, refs)
         return parts_updates(out, clients), weights, metrics
 
+    def empty_release(
+        self, round_: int, received: Message | None
+    ) -> tuple[Mapping[int, Message], dict[int, float], dict[str, float]]:
+        """Step 3 for an empty Poisson cohort: central DP releases the noise alone.
+
+        The analysed mechanism adds N(0, z²C²) to the sum of the cohort's clipped uploads,
+        empty or not, and divides by E: the server gets one row ξ/E of weight 1 (a server
+        that reads the mean reads only Σ ω_n u_n, not who sent it; client 0's id), drawn from
+        the stream a non-empty round's noise comes from. A "model" part is its reference, what
+        a client would have received, plus ξ/E.
+
+        Args:
+            round_: the round.
+            received: what a client would receive this round (the algorithm's downlink,
+                whose parts are an upload's: every mean-reading algorithm uploads a change of
+                what it receives); None: the algorithm sends nothing, and nothing is released.
+
+        Returns:
+            As :meth:`server_side`: the updates and weights (none without noise, a server
+            that reads each upload, or nothing received), and the round's metrics.
+        """
+        metrics = {"privacy/clip": self.clip}
+        z = self.update_multiplier
+        if not self.summed or z == 0 or received is None:
+            return {}, {}, metrics
+        parts = {k: v[None] for k, v in _parts(received).items()}
+        refs = self.references(parts, parts, torch.zeros(0))
+        std = z * self.clip / self.expected
+        changes = {}
+        for name, stack in self._changes(parts, refs).items():
+            v = torch.zeros_like(stack)
+            gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, *_tag(name))
+            v.add_(gaussian(gen, v.shape[1], std, v)[None, :])
+            changes[name] = v
+        if not changes:
+            return {}, {}, metrics
+        metrics["privacy/noise_std"] = std
+        out = self._rebuild(parts, changes, refs)
+        return parts_updates(out, [0]), {0: 1.0}, metrics
+
     def end_round(
         self, round_: int, clients: list[int], uploaded: bool, counts: dict[str, float]
     ) -> dict[str, float]:
@@ -305,7 +393,7 @@ class PrivateUplink:
             self._uploads_nothing = True
         if not self._uploads_nothing:
             self.released += 1
-        if self.settings.adaptive and count > 0:
+        if self.settings.adaptive:  # an empty cohort's noised count too: b̄ = noise / E + ½
             gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, _COUNT)
             noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * self.count_stddev
             self.clip = adaptive_clip(
@@ -338,11 +426,15 @@ class PrivateUplink:
             self.participations = state["participations"].to("cpu", torch.int64).clone()
 
     def describe(self) -> str:
-        """One line on what the run privatises, for the run's start."""
+        """One line on what the run privatises, for the run's start (the ``fedexp.privacy`` tag).
+
+        Made of the settings and the calibrated z alone, never of the state (the adaptive C
+        it starts from, not the current one), so that a resumed run's tag is the first's.
+        """
         s = self.settings
         where = "the sum" if self.summed else "each upload"
         text = (
-            f"privacy: {s.mode} DP, C={self.clip:g}{' (adaptive)' if s.adaptive else ''}, "
+            f"privacy: {s.mode} DP, C={s.clip:g}{' (adaptive, initial)' if s.adaptive else ''}, "
             f"z={self.noise_multiplier:.4g} on {where}, {s.sampling} sampling, δ={s.delta:g}"
         )
         if self.unprotected:

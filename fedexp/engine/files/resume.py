@@ -57,10 +57,40 @@ def flatten_config(cfg: DictConfig) -> dict[str, str]:
     return out
 
 
+def _privacy_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A config's ``privacy.*`` settings; ``{"privacy.mode": "none"}`` without DP."""
+    node = config.get("privacy") or {}
+    if node.get("mode", "none") == "none":
+        return {"privacy.mode": "none"}
+    return {f"privacy.{k}": v for k, v in node.items() if k != "_target_"}
+
+
+def _check_privacy_resume(cfg: DictConfig, now: dict[str, Any], before: dict[str, Any]) -> None:
+    """Refuse a resume whose DP settings differ from the checkpoint's: one line, the first key.
+
+    A run's DP mechanism is fixed for its life: a resume that added noise would report an ε
+    for uploads released without it, one that dropped it would release unnoised uploads under
+    a spent budget. With ``privacy.target_epsilon`` the noise is calibrated to ``rounds``,
+    which then may not change either. Both values are named, the checkpoint's too.
+    """
+    a, b = _privacy_settings(before), _privacy_settings(now)
+    if a.get("privacy.target_epsilon") is not None:
+        a["rounds"], b["rounds"] = before.get("rounds"), now.get("rounds")
+    for key in dict.fromkeys([*a, *b]):
+        old, new = a.get(key, "(unset)"), b.get(key, "(unset)")
+        if old != new:
+            what = "its calibrated noise" if key == "rounds" else "its DP settings"
+            raise ConfigError(
+                f"resume={cfg.resume}: {key}={new} but the checkpoint's run has {key}={old}; "
+                f"a run keeps {what} for its life: resume with {key}={old}"
+            )
+
+
 def _check_resume(cfg: DictConfig, saved_yaml: str) -> None:
     saved = OmegaConf.create(saved_yaml)
     now = OmegaConf.to_container(cfg, resolve=True)
     before = OmegaConf.to_container(saved, resolve=True)
+    _check_privacy_resume(cfg, now, before)
     diff = [
         k
         for k in _RESUME_KEYS

@@ -150,7 +150,14 @@ class Engine(Transport, Evaluation):
         self.sampler = Sampler(draw, n, self.algorithm.all_train, self.exchange.mine)
         wire = Wire(weakly(self._uplink))
         lossy = not _exact(self.uplink)
-        self.stages = [wire] if privacy is None else [Privatize(privacy, self.x0, lossy), wire]
+        if privacy is None:
+            self.stages = [wire]
+        else:
+            self.stages = [Privatize(privacy, self.x0, lossy, weakly(self._received)), wire]
+
+    def _received(self) -> Message | None:
+        """What client 0 would receive now (the shape of an empty DP cohort's noise)."""
+        return self.algorithm.downlinks(self.ctx, self.server, [0])[0]
 
     def _fresh_memories(self) -> None:
         """The channels' memories, empty.

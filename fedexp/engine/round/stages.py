@@ -146,17 +146,21 @@ class Privatize(UplinkStage):
 
     On the sending side each upload is clipped (and noised for local DP) before the codec; on
     the server's side what arrived is re-clipped and noised (central DP), weighted uniformly,
-    and the round is counted by the accountant.
+    and the round is counted by the accountant. An empty Poisson cohort still gets central
+    DP's noise on its (empty) sum (:meth:`PrivateUplink.empty_release`).
 
     Attributes:
         privacy: the mechanism.
         x0: the common initial model (a "model" part's last-resort reference).
         lossy: whether the channel may deliver more than was clipped (error feedback).
+        received: () -> what a client would receive this round (the shape of an empty
+            cohort's noise); None: an empty cohort releases nothing.
     """
 
     privacy: PrivateUplink
     x0: torch.Tensor
     lossy: bool
+    received: Callable[[], Message | None] | None = None
 
     def client(self, round_: int, who: Who, up: Uplink) -> Uplink:
         """Clip (and locally noise) the senders' uploads; their counts into the metrics."""
@@ -178,6 +182,8 @@ class Privatize(UplinkStage):
             up.updates, up.weights, report = self.privacy.server_side(
                 round_, who.sampled, up.updates, up.refs, lossy=self.lossy
             )
+        elif not who.sampled and self.received is not None and self.privacy.summed:
+            up.updates, up.weights, report = self.privacy.empty_release(round_, self.received())
         report.update(self.privacy.end_round(round_, who.sampled, up.uploaded, counts))
         up.report.update(report)
         return up
