@@ -3,7 +3,7 @@
 :func:`print_table` is the end-of-run table; :func:`describe_stop` the one line of a run that
 stopped (an error, Ctrl-C, SIGTERM) with how to go on: the resume command where a checkpoint
 was kept, and after a divergence the rescue from the last healthy checkpoint with a smaller
-``lr`` (:func:`rescue_hint`).
+``lr`` (:func:`rescue_hint`, :func:`rescue_lr`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 #: Clients the end-of-run table lists (the rest are in clients.csv).
 SHOWN_CLIENTS = 50
+
+#: The configs ``fedexp run`` composes (``fedexp.cli.CONFIG_DIR``).
+_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
@@ -91,8 +94,53 @@ def describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
     return text
 
 
+def _without(overrides: list[str], keys: tuple[str, ...]) -> list[str]:
+    """``overrides`` less those setting one of ``keys`` (``lr=``, ``+lr=``, ``~lr``, ...)."""
+    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in keys]
+
+
+def default_lr(overrides: list[str]) -> float | None:
+    """The lr the run's config has without the command line's ``lr``: its default.
+
+    The config composed as ``fedexp run`` composes it from ``overrides`` less ``lr`` and
+    ``resume`` (an experiment's or a sweep's settings stay: their lr is the default); None
+    when it cannot be composed.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    keep = _without([o for o in overrides if not o.startswith("hydra.")], ("lr", "resume"))
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside `fedexp run`: Hydra's own loader
+            cfg = compose(config_name="config", overrides=keep)
+        else:
+            with initialize_config_dir(str(_CONFIG_DIR), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=keep)
+        value = float(cfg.lr)
+    except Exception:  # noqa: BLE001 - no default to offer: the caller falls back to lr / 10
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def rescue_lr(lr: float, overrides: list[str]) -> float:
+    """The lr a rescue after a divergence offers: the default lr, or ``lr / 10`` below it.
+
+    The config's default lr when the failing ``lr`` is above it, else ``lr / 10``. The default
+    (:func:`default_lr`: ``conf/config.yaml``'s, or the experiment's; what the project's runs
+    and golden tests train with) is a point known to train that dataset, model and algorithm,
+    however far above it the failing lr was, whereas ``lr / 10`` after a run that diverged in
+    round 1 at ``lr=1e38``, ``1e6`` (logistic regression) or ``1e4`` (MLP) is still orders of
+    magnitude too large and diverged again every time (issue 44, item 7). At or below the
+    default (the default itself diverged): a decade lower, as before.
+    """
+    default = default_lr(overrides)
+    if default is not None and lr > default:
+        return default
+    return lr / 10
+
+
 def rescue_hint(cfg: DictConfig, hc: DictConfig, folder: Path, exc: BaseException) -> str:
-    """How to go on after a divergence: the same command with lr / 10.
+    """How to go on after a divergence: the same command with a smaller lr (:func:`rescue_lr`).
 
     It resumes from the last checkpoint whose round was healthy
     (:func:`fedexp.engine.files.checkpoint.rescue_point`: the folder, when its last checkpoint is
@@ -102,8 +150,8 @@ def rescue_hint(cfg: DictConfig, hc: DictConfig, folder: Path, exc: BaseExceptio
     """
     from fedexp.engine.files.checkpoint import rescue_point
 
-    lr = f"lr={cfg.lr / 10:g}"
-    keep = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in ("lr", "resume")]
+    lr = f"lr={rescue_lr(float(cfg.lr), list(hc.overrides.task)):g}"
+    keep = _without(list(hc.overrides.task), ("lr", "resume"))
     point = rescue_point(folder)
     if point.resume is None:
         command = shlex.join(["fedexp", "run", *keep, lr])

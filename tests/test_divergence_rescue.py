@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf, open_dict
 
+from fedexp.cli_output import default_lr
 from fedexp.cli_output import describe_stop as _describe_stop
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import _healthy, run
@@ -101,16 +102,16 @@ def test_the_rescue_command_resumes_from_the_good_checkpoint_and_finishes(tmp_pa
     for needle in ("in round 7", "(to round 6)", "last healthy one (round 2, 5 rounds before"):
         assert needle in line, line
     command = shlex.split(line[line.index("fedexp run") :])
-    assert f"resume={folder / checkpoint.GOOD_FILENAME}" in command and "lr=10" in command
+    assert f"resume={folder / checkpoint.GOOD_FILENAME}" in command and "lr=0.1" in command
     # the command as printed (composed as `fedexp run` composes it, run in-process to keep
-    # the test quick): it resumes after round 2 with lr=10 and finishes
+    # the test quick): it resumes after round 2 with the default lr=0.1 and finishes
     tracker = NullTracker()
     res = run(compose_config(*command[2:], output_dir=tmp_path / "b"), tracker=tracker)
     assert res.metrics["round"] == 8.0 and sorted(tracker.steps) == list(range(9))
     last, good = _paths(folder)
     meta = checkpoint.load(last)[1]
-    assert meta["round"] == 8 and OmegaConf.create(meta["config"]).lr == 10
-    assert {"round": 2, "key": "lr", "from": "0.1", "to": "10.0"} in meta["changes"]
+    assert meta["round"] == 8 and OmegaConf.create(meta["config"]).lr == 0.1
+    assert [c for c in meta["changes"] if c["key"] == "lr"] == []  # back to its lr at round 2
     assert [r["round"] for r in meta["history"]] == list(range(9))  # rounds 3-6 replaced
     assert checkpoint.rescue_point(folder).round == meta["good_round"]  # the good one follows
 
@@ -122,13 +123,13 @@ def test_the_hint_names_the_good_file_and_the_round_it_resumes_from(tmp_path):
     assert text.startswith(f"error: {exc}; checkpoint kept, but the last ones (to round 6)")
     assert text.endswith(
         "resume the last healthy one (round 2, 5 rounds before the divergence) with a smaller "
-        f"lr: fedexp run {shlex.join(DITTO)} rounds=8 resume={folder}/good.safetensors lr=10"
+        f"lr: fedexp run {shlex.join(DITTO)} rounds=8 resume={folder}/good.safetensors lr=0.1"
     ), text
     # a rescue that diverges again before its first checkpoint: the same good checkpoint
     with open_dict(cfg):
         cfg.resume = str(folder / checkpoint.GOOD_FILENAME)
     again = _describe_stop(DivergenceError("training loss is nan in round 3"), cfg, hc)
-    assert again.endswith(f"resume={folder}/good.safetensors lr=10") and "(round 2)" in again
+    assert again.endswith(f"resume={folder}/good.safetensors lr=0.1") and "(round 2)" in again
     # interrupted (not diverged) after resuming from the good file: that file again
     stop = _describe_stop(KeyboardInterrupt(), cfg, _hc("rounds=8", f"resume={cfg.resume}"))
     assert stop == f"interrupted; checkpoint kept: fedexp run rounds=8 resume={cfg.resume}"
@@ -142,7 +143,7 @@ def test_when_the_last_checkpoint_is_healthy_the_hint_resumes_the_folder(small_c
     text = _describe_stop(exc, cfg, _hc("rounds=9", "lr=0.5"))
     assert text.endswith(
         f"; checkpoint kept (round 2), resume it with a smaller lr: "
-        f"fedexp run rounds=9 resume={folder} lr=0.05"
+        f"fedexp run rounds=9 resume={folder} lr=0.1"
     ), text
     far = DivergenceError("training loss grew from 0.7 to 1e5 (×1e5) by round 40: diverged")
     assert "(round 2, 38 rounds before the divergence)" in _describe_stop(far, cfg, _hc())
@@ -160,8 +161,55 @@ def test_no_healthy_checkpoint_says_run_it_again(small_cfg, tmp_path):
     text = _describe_stop(err.value, cfg, _hc("model=mlp", "lr=40", "seed=3"))
     assert text.endswith(
         "; no healthy checkpoint (each was taken after the loss had blown up): "
-        "run it again with a smaller lr: fedexp run model=mlp seed=3 lr=4"
+        "run it again with a smaller lr: fedexp run model=mlp seed=3 lr=0.1"
     ), text
+
+
+# --- the rescue's lr converges (issue 44, item 7) ---------------------------------------------
+
+#: Runs that diverge in round 1; lr / 10 diverged again in each.
+ROUND_ONE = [
+    ["lr=1e38"],
+    ["lr=1e6"],
+    ["model=mlp", "lr=1e4"],
+    ["algorithm=pfednet", "lr=1e38"],
+]
+
+
+@pytest.mark.parametrize("case", ROUND_ONE, ids=" ".join)
+def test_the_printed_rescue_command_converges(tmp_path, case):
+    overrides = [*FAST, "rounds=2", *case]
+    cfg = compose_config(*overrides, output_dir=tmp_path / "a")
+    with pytest.raises(DivergenceError, match="round 1") as err:
+        run(cfg, tracker=NullTracker())
+    line = _describe_stop(err.value, cfg, _hc(*overrides))
+    assert "no checkpoint yet: run it again with a smaller lr: fedexp run" in line, line
+    command = shlex.split(line[line.index("fedexp run") :])
+    assert command[-1] == f"lr={default_lr(overrides):g}" and command[2:-1] == overrides[:-1]
+    # the command as printed, composed as `fedexp run` composes it: it trains
+    res = run(compose_config(*command[2:], output_dir=tmp_path / "b"), tracker=NullTracker())
+    assert res.metrics["round"] == 2.0 and math.isfinite(res.metrics["loss/mean"])
+
+
+@pytest.mark.slow
+def test_the_cli_prints_a_rescue_that_runs(tmp_path):
+    """End to end, both commands through the CLI: pFedNet at lr=1e38, then what it printed."""
+    proc = run_cli("run", *FAST, "rounds=1", "algorithm=pfednet", "lr=1e38", cwd=tmp_path)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "smaller lr" in lines[0], lines
+    command = shlex.split(lines[0][lines[0].index("fedexp run") :])
+    again = run_cli(*command[1:], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+
+
+def test_the_rescue_lr_is_the_default_above_it_else_a_decade_lower(tmp_path):
+    assert default_lr(["rounds=3", "lr=7", "resume=x"]) == 0.1  # conf/config.yaml's
+    cfg = OmegaConf.create({"resume": None, "output_dir": str(tmp_path), "lr": 0.1})
+    exc = DivergenceError("training loss is nan in round 1: the run diverged")
+    assert _describe_stop(exc, cfg, _hc()).endswith("fedexp run lr=0.01")  # the default diverged
+    with open_dict(cfg):
+        cfg.lr = 0.05
+    assert _describe_stop(exc, cfg, _hc("lr=0.05")).endswith("fedexp run lr=0.005")
 
 
 # --- the health check and the files -----------------------------------------------------------

@@ -12,6 +12,12 @@ paper's Algorithm 1), and the server takes
   G = [Nᵀ∇⁽¹⁾ … Nᵀ∇⁽ᴺ⁾] (zero columns for clients not sampled), by ADMM
   (``docs/pfednet_math.md`` §3).
 
+Precision: the server keeps Z and the ADMM's W and Ω in float64 from round to round (float32
+only on devices without float64, such as MPS) and casts a column to the model's dtype only where
+it meets the model (:meth:`PFedNet.downlink`, :meth:`PFedNet.eval_params`). Stored in float32,
+the columns the fusion penalty has almost fused keep one-ulp differences which that penalty
+counts, and the Z-step misses its objective target (``docs/pfednet_math.md`` §5).
+
 Schedules: ``x_rounds = z_rounds = 0`` takes both steps every round; otherwise rounds cycle
 through ``x_rounds`` x-rounds then ``z_rounds`` Z-rounds (Algorithm 5). In a phase only the
 coordinates it updates are uploaded; ``local_mask`` also freezes the other coordinates during
@@ -41,7 +47,13 @@ from fedexp.graph import (
 from fedexp.graph.admm import ZStepSolver, ZStepState
 
 _SKETCHES = ("label", "covariance", "kernel", "model")
+
 _RFF_STREAM = 0x5EED
+
+
+def server_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the server's Z, W and Ω: float64, float32 on MPS (which has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 class PFedNet(Algorithm):
@@ -123,9 +135,10 @@ class PFedNet(Algorithm):
         return "x" if round_ % (self.x_rounds + self.z_rounds) < self.x_rounds else "z"
 
     def _model_of(self, ctx: Context, server: State, n: int) -> torch.Tensor:
-        y = torch.empty(ctx.model.layout.numel, device=ctx.device, dtype=server["Z"].dtype)
+        """y⁽ⁿ⁾ in the model's dtype (that of x): Z's float64 column is cast here, and only here."""
+        y = torch.empty(ctx.model.layout.numel, device=ctx.device, dtype=server["x"].dtype)
         y[ctx.shared_idx] = server["x"]
-        y[ctx.personal_idx] = server["Z"][:, n]
+        y[ctx.personal_idx] = server["Z"][:, n].to(y.dtype)
         return y
 
     def _sent_idx(self, ctx: Context, phase: str) -> torch.Tensor | None:
@@ -151,8 +164,8 @@ class PFedNet(Algorithm):
 
     # -------------------------------------------------------------------- hooks
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
-        """X = x0[S]; every column of Z = x0[P]; no graph yet."""
-        z0 = x0[ctx.personal_idx]
+        """X = x0[S]; every column of Z = x0[P] (in :func:`server_dtype`); no graph yet."""
+        z0 = x0[ctx.personal_idx].to(server_dtype(ctx.device))
         return {
             "x": x0[ctx.shared_idx].clone(),
             "Z": z0[:, None].repeat(1, ctx.num_clients).contiguous(),
@@ -187,7 +200,7 @@ class PFedNet(Algorithm):
             else torch.zeros(0, 2, dtype=torch.long)
         )
         d2 = server["Z"].shape[0]
-        zeros = torch.zeros(d2, edges.shape[0], dtype=torch.float64, device=ctx.device)
+        zeros = torch.zeros(d2, edges.shape[0], dtype=server_dtype(ctx.device), device=ctx.device)
         return {**server, "edges": edges.to(ctx.device), "W": zeros, "Omega": zeros.clone()}
 
     def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
@@ -238,26 +251,40 @@ class PFedNet(Algorithm):
                 g, weights
             )
         if phase in ("joint", "z") and d2 > 0:
-            G = torch.zeros_like(server["Z"])  # noqa: N806
+            G = torch.zeros(  # noqa: N806 - in Z's dtype (float64): the uploads fit exactly
+                server["Z"].shape, dtype=server_dtype(ctx.device), device=server["Z"].device
+            )
             for n, u in updates.items():
                 G[:, n] = u[ctx.personal_idx] if full else u
             out.update(self._z_step(ctx, server, G))
         return out
 
     def _z_step(self, ctx: Context, server: State, G: torch.Tensor) -> State:  # noqa: N803
+        """The Z-step by ADMM, warm-started from the stored W and Ω; Z, W, Ω stay in float64.
+
+        A checkpoint of an older fedexp (Z stored in float32) is widened here.
+        """
         eta_z = ctx.num_clients * ctx.lr if self.eta_z is None else self.eta_z
+        dtype = server_dtype(ctx.device)
         solver = self._solver(server["edges"], ctx.num_clients)
         warm = ZStepState(
             server["W"], server["Omega"], 1.0 / eta_z if self.rho is None else self.rho
         )
         Z, state, info = solver.solve(  # noqa: N806
-            server["Z"], G, self.lam, eta_z, self.p, rho=self.rho, warm=warm, **self.admm
+            server["Z"].to(dtype),
+            G.to(dtype),
+            self.lam,
+            eta_z,
+            self.p,
+            rho=self.rho,
+            warm=warm,
+            **self.admm,
         )
         dev = ctx.device
         return {
             "Z": Z,
-            "W": state.W.to(dev, torch.float64),
-            "Omega": state.Omega.to(dev, torch.float64),
+            "W": state.W.to(dev, dtype),
+            "Omega": state.Omega.to(dev, dtype),
             "admm_iterations": torch.tensor(float(info["iterations"])),
             "admm_primal": torch.tensor(float(info["primal_residual"])),
             "admm_dual": torch.tensor(float(info["dual_residual"])),
