@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedexp.cli_output import describe_stop, print_table
-from fedexp.errors import ConfigError, FedexpError, Terminated
+from fedexp.errors import ConfigError, DataError, FedexpError, Terminated
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -175,6 +175,7 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
         _checked(cfg)
     except ConfigError as exc:
         print(f"fedexp: error: {exc}", file=sys.stderr)
+        _discard_folder(hc)
         sys.exit(USAGE)
     from fedexp.engine.runner import run
 
@@ -193,12 +194,21 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
         code = 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
         if not isinstance(exc, KeyboardInterrupt):
             code = USAGE if isinstance(exc, ConfigError) else 1
+        if isinstance(exc, ConfigError | DataError):  # refused before it ran: no empty folder
+            _discard_folder(hc)
         sys.exit(code)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     print_table(result)
     return _objective(cfg, result)
+
+
+def _discard_folder(hc: DictConfig) -> None:
+    """Remove the run's folder Hydra made if the run was refused before it wrote anything."""
+    from fedexp.config.instantiate import discard_fresh_dir
+
+    discard_fresh_dir(hc.runtime.output_dir)
 
 
 def _sweep_tags(cfg: DictConfig, hc: DictConfig, info: SweepInfo | None) -> dict[str, str]:

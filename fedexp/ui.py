@@ -8,7 +8,8 @@ MLflow's tracking server on it (``python -m mlflow server`` from fedexp's own in
 ``mlflow`` need not be on ``PATH``: ``make run`` leaves it in ``.venv/bin``), listening on
 127.0.0.1 only, waits until it answers, and prints the link that opens an experiment in
 MLflow's machine-learning view (:mod:`fedexp.tracking.links`): ``--experiment``, else the one
-of the latest run. Ctrl-C stops the server and the command (exit code 0).
+of the latest run. Ctrl-C stops the server and the command quietly (exit code 0; 130 before
+the server started).
 
 The server runs in a process group of its own without MLflow's job runner (the background
 workers of GenAI evaluation jobs, which a viewer of training runs does not need), so that
@@ -28,9 +29,11 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlparse
 
 from fedexp.errors import FedexpError
@@ -248,7 +251,20 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``fedexp ui ARGS``: serve the store until Ctrl-C; errors as one line, exit 1."""
+    """``fedexp ui ARGS``: serve the store until Ctrl-C; errors as one line, exit 1.
+
+    Ctrl-C while serving stops the server and exits 0; before the server started (MLflow is
+    still being imported, the store read) it exits 130, without a traceback either way.
+    """
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        print("fedexp ui: stopped", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def _main(argv: list[str]) -> None:
+    """:func:`main`, Ctrl-C aside."""
     args = parser().parse_args(argv)
     uri = args.uri or default_store()
     key = "--uri" if args.uri else ""
@@ -291,26 +307,70 @@ def _at_server(uri: str, experiment: str | None) -> None:
     print(f"fedexp ui: {uri} is a tracking server, which serves the UI itself: open {link}")
 
 
+class _Relay(threading.Thread):
+    """Pass the server's error output on, line by line, until :meth:`mute` is called.
+
+    Stopping the server interrupts it wherever it is: uvicorn logs the cancelled lifespan
+    task as an ERROR with its traceback, and a server still starting dies with Python's
+    KeyboardInterrupt traceback. Neither is anything to act on once the user asked it to
+    stop, so what the server writes after that is dropped.
+    """
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        super().__init__(name="fedexp-ui-stderr", daemon=True)
+        self._stream = stream
+        self._muted = threading.Event()
+
+    def run(self) -> None:
+        """Copy lines to this process's stderr while not muted; read to the end regardless."""
+        for line in iter(self._stream.readline, b""):
+            if not self._muted.is_set():
+                sys.stderr.write(line.decode(errors="replace"))
+                sys.stderr.flush()
+        self._stream.close()
+
+    def mute(self) -> None:
+        """Drop whatever the server writes from now on."""
+        self._muted.set()
+
+
+def _stop_quietly(proc: subprocess.Popen, relay: _Relay) -> None:
+    """Stop the server without its shutdown noise; a second Ctrl-C meanwhile is ignored."""
+    relay.mute()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop(proc)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    relay.join(timeout=STOP_GRACE_S)  # the server's children may hold the pipe a moment longer
+
+
 def serve(uri: str, port: int, link: str, what: str) -> int:
-    """Run the server until Ctrl-C (or SIGTERM); returns the exit code."""
+    """Run the server until Ctrl-C (or SIGTERM); returns the exit code (0 after Ctrl-C)."""
     command = server_command(uri, port)
     print(f"fedexp ui: serving {uri} at http://{HOST}:{port} (Ctrl-C stops it)", flush=True)
-    proc = subprocess.Popen(command, env=server_env(), start_new_session=True)  # noqa: S603
+    proc = subprocess.Popen(  # noqa: S603
+        command, env=server_env(), start_new_session=True, stderr=subprocess.PIPE
+    )
+    relay = _Relay(proc.stderr)
+    relay.start()
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _wait_ready(proc, port)
         print(f"open {link}  ({what})", flush=True)
         code = proc.wait()
     except KeyboardInterrupt:
-        stop(proc)
+        _stop_quietly(proc, relay)
         print("fedexp ui: stopped", flush=True)
         return 0
     except FedexpError as exc:
-        stop(proc)
+        relay.join(timeout=1.0)  # what the server said before it gave up: above the error
+        _stop_quietly(proc, relay)
         print(f"fedexp: error: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+    relay.join(timeout=STOP_GRACE_S)
     if code:
         print(f"fedexp: error: MLflow's server stopped (exit code {code})", file=sys.stderr)
     return 1 if code else 0

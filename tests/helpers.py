@@ -164,3 +164,23 @@ def mlflow_db(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(template, path)
     return f"sqlite:///{path}"
+
+
+def without_hydra_logging(monkeypatch) -> None:  # noqa: ANN001 - pytest's MonkeyPatch
+    """Make an in-process ``fedexp run`` leave logging alone.
+
+    Hydra's logging set-up (``logging.config.dictConfig``) closes every handler there is,
+    pytest's own capture handlers included, which then fail the test at teardown ("I/O
+    operation on closed file"); the run's log lines are not what such a test looks at.
+    """
+    import importlib
+
+    for name in (
+        "hydra.core.utils",
+        "hydra.main",  # the module (``hydra.main`` as an attribute is the decorator)
+        "hydra._internal.hydra",
+        "hydra._internal.core_plugins.basic_launcher",
+        "hydra_plugins.hydra_joblib_launcher._core",
+    ):
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, "configure_log", lambda *a, **k: None)

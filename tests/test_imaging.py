@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from monai.metrics import compute_confusion_matrix_metric, get_confusion_matrix
 from fedexp.cli_output import print_table as _print_table
 from fedexp.data import partitions as P
 from fedexp.data.imaging import brats, luna16
+from fedexp.engine.files import progress
 from fedexp.engine.runner import build_engine, run
 from fedexp.errors import ConfigError, DataError
 from fedexp.metrics import segmentation_metrics
@@ -23,6 +25,7 @@ from fedexp.models.flat import FlatModel
 from fedexp.models.imaging import densenet, unet
 from fedexp.models.task import SegmentationTask
 from fedexp.tracking.base import NullTracker
+from fedexp.tuning import objective_key
 from helpers import compose_config
 
 TINY = {
@@ -251,3 +254,67 @@ def test_missing_folder_fails_the_run_naming_the_command(small_cfg, tmp_path: Pa
     cfg = small_cfg("dataset=brats", f"dataset.path={tmp_path / 'none'}", *TINY["unet"])
     with pytest.raises(DataError, match="data_prep.brats"):
         build_engine(cfg)
+
+
+# ----------------------------------------------------------------------------- docs
+def _doc_metrics_section() -> str:
+    """docs/imaging.md's "Task and metrics" section, its lines joined by spaces."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "imaging.md").read_text()
+    return " ".join(text.split("## Task and metrics", 1)[1].split("\n## ", 1)[0].split())
+
+
+def _doc_metric_names() -> tuple[set[str], set[str], set[str]]:
+    """The metric names docs/imaging.md's "Task and metrics" section gives in backquotes.
+
+    Returns (per-client names such as ``iou``, aggregate suffixes such as ``/worst``, logged
+    names such as ``iou/mean``); a list in one pair of backquotes (``iou, label_iou``) counts
+    name by name. Other code spans (``curves.png``, ``val_fraction > 0``) are not names.
+    """
+    section = _doc_metrics_section()
+    bare, suffixes, full = set(), set(), set()
+    for span in re.findall(r"`([^`]+)`", section):
+        for name in (n.strip() for n in span.split(",")):
+            if re.fullmatch(r"[a-z_]+", name):
+                bare.add(name)
+            elif re.fullmatch(r"/[a-z_]+", name):
+                suffixes.add(name)
+            elif re.fullmatch(r"[a-z_]+(/[a-z_]+)+", name):
+                full.add(name)
+    return bare, suffixes, full
+
+
+def test_every_metric_docs_imaging_names_is_one_a_run_logs(prepared, small_cfg):
+    """Issue 43 item 10: the doc named metrics no run logged (``iou/weighted`` on the progress
+    line, a "weighted" return value). The logged names are the engine's own: a round-0
+    evaluation of a BraTS run (segmentation) and of the default run (classification, as
+    LUNA16's), aggregates and per-client keys as the tracker and the tables get them."""
+    logged, per_client = set(), set()
+    for cfg in (
+        small_cfg("dataset=brats", f"dataset.path={prepared.brats}", *TINY["unet"], "batch_size=8"),
+        small_cfg(),
+    ):
+        aggregates, rows = build_engine(cfg).evaluate()
+        logged |= set(aggregates)
+        per_client |= set(rows[0]) - {"num_test"}
+    bare, suffixes, full = _doc_metric_names()
+    assert {
+        "iou",
+        "label_iou",
+        "dice",
+        "bal_acc",
+        "/weighted",
+        "iou/mean",
+    } <= bare | suffixes | full
+    assert bare <= per_client, bare - per_client
+    assert full <= logged, full - logged
+    logged_suffixes = {"/" + name.rsplit("/", 1)[1] for name in logged}
+    assert suffixes <= logged_suffixes, suffixes - logged_suffixes
+    assert {f"{m}{s}" for m in bare for s in suffixes} <= logged  # every pair is logged
+    # what the progress line shows and what a multirun returns, as the code chooses them
+    section = _doc_metrics_section()
+    shown = re.search(r"progress line shows (.+?), `curves\.png`", section)
+    returned = re.search(r"multirun's return value is [^`]*`([^`]+)`", section)
+    assert shown and returned, "the sentence on the progress line and the return value moved"
+    brats_shown = set(re.findall(r"`([^`]+)`", shown.group(1)))
+    assert brats_shown == {k for k in progress._SHOWN if k.split("/")[0] in per_client}
+    assert returned.group(1) == objective_key({}, {"iou/mean": 0.5, "acc/mean": 0.9})

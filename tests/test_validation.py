@@ -22,7 +22,7 @@ from fedexp.config.schema import validate
 from fedexp.data import partitions as P
 from fedexp.data.tabular import csv_table
 from fedexp.errors import ConfigError, DataError
-from helpers import ROOT, compose_config, run_cli
+from helpers import ROOT, compose_config, run_cli, without_hydra_logging
 
 FAST = ["progress=none", "tracker=none", "device=cpu", "checkpoint_every=0"]
 
@@ -162,6 +162,57 @@ def test_build_engine_refuses_a_batch_larger_than_the_data(small_cfg):
 
     with pytest.raises(ConfigError, match=r"batch_size=100000: .*largest client has n_train="):
         build_engine(small_cfg("batch_size=100000"))
+
+
+def test_a_batch_larger_than_every_client_names_how_many_clients_would_do(small_cfg):
+    """Issue 43 item 1: README's num_clients=100 batch_size=8 (569 samples: at most 6 a
+    client) is refused saying both ways out, a batch ≤ 6 or at most N clients; N works."""
+    from fedexp.engine.runner import build_engine
+
+    with pytest.raises(ConfigError) as info:
+        build_engine(small_cfg("num_clients=100", "batch_size=8"))
+    message = str(info.value)
+    assert message.startswith("batch_size=8: larger than every client's training data")
+    assert "n_train=6); expected ≤ 6, or 0 / -1 for the full batch, or num_clients ≤ " in message
+    most = int(message.split("num_clients ≤ ")[1].split()[0])
+    assert 1 < most < 100 and message.endswith(f"num_clients ≤ {most} to keep batch_size=8")
+    clients = build_engine(small_cfg(f"num_clients={most}", "batch_size=8")).clients
+    assert max(c.num_train for c in clients) >= 8
+
+
+def test_clients_for_batch_bisects_the_number_of_clients():
+    from fedexp.data.dataset import ArrayDataset
+    from fedexp.data.federated import clients_for_batch
+
+    y = np.arange(40) % 2
+    data = ArrayDataset("t", np.zeros((40, 3), np.float32), y, 2)
+    # an IID split of 40 samples, 25 % of each client's for testing: 30/n training samples
+    most = clients_for_batch(data, P.iid, 10, 20, 0.25, seed=0)
+    assert most == 3  # 3 clients: 10, 9, 9 training samples; 4 clients: 7-8
+    assert clients_for_batch(data, P.iid, 31, 20, 0.25, seed=0) is None  # not even 1 client
+    assert clients_for_batch(data, P.iid, 8, 1, 0.25, seed=0) is None  # no fewer clients
+
+
+def test_a_refused_run_leaves_no_empty_output_folder(tmp_path, monkeypatch, capsys):
+    """The data-dependent refusal happens after Hydra made the run's folder: the folder (and
+    the outputs/<date> folders made for it) go again, and the error is one line, exit 2."""
+    from fedexp.cli import main
+
+    without_hydra_logging(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(
+        sys, "argv", ["fedexp", "run", "num_clients=100", "batch_size=8", "tracker=none"]
+    )
+    with pytest.raises(SystemExit) as exc:
+        main()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("fedexp: error: batch_size=8: larger than every client's") and (
+        "num_clients ≤ " in line
+    )
+    assert "Traceback" not in err
+    assert not (tmp_path / "outputs").exists(), list(tmp_path.rglob("*"))
 
 
 def test_shards_with_more_classes_per_client_than_the_data_has():

@@ -232,6 +232,14 @@ def instantiate_checked(node: DictConfig, path: str, **kwargs: Any) -> Any:
         raise
 
 
+#: The run folders :func:`fresh_dir` made in this process, each with the parent folders made
+#: for it (innermost first): :func:`discard_fresh_dir` removes them again.
+_MADE: dict[str, list[str]] = {}
+
+#: What Hydra writes to a run's folder before fedexp's code runs: its config, the log file.
+_HYDRA_FILES = frozenset({".hydra", "cli.log"})
+
+
 def fresh_dir(base: str | os.PathLike) -> str:
     """Create and return a run folder of its own: ``base``, else ``base-1``, ``base-2``, ...
 
@@ -240,7 +248,12 @@ def fresh_dir(base: str | os.PathLike) -> str:
     """
     base = os.fspath(base)
     parent = os.path.dirname(base)
+    made = []
     if parent:
+        up = parent
+        while up and not os.path.exists(up):  # what makedirs makes (outputs/<date>, ...)
+            made.append(up)
+            up = os.path.dirname(up)
         os.makedirs(parent, exist_ok=True)
     for n in range(100_000):
         path = base if n == 0 else f"{base}-{n}"
@@ -248,8 +261,42 @@ def fresh_dir(base: str | os.PathLike) -> str:
             os.mkdir(path)
         except FileExistsError:
             continue
+        _MADE[os.path.abspath(path)] = [os.path.abspath(m) for m in made]
         return path
     raise ConfigError(f"no free run folder next to {base}")
+
+
+def discard_fresh_dir(path: str | os.PathLike) -> bool:
+    """Remove a run folder that :func:`fresh_dir` made in this process and nothing used.
+
+    A run refused before it started (a setting the data cannot meet) leaves no empty
+    ``outputs/<date>/<time>/`` behind: the folder goes when it holds nothing but Hydra's own
+    files (``.hydra/``, an empty ``cli.log``), and so do the parent folders made for it once
+    they are empty. A folder fresh_dir did not make (``hydra.run.dir=...``, a sweep job's
+    folder) or one a run wrote to is left alone.
+
+    Returns:
+        Whether the folder was removed.
+    """
+    import shutil
+
+    path = os.path.abspath(path)
+    if path not in _MADE:
+        return False
+    try:
+        names = set(os.listdir(path))
+        log = os.path.join(path, "cli.log")
+        if not names <= _HYDRA_FILES or (os.path.exists(log) and os.path.getsize(log) > 0):
+            return False
+        shutil.rmtree(path)
+    except OSError:
+        return False
+    for parent in _MADE.pop(path):
+        try:
+            os.rmdir(parent)  # only when empty: another run may have put its folder there
+        except OSError:
+            break
+    return True
 
 
 def register_resolvers() -> None:

@@ -17,7 +17,14 @@ from fedexp.data.partitions import ClientSplit
 from fedexp.engine.clients.pool import ClientTable
 from fedexp.errors import ConfigError, DataError
 
-__all__ = ["ClientData", "PoolRows", "federate", "train_test_split", "validation_split"]
+__all__ = [
+    "ClientData",
+    "PoolRows",
+    "clients_for_batch",
+    "federate",
+    "train_test_split",
+    "validation_split",
+]
 
 
 def _by_label(indices: np.ndarray, labels: np.ndarray) -> tuple[list, list[list]]:
@@ -171,6 +178,31 @@ def federate(
         DataError: no train/test split is possible, or the partition is malformed.
         ConfigError: ``val_fraction`` outside [0, 1).
     """
+    split, splits = _split(data, partition, num_clients, test_fraction, seed, val_fraction)
+    zero = _zeroing(split, data.x.shape)
+    x_all = torch.from_numpy(np.ascontiguousarray(data.x))
+    y_all = torch.from_numpy(np.ascontiguousarray(data.y))
+    # copies: zeroing never touches data.x
+    return ClientTable.build(x_all, y_all, splits, device, folder, zero, share)
+
+
+_Splits = tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]
+
+
+def _split(
+    data: ArrayDataset,
+    partition: Callable[..., ClientSplit | list[np.ndarray]],
+    num_clients: int,
+    test_fraction: float,
+    seed: int,
+    val_fraction: float,
+) -> tuple[ClientSplit, _Splits]:
+    """The partition and each client's (training, test, validation) indices, as federate draws them.
+
+    Raises:
+        DataError: no train/test split is possible, or the partition is malformed.
+        ConfigError: ``val_fraction`` outside [0, 1).
+    """
     if num_clients < 1:
         raise DataError(f"num_clients={num_clients}: expected at least 1")
     if not 0.0 < test_fraction < 1.0:
@@ -194,11 +226,8 @@ def federate(
                 f"the partition gives client {n} sample indices outside [0, {len(data.y)}) "
                 f"(dtype {idx.dtype}); expected integer indices into the {len(data.y)} samples"
             )
-    zero = _zeroing(split, data.x.shape)
-    x_all = torch.from_numpy(np.ascontiguousarray(data.x))
-    y_all = torch.from_numpy(np.ascontiguousarray(data.y))
     labels = data.labels
-    splits: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
+    splits: _Splits = ([], [], [])
     for n, idx in enumerate(parts):
         train_idx, test_idx = train_test_split(idx, labels, test_fraction, seed, n)
         if len(train_idx) == 0 or len(test_idx) == 0:
@@ -206,5 +235,45 @@ def federate(
         train_idx, val_idx = validation_split(train_idx, labels, val_fraction, seed, n)
         for kept, rows in zip(splits, (train_idx, test_idx, val_idx), strict=True):
             kept.append(rows)
-    # copies: zeroing never touches data.x
-    return ClientTable.build(x_all, y_all, splits, device, folder, zero, share)
+    return split, splits
+
+
+def clients_for_batch(
+    data: ArrayDataset,
+    partition: Callable[..., ClientSplit | list[np.ndarray]],
+    batch_size: int,
+    num_clients: int,
+    test_fraction: float,
+    seed: int,
+    val_fraction: float = 0.0,
+) -> int | None:
+    """The most clients, fewer than ``num_clients``, whose largest has ``batch_size`` samples.
+
+    What a run refused for a ``batch_size`` larger than every client's training data can
+    use instead (the README's ``num_clients=100 batch_size=8`` on 569 samples: 100 clients
+    of at most 6 training samples). The partition and the splits are drawn as
+    :func:`federate` draws them, indices only (no tensors), for a bisection of the number of
+    clients (the largest client shrinks as clients are added, up to the partition's draws).
+
+    Returns:
+        A number of clients at which the largest client has at least ``batch_size`` training
+        samples, or None when not even one client has (the data set is too small).
+    """
+
+    def fits(n: int) -> bool:
+        try:
+            _, (train, _, _) = _split(data, partition, n, test_fraction, seed, val_fraction)
+        except (DataError, ConfigError):  # a partition that cannot make n clients
+            return False
+        return max(len(t) for t in train) >= batch_size
+
+    low, high = 1, num_clients - 1  # one client holding every sample is the most there is
+    if high < 1 or not fits(low):
+        return None
+    while low < high:  # invariant: fits(low)
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low

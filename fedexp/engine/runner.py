@@ -25,7 +25,7 @@ from fedexp.config.groups import check_channel_keys, check_groups
 from fedexp.config.instantiate import fresh_dir, instantiate_checked
 from fedexp.config.schema import validate
 from fedexp.data.dataset import ArrayDataset
-from fedexp.data.federated import federate
+from fedexp.data.federated import clients_for_batch, federate
 from fedexp.engine import rng
 from fedexp.engine.clients.states import scratch_folder
 from fedexp.engine.files import checkpoint
@@ -125,7 +125,10 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         folder=store,
         share=share,
     )
-    validate(cfg, clients)  # the run settings' ranges, and batch_size against the data
+    try:
+        validate(cfg, clients)  # the run settings' ranges, and batch_size against the data
+    except ConfigError as exc:  # batch_size against the data: and how many clients would do
+        raise ConfigError(f"{exc}{_fewer_clients(cfg, data, partition)}") from None
     module, personal_patterns = build_model(
         cfg.model, data.x.shape[1:], data.num_classes, rng.derive_seed(cfg.seed, rng.INIT)
     )
@@ -167,6 +170,25 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
     if store is not None:  # the files go with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, store, True)
     return engine, data
+
+
+def _fewer_clients(cfg: DictConfig, data: ArrayDataset, partition: Any) -> str:
+    """``", or num_clients ≤ 79 to keep batch_size=8"``: the other way out of a large batch.
+
+    Empty when no number of clients gives one client ``batch_size`` training samples.
+    """
+    most = clients_for_batch(
+        data,
+        partition,
+        cfg.batch_size,
+        cfg.num_clients,
+        cfg.test_fraction,
+        cfg.seed,
+        cfg.get("val_fraction", 0.0),
+    )
+    if most is None:
+        return ""
+    return f", or num_clients ≤ {most} to keep batch_size={cfg.batch_size}"
 
 
 def _privacy(cfg: DictConfig, algorithm: Algorithm) -> PrivateUplink | None:
