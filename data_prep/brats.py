@@ -1,36 +1,53 @@
-"""Convert BraTS2017 or MSD Task01_BrainTumour releases into 64x64 axial tumour patches.
+"""Convert BraTS 2017-2023, FeTS 2022 or MSD Task01 releases into 64x64 axial tumour patches.
 
 pFedNet (§VI-A, "BraTS2017") segments gliomas from 4-channel 64x64 MRI patches with a U-Net
-(§VI-B2). This module reads either official layout,
+(§VI-B2). This module reads every BraTS training release as downloaded (``--layout auto``
+finds which one ``--root`` holds):
 
-* BraTS2017: ``{HGG,LGG}/<patient>/<patient>_{flair,t1,t1ce,t2,seg}.nii.gz``;
-* MSD Task01: ``imagesTr/BRATS_XXX.nii.gz`` (4-D: FLAIR, T1w, t1gd, T2w) +
-  ``labelsTr/BRATS_XXX.nii.gz``,
+* ``brats2017`` (BraTS 2017, 2018, 2019):
+  ``{HGG,LGG}/<id>/<id>_{flair,t1,t1ce,t2,seg}.nii.gz``, labels 0, 1, 2, 4;
+* ``brats2020``: ``BraTS20_Training_NNN/BraTS20_Training_NNN_{flair,t1,t1ce,t2,seg}.nii.gz``
+  (``.nii`` in the Kaggle copy); the release names case 355's segmentation
+  ``W39_1998.09.19_Segm.nii``, which is accepted for that case; ``name_mapping.csv`` and
+  ``survival_info.csv`` next to the case folders are ignored;
+* ``brats2021`` (BraTS 2021 and FeTS 2022): ``<id>/<id>_{flair,t1,t1ce,t2,seg}.nii.gz``
+  (``BraTS2021_NNNNN``, ``FeTS2022_NNNNN``), labels 0, 1, 2, 4;
+* ``brats2023`` (BraTS 2023 GLI): ``BraTS-GLI-NNNNN-NNN/BraTS-GLI-NNNNN-NNN-{t2f,t1n,t1c,t2w,seg}
+  .nii.gz``, labels 0, 1, 2, 3 (3 = enhancing tumour);
+* ``msd`` (MSD Task01): ``imagesTr/BRATS_XXX.nii.gz`` (4-D: FLAIR, T1w, t1gd, T2w) +
+  ``labelsTr/BRATS_XXX.nii.gz``, labels 1 edema, 2 non-enhancing, 3 enhancing.
 
-brings every volume to the closest canonical (RAS) orientation, z-scores each modality over
-its non-zero (brain) voxels and cuts one patch per tumour-bearing axial slice plus a share of
-tumour-free slices. Output in ``OUT``:
+Every release gives the same channels (FLAIR, T1, T1ce, T2 = 2023's t2f, t1n, t1c, t2w) and
+the same labels (BraTS 2017-2021's 0, 1, 2, 4), hence the same regions. It brings every volume
+to the closest canonical (RAS) orientation, z-scores each modality over its non-zero (brain)
+voxels and cuts one patch per tumour-bearing axial slice plus a share of tumour-free slices.
+With ``--sites CSV`` (FeTS's ``partitioning_1.csv`` or ``partitioning_2.csv``:
+``Subject_ID,Partition_ID``) each patient's site is recorded in the manifest, so that
+``partition=natural`` makes one client per site. Output in ``OUT``:
 
 * ``images.npy``   float32 ``(N, 4, 64, 64)``, channels FLAIR, T1, T1ce, T2;
 * ``masks.npy``    uint8 ``(N, 64, 64)`` whole tumour, or ``(N, 3, 64, 64)`` with
   ``--labels regions`` (whole tumour, tumour core, enhancing tumour);
-* ``manifest.csv`` patient, slice, grade, row0, col0, has_tumour;
+* ``manifest.csv`` patient, slice, grade, row0, col0, has_tumour (and site with ``--sites``);
 * ``summary.json`` counts, skipped files with reasons and the options used;
 * ``skipped.csv``  what was skipped and why (only when something was).
 
 A patient with a missing, unreadable or inconsistent file (modalities on different grids,
 unknown label values) is skipped with one line naming the file and what was expected; the
-run stops with one ``error:`` line and exit status 1 only when no patient is usable.
+run stops with one ``error:`` line and exit status 1 only when no patient is usable, or when
+a patient has no row in the ``--sites`` file.
 
 Usage::
 
-    python -m data_prep.brats --root RAW --out OUT [--layout auto|brats2017|msd]
-        [--labels whole|regions] [--negative-share 0.2] [--seed 0]
+    python -m data_prep.brats --root RAW --out OUT
+        [--layout auto|brats2017|brats2018|brats2019|brats2020|brats2021|fets2022|brats2023|msd]
+        [--sites partitioning_1.csv] [--labels whole|regions] [--negative-share 0.2] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 import zlib
@@ -69,15 +86,41 @@ from fedexp.errors import DataError
 PATCH = 64
 """Patch side length in voxels (paper §VI-A)."""
 MODALITIES = ("flair", "t1", "t1ce", "t2")
-"""Output channel order."""
+"""Output channel order (the same for every release)."""
 MSD_NAMES = ("flair", "t1w", "t1gd", "t2w")
 """MSD ``dataset.json`` modality names (lower-cased) in output channel order."""
-LAYOUTS = ("brats2017", "msd")
+LAYOUTS = ("brats2017", "brats2020", "brats2021", "brats2023", "msd")
+"""Layouts this module reads (see :data:`LAYOUT_ALIASES` for the releases that share one)."""
+LAYOUT_ALIASES = {"brats2018": "brats2017", "brats2019": "brats2017", "fets2022": "brats2021"}
+"""Releases named on the command line that are read as another release's layout."""
+RELEASE_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "brats2017": ("_", (*MODALITIES, "seg")),
+    "brats2020": ("_", (*MODALITIES, "seg")),
+    "brats2021": ("_", (*MODALITIES, "seg")),
+    "brats2023": ("-", ("t2f", "t1n", "t1c", "t2w", "seg")),
+}
+"""Per folder layout: separator between subject id and file kind, and the kinds in the order
+FLAIR, T1, T1ce, T2, segmentation (file ``<id><sep><kind>.nii.gz``)."""
+ODD_SEG_NAMES = {"BraTS20_Training_355": "W39_1998.09.19_Segm"}
+"""Segmentation files a release ships under another name (BraTS 2020 training case 355)."""
 REGIONS = ("whole_tumour", "tumour_core", "enhancing_tumour")
-# Common label convention = BraTS: 0 background, 1 necrotic/non-enhancing core, 2 edema,
-# 4 enhancing. Label 3 (non-enhancing core in BraTS 2012-2016) is folded into 1.
+# Common label convention = BraTS 2017-2021: 0 background, 1 necrotic/non-enhancing core,
+# 2 edema, 4 enhancing. Label 3 (non-enhancing core in BraTS 2012-2016) is folded into 1 in
+# the HGG/LGG layout; BraTS 2023's 3 is the enhancing tumour (-> 4); MSD's order differs.
 _BRATS_LABELS = {0: 0, 1: 1, 2: 2, 3: 1, 4: 4}
+_BRATS2018_LABELS = {0: 0, 1: 1, 2: 2, 4: 4}
+_BRATS2023_LABELS = {0: 0, 1: 1, 2: 2, 3: 4}
 _MSD_LABELS = {0: 0, 1: 2, 2: 1, 3: 4}
+LABEL_TABLES = {
+    "brats2017": _BRATS_LABELS,
+    "brats2020": _BRATS2018_LABELS,
+    "brats2021": _BRATS2018_LABELS,
+    "brats2023": _BRATS2023_LABELS,
+    "msd": _MSD_LABELS,
+}
+"""Per layout: release label -> common label."""
+SITE_COLUMNS = ("Subject_ID", "Partition_ID")
+"""Header of a FeTS partitioning CSV (``partitioning_1.csv``, ``partitioning_2.csv``)."""
 MANIFEST_COLUMNS = ["patient", "slice", "grade", "row0", "col0", "has_tumour"]
 OUTPUT_NAMES = ("images.npy", "masks.npy", "manifest.csv", "summary.json")
 """Fixed names of the files written in the output folder (besides ``studies/``)."""
@@ -89,9 +132,9 @@ class Case:
 
     Attributes:
         patient: Patient id (BraTS folder name or MSD file stem).
-        grade: ``HGG``, ``LGG`` or ``unknown`` (MSD).
-        layout: ``brats2017`` or ``msd``.
-        images: Four single-modality files (BraTS2017) or one 4-D file (MSD).
+        grade: ``HGG``, ``LGG`` or ``unknown`` (releases without grade folders, MSD).
+        layout: One of :data:`LAYOUTS`.
+        images: Four single-modality files (FLAIR, T1, T1ce, T2) or one 4-D file (MSD).
         seg: Segmentation file.
     """
 
@@ -103,8 +146,8 @@ class Case:
 
     @property
     def location(self) -> Path:
-        """Patient folder (BraTS2017) or image file (MSD), for messages."""
-        return self.images[0].parent if self.layout == "brats2017" else self.images[0]
+        """Patient folder (BraTS) or image file (MSD), for messages."""
+        return self.images[0] if self.layout == "msd" else self.images[0].parent
 
     @property
     def stamp(self) -> str:
@@ -117,8 +160,11 @@ class BratsOptions:
     """Conversion options.
 
     Attributes:
-        layout: ``auto``, ``brats2017`` or ``msd``.
+        layout: ``auto``, one of :data:`LAYOUTS` or of :data:`LAYOUT_ALIASES`.
         labels: ``whole`` (binary whole-tumour mask) or ``regions`` (WT, TC, ET channels).
+        sites: FeTS partitioning CSV (``Subject_ID,Partition_ID``) giving each patient's site;
+            a relative path is tried against the current folder, ``--root`` and the layout
+            folder. ``None`` records no site.
         negative_share: Target share of tumour-free patches among a patient's patches.
         seed: Seed of the tumour-free slice draw.
         quiet: Suppress the progress bar and messages.
@@ -126,6 +172,7 @@ class BratsOptions:
 
     layout: str = "auto"
     labels: str = "whole"
+    sites: Path | None = None
     negative_share: float = 0.2
     seed: int = 0
     quiet: bool = True
@@ -134,19 +181,80 @@ class BratsOptions:
 # --------------------------------------------------------------------------- discovery
 
 
+def _subfolders(folder: Path) -> Iterator[Path]:
+    """Sub-folders in name order, without hidden ones and macOS ``__MACOSX`` archives."""
+    try:
+        children = sorted(folder.iterdir())
+    except OSError:
+        return
+    for child in children:
+        if child.is_dir() and not child.name.startswith((".", "__MACOSX")):
+            yield child
+
+
+def _is_subject_folder(folder: Path, layout: str) -> bool:
+    """Whether ``folder`` holds one of ``<folder name><sep><kind>.nii[.gz]`` of ``layout``."""
+    if layout == "brats2020" and not folder.name.startswith("BraTS20_"):
+        return False
+    sep, kinds = RELEASE_FILES[layout]
+    return any(
+        (folder / f"{folder.name}{sep}{kind}{suffix}").is_file()
+        for kind in kinds
+        for suffix in (".nii.gz", ".nii")
+    )
+
+
 def _has_layout(folder: Path, layout: str) -> bool:
     if layout == "brats2017":
         return (folder / "HGG").is_dir() or (folder / "LGG").is_dir()
-    return (folder / "imagesTr").is_dir()
+    if layout == "msd":
+        return (folder / "imagesTr").is_dir()
+    return any(_is_subject_folder(sub, layout) for sub in _subfolders(folder))
+
+
+_EXPECTED = {
+    "brats2017": "HGG/ or LGG/ (BraTS 2017-2019)",
+    "brats2020": "BraTS20_Training_NNN/BraTS20_Training_NNN_flair.nii.gz (BraTS 2020)",
+    "brats2021": "<id>/<id>_flair.nii.gz (BraTS 2021, FeTS 2022)",
+    "brats2023": "<id>/<id>-t2f.nii.gz (BraTS 2023)",
+    "msd": "imagesTr/ + labelsTr/ (MSD Task01)",
+}
+
+
+def canonical_layout(layout: str) -> str:
+    """The layout a ``--layout`` value reads (``brats2019`` -> ``brats2017``, ...).
+
+    Raises:
+        SystemExit: If the value names no layout.
+    """
+    if layout == "auto" or layout in LAYOUTS:
+        return layout
+    if layout in LAYOUT_ALIASES:
+        return LAYOUT_ALIASES[layout]
+    names = ", ".join(["auto", *LAYOUTS, *LAYOUT_ALIASES])
+    raise SystemExit(f"error: --layout {layout!r}: expected one of {names}")
+
+
+def _candidate_folders(root: Path) -> Iterator[Path]:
+    """``root``, then its sub-folders, then theirs (breadth first, in name order)."""
+    yield root
+    children = list(_subfolders(root))
+    yield from children
+    for child in children:
+        yield from _subfolders(child)
 
 
 def detect_layout(root: Path, layout: str = "auto") -> tuple[str, Path]:
-    """Find the release layout in ``root`` or one of its direct sub-folders.
+    """Find the release layout in ``root``, a sub-folder or a sub-sub-folder of it.
+
+    Checked in each folder in the order of :data:`LAYOUTS`: grade folders ``HGG/``/``LGG/``
+    (BraTS 2017-2019), ``imagesTr/`` (MSD), then sub-folders named like their files
+    (BraTS 2023's ``<id>-t2f``, BraTS 2020's ``BraTS20_*``, BraTS 2021's ``<id>_flair``, ...).
 
     Args:
-        root: Raw folder (e.g. ``MICCAI_BraTS17_Data_Training`` or ``Task01_BrainTumour``, or
-            their parent).
-        layout: ``auto`` or the layout to look for.
+        root: Raw folder (e.g. ``MICCAI_BraTS2020_TrainingData``, ``Task01_BrainTumour``, or a
+            folder above them, such as the Kaggle copy's ``BraTS2020_TrainingData``).
+        layout: ``auto`` or the layout (or release, see :data:`LAYOUT_ALIASES`) to look for.
 
     Returns:
         The layout name and the folder that holds it.
@@ -154,15 +262,14 @@ def detect_layout(root: Path, layout: str = "auto") -> tuple[str, Path]:
     Raises:
         SystemExit: If no matching layout is found.
     """
+    layout = canonical_layout(layout)
     wanted = LAYOUTS if layout == "auto" else (layout,)
-    folders = [root, *sorted(p for p in root.iterdir() if p.is_dir())]
-    for folder in folders:
+    for folder in _candidate_folders(root):
         for name in wanted:
             if _has_layout(folder, name):
                 return name, folder
-    expected = {"brats2017": "HGG/ or LGG/", "msd": "imagesTr/ + labelsTr/"}
-    hint = " or ".join(expected[name] for name in wanted)
-    raise SystemExit(f"error: no BraTS layout ({hint}) found in {root}")
+    hint = " or ".join(_EXPECTED[name] for name in wanted)
+    raise SystemExit(f"error: no BraTS layout ({hint}) found in {root} or two levels below")
 
 
 def _nifti(folder: Path, stem: str) -> Path:
@@ -172,17 +279,55 @@ def _nifti(folder: Path, stem: str) -> Path:
     return folder / f"{stem}.nii.gz"
 
 
+def _folder_case(folder: Path, grade: str, layout: str) -> Case:
+    """The files of the subject in ``folder`` (missing ones are caught on load)."""
+    name = folder.name
+    sep, kinds = RELEASE_FILES[layout]
+    images = tuple(_nifti(folder, f"{name}{sep}{kind}") for kind in kinds[:4])
+    seg = _nifti(folder, f"{name}{sep}{kinds[4]}")
+    if not seg.is_file() and name in ODD_SEG_NAMES:
+        odd = _nifti(folder, ODD_SEG_NAMES[name])
+        seg = odd if odd.is_file() else seg
+    return Case(name, grade, layout, images, seg)
+
+
 def find_brats2017_cases(base: Path) -> list[Case]:
-    """List ``HGG/*/`` and ``LGG/*/`` patient folders (missing files are caught on load)."""
+    """List ``HGG/*/`` and ``LGG/*/`` patient folders (BraTS 2017, 2018 and 2019)."""
     cases = []
     for grade in ("HGG", "LGG"):
-        for folder in sorted((base / grade).glob("*")):
-            if not folder.is_dir() or folder.name.startswith("."):
-                continue
-            name = folder.name
-            images = tuple(_nifti(folder, f"{name}_{m}") for m in MODALITIES)
-            cases.append(Case(name, grade, "brats2017", images, _nifti(folder, f"{name}_seg")))
+        if (base / grade).is_dir():
+            cases += [
+                _folder_case(folder, grade, "brats2017") for folder in _subfolders(base / grade)
+            ]
     return sorted(cases, key=lambda case: case.patient)
+
+
+def find_folder_cases(base: Path, layout: str) -> list[Case]:
+    """List the subject folders ``<id>/`` of BraTS 2020, 2021 (FeTS 2022) or 2023.
+
+    Every sub-folder of ``base`` is a subject (files in ``base``, such as BraTS 2020's
+    ``name_mapping.csv`` and ``survival_info.csv`` or FeTS's partitioning CSVs, are not looked
+    at); a missing file is reported when the subject is loaded. BraTS 2020 case 355's
+    segmentation, shipped as ``W39_1998.09.19_Segm.nii``, is taken when
+    ``BraTS20_Training_355_seg.nii[.gz]`` is absent.
+
+    Args:
+        base: The folder holding the subject folders.
+        layout: ``brats2020``, ``brats2021`` or ``brats2023``.
+
+    Returns:
+        The subjects, sorted by id, with grade ``unknown``.
+    """
+    return [_folder_case(folder, "unknown", layout) for folder in _subfolders(base)]
+
+
+def find_cases(base: Path, layout: str) -> list[Case]:
+    """The patients of a layout folder found by :func:`detect_layout`."""
+    if layout == "brats2017":
+        return find_brats2017_cases(base)
+    if layout == "msd":
+        return find_msd_cases(base)
+    return find_folder_cases(base, layout)
 
 
 def find_msd_cases(base: Path) -> list[Case]:
@@ -245,19 +390,27 @@ def load_canonical(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def to_common_labels(seg: np.ndarray, layout: str, path: Path) -> np.ndarray:
-    """Map BraTS2017 or MSD labels to the common BraTS convention {0, 1, 2, 4}.
+    """Map a release's labels to the common BraTS convention {0, 1, 2, 4}.
 
-    BraTS2017: 1 necrotic/non-enhancing core, 2 edema, 4 enhancing (3 -> 1).
-    MSD: 1 edema -> 2, 2 non-enhancing -> 1, 3 enhancing -> 4.
+    * BraTS 2017-2019 (``brats2017``): 1 necrotic/non-enhancing core, 2 edema, 4 enhancing
+      (3, the non-enhancing core of BraTS 2012-2016, -> 1);
+    * BraTS 2020, 2021, FeTS 2022: 1, 2, 4 as they are;
+    * BraTS 2023: 1 necrotic core (NETC), 2 edema (SNFH), 3 enhancing -> 4;
+    * MSD: 1 edema -> 2, 2 non-enhancing -> 1, 3 enhancing -> 4.
 
     Raises:
         StudyError: If the segmentation holds other values.
     """
-    table = _BRATS_LABELS if layout == "brats2017" else _MSD_LABELS
+    table = LABEL_TABLES[layout]
     values = np.rint(seg).astype(np.int64)
     unknown = sorted(set(np.unique(values).tolist()) - set(table))
     if unknown or not np.allclose(values, seg):
-        raise StudyError(path, f"unexpected label values {unknown or 'non-integer'}")
+        expected = ", ".join(str(v) for v in sorted(table))
+        raise StudyError(
+            path,
+            f"unexpected label values {unknown or 'non-integer'} (expected {expected} "
+            f"for the {layout} layout)",
+        )
     lut = np.zeros(max(table) + 1, np.uint8)
     for source, target in table.items():
         lut[source] = target
@@ -311,7 +464,7 @@ def load_case(case: Case, msd_order: Sequence[int]) -> tuple[np.ndarray, np.ndar
     """Load a patient as canonical, z-scored images and common-convention labels.
 
     Args:
-        case: The patient's files.
+        case: The patient's files (any layout; channels come out FLAIR, T1, T1ce, T2).
         msd_order: Channel permutation for MSD 4-D images (see :func:`msd_channel_order`).
 
     Returns:
@@ -320,6 +473,11 @@ def load_case(case: Case, msd_order: Sequence[int]) -> tuple[np.ndarray, np.ndar
     Raises:
         StudyError: On a missing, corrupt or inconsistent file.
     """
+    odd = ODD_SEG_NAMES.get(case.patient)
+    if odd and case.layout != "msd" and not case.seg.is_file():
+        raise StudyError(
+            case.seg, f"missing file (expected the segmentation {case.seg.name} or {odd}.nii[.gz])"
+        )
     seg_raw, seg_affine = load_canonical(case.seg)
     if seg_raw.ndim != 3:
         raise StudyError(case.seg, f"expected a 3-D segmentation, got shape {seg_raw.shape}")
@@ -424,6 +582,99 @@ def patient_patches(
     }
 
 
+# --------------------------------------------------------------------------- sites
+
+
+def find_sites_file(given: Path, root: Path, base: Path) -> Path:
+    """Locate ``--sites``: as given (absolute or relative to the cwd), then in ``root``, ``base``.
+
+    Raises:
+        SystemExit: If no such file exists.
+    """
+    for path in (given, root / given, base / given):
+        if path.is_file():
+            return path
+    raise SystemExit(
+        f"error: --sites {given}: file not found (also tried {root / given} and {base / given}); "
+        "expected a FeTS partitioning CSV such as partitioning_1.csv"
+    )
+
+
+def read_sites(path: Path) -> dict[str, str]:
+    """Read a FeTS partitioning CSV: subject id -> site (partition id, as text).
+
+    Both FeTS partitionings have the header ``Subject_ID,Partition_ID`` and one row per
+    subject (``partitioning_1.csv``: the institution; ``partitioning_2.csv``: the largest
+    institutions further split). A UTF-8 byte-order mark, surrounding blanks, blank lines and
+    extra columns are tolerated.
+
+    Args:
+        path: The CSV.
+
+    Returns:
+        Subject id -> partition id.
+
+    Raises:
+        SystemExit: One line naming the file (and line) when it cannot be read, lacks a
+            column, has an empty value or gives one subject two sites.
+    """
+    header = ",".join(SITE_COLUMNS)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            rows = list(csv.reader(handle))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise SystemExit(
+            f"error: --sites {path}: cannot be read as a CSV: {one_line(exc)} "
+            f"(expected the header {header})"
+        ) from None
+    rows = [[cell.strip() for cell in row] for row in rows]
+    numbered = [(n, row) for n, row in enumerate(rows, 1) if any(row)]
+    if not numbered or not set(SITE_COLUMNS) <= set(numbered[0][1]):
+        where = f"line {numbered[0][0]} is {','.join(numbered[0][1])!r}" if numbered else "empty"
+        raise SystemExit(f"error: --sites {path}: {where}, expected the header {header}")
+    columns = [numbered[0][1].index(name) for name in SITE_COLUMNS]
+    sites: dict[str, str] = {}
+    lines: dict[str, int] = {}
+    for number, row in numbered[1:]:
+        values = [row[i] if i < len(row) else "" for i in columns]
+        for name, value in zip(SITE_COLUMNS, values, strict=True):
+            if not value:
+                raise SystemExit(
+                    f"error: --sites {path}: line {number}, column {name} is empty "
+                    "(expected a subject id and its partition id)"
+                )
+        subject, site = values
+        if subject in sites and sites[subject] != site:
+            raise SystemExit(
+                f"error: --sites {path}: line {number}: subject {subject} has site {site} but "
+                f"site {sites[subject]} on line {lines[subject]} (expected one site per subject)"
+            )
+        sites[subject], lines[subject] = site, number
+    if not sites:
+        raise SystemExit(f"error: --sites {path}: no subject rows below the header {header}")
+    return sites
+
+
+def check_sites(cases: Sequence[Case], sites: dict[str, str], path: Path) -> None:
+    """Refuse a patient without a row in the sites file, naming it.
+
+    Raises:
+        SystemExit: One line naming the first missing patient, its folder and how many are
+            missing.
+    """
+    missing = [case for case in cases if case.patient not in sites]
+    if not missing:
+        return
+    first = missing[0]
+    others = ", ".join(case.patient for case in missing[1:6])
+    more = f"; also {others}{', ...' if len(missing) > 6 else ''}" if others else ""
+    raise SystemExit(
+        f"error: --sites {path}: subject {first.patient} ({first.location}) has no row "
+        f"(expected a line '{first.patient},<Partition_ID>' under the header "
+        f"{','.join(SITE_COLUMNS)}); {len(missing)} of {len(cases)} subjects missing{more}"
+    )
+
+
 # --------------------------------------------------------------------------- whole dataset
 
 
@@ -476,25 +727,32 @@ def _stream(
         yield array[:, 0] if key == "regions" and labels == "whole" else array
 
 
-def _manifest(done: list[tuple[Case, int]], cache: StudyCache) -> pd.DataFrame:
+def _manifest(
+    done: list[tuple[Case, int]], cache: StudyCache, sites: dict[str, str] | None = None
+) -> pd.DataFrame:
+    columns = MANIFEST_COLUMNS + (["site"] if sites is not None else [])
     frames = []
     for case, _ in done:
         keys = ("slice", "row0", "col0", "has_tumour")
         stored = cache.load(case.patient, case.stamp, keys=keys)
         assert stored is not None, case.patient
         table = {k: stored[k] for k in keys}
-        frames.append(pd.DataFrame({"patient": case.patient, "grade": case.grade, **table}))
+        extra = {"site": sites[case.patient]} if sites is not None else {}
+        frames.append(
+            pd.DataFrame({"patient": case.patient, "grade": case.grade, **table, **extra})
+        )
     if not frames:
-        return pd.DataFrame(columns=MANIFEST_COLUMNS)
-    return pd.concat(frames, ignore_index=True).loc[:, MANIFEST_COLUMNS]
+        return pd.DataFrame(columns=columns)
+    return pd.concat(frames, ignore_index=True).loc[:, columns]
 
 
 def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[str, Any]:
-    """Convert a BraTS2017 or MSD Task01 release into patches, masks, manifest and summary.
+    """Convert a BraTS 2017-2023, FeTS 2022 or MSD Task01 release into patches and masks.
 
     Patients already converted with the same options (``OUT/studies/<patient>.npz``) are
-    reused, so an interrupted run can simply be restarted. ``--labels`` does not enter the
-    cache: each patient stores all three regions.
+    reused, so an interrupted run can simply be restarted. ``--labels`` and ``--sites`` do not
+    enter the cache: each patient stores all three regions, and sites only go to the
+    manifest.
 
     Args:
         root: Raw release folder.
@@ -505,7 +763,8 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
         The summary written to ``OUT/summary.json``.
 
     Raises:
-        SystemExit: If ``root`` is missing or holds no BraTS layout, or on bad options.
+        SystemExit: If ``root`` is missing or holds no BraTS layout, on bad options, or when
+            ``options.sites`` is unreadable or lacks one of the patients.
     """
     options = options or BratsOptions()
     if not 0.0 <= options.negative_share < 1.0:
@@ -514,9 +773,14 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
         raise SystemExit(f"error: --labels {options.labels!r} must be whole or regions")
     root = require_dir(Path(root), "raw BraTS folder")
     layout, base = detect_layout(root, options.layout)
-    cases = find_brats2017_cases(base) if layout == "brats2017" else find_msd_cases(base)
+    cases = find_cases(base, layout)
     if not cases:
         raise SystemExit(f"error: no {layout} patients found in {base}")
+    sites_path, sites = None, None
+    if options.sites is not None:
+        sites_path = find_sites_file(Path(options.sites), root, base)
+        sites = read_sites(sites_path)
+        check_sites(cases, sites, sites_path)
     msd_order = msd_channel_order(base) if layout == "msd" else (0, 1, 2, 3)
     out = prepare_out(Path(out), root, OUTPUT_NAMES)
     cleanup_partials(out)
@@ -534,12 +798,13 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
     done = _process_cases(cases, msd_order, cache, options, log, console)
     if not done:
         raise nothing_usable(out, log, f"all {len(cases)} {layout} patients in {base} were skipped")
-    manifest = _manifest(done, cache)
+    manifest = _manifest(done, cache, sites)
     if manifest.empty:
         what = f"the {len(done)} usable patients in {base} have no tumour slice, so no patch"
         raise nothing_usable(out, log, what)
     _write_outputs(out, done, cache, manifest, options.labels)
     summary = _summary(root, base, layout, options, cases, manifest, log)
+    summary.update(_site_summary(sites_path, sites, manifest))
     summary["out"] = str(out)
     write_skipped(out, log)
     write_json(out / "summary.json", summary)
@@ -556,6 +821,21 @@ def _write_outputs(
     mask_shape = (n, PATCH, PATCH) if labels == "whole" else (n, 3, PATCH, PATCH)
     write_stacked(out / "masks.npy", _stream(done, cache, "regions", labels), mask_shape, np.uint8)
     write_csv(out / "manifest.csv", manifest)
+
+
+def _site_summary(
+    path: Path | None, sites: dict[str, str] | None, manifest: pd.DataFrame
+) -> dict[str, Any]:
+    if path is None or sites is None:
+        return {"sites_file": None, "n_sites": None}
+    patients = manifest.drop_duplicates("patient")
+    per_site = patients["site"].value_counts().sort_index()
+    return {
+        "sites_file": str(path),
+        "n_sites": int(len(per_site)),
+        "patients_per_site": {str(k): int(v) for k, v in per_site.items()},
+        "sites_rows_without_patient": len(set(sites) - set(patients["patient"])),
+    }
 
 
 def _summary(
@@ -577,6 +857,7 @@ def _summary(
         "channels": list(MODALITIES),
         "normalisation": "per patient and modality: z-score over non-zero voxels, 0 outside",
         "label_convention": "BraTS: 0 bg, 1 necrotic/non-enhancing, 2 edema, 4 enhancing",
+        "release_labels": {str(k): v for k, v in LABEL_TABLES[layout].items()},
         "labels": options.labels,
         "mask_channels": ["whole_tumour"] if options.labels == "whole" else list(REGIONS),
         "patch_size": PATCH,
@@ -598,11 +879,25 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of ``python -m data_prep.brats``."""
     parser = argparse.ArgumentParser(
         prog="python -m data_prep.brats",
-        description="BraTS2017 / MSD Task01 release -> 64x64 tumour patches (pFedNet §VI-A).",
+        description=(
+            "BraTS 2017-2023 / FeTS 2022 / MSD Task01 release -> 64x64 tumour patches "
+            "(pFedNet §VI-A)."
+        ),
     )
     parser.add_argument("--root", type=Path, required=True, help="raw release folder")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--layout", choices=["auto", *LAYOUTS], default="auto")
+    parser.add_argument(
+        "--layout",
+        choices=["auto", *LAYOUTS, *LAYOUT_ALIASES],
+        default="auto",
+        help="release layout (default: detected); brats2018/2019 = brats2017, fets2022 = brats2021",
+    )
+    parser.add_argument(
+        "--sites",
+        type=Path,
+        default=None,
+        help="FeTS partitioning CSV (Subject_ID,Partition_ID) recording each patient's site",
+    )
     parser.add_argument(
         "--labels",
         choices=["whole", "regions"],
@@ -626,6 +921,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = BratsOptions(
         layout=args.layout,
         labels=args.labels,
+        sites=args.sites,
         negative_share=args.negative_share,
         seed=args.seed,
         quiet=args.quiet,

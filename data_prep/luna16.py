@@ -6,7 +6,9 @@ release into arrays that the training code can load without SimpleITK:
 
 * ``images.npy``   float32 ``(N, 1, 32, 32)``, HU clipped to a window and scaled to [0, 1];
 * ``labels.npy``   int64 ``(N,)``, the candidate's ``class`` column;
-* ``manifest.csv`` one row per patch (series UID, world mm, voxel index, label);
+* ``manifest.csv`` one row per patch (series UID, world mm, voxel index, label, and the
+  ``subset0``-``subset9`` folder of the volume: the release's ten folds, which
+  ``partition=natural`` uses as sites);
 * ``summary.json`` counts, skipped files with reasons, window and δ;
 * ``skipped.csv``  what was skipped and why (only when something was).
 
@@ -84,7 +86,10 @@ MANIFEST_COLUMNS = [
     "voxel_z",
     "label",
     "candidate_index",
+    "subset",
 ]
+"""Manifest columns; ``subset`` is the ``subset*`` folder of the volume (empty for a volume
+directly in ``--root``)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,20 @@ def find_volumes(root: Path, log: RunLog) -> dict[str, Path]:
             continue
         volumes[path.stem] = path
     return dict(sorted(volumes.items()))
+
+
+def subset_of(path: Path, root: Path) -> str:
+    """The ``subset*`` folder (directly in ``root``) that holds ``path``, or ``""``.
+
+    Args:
+        path: A volume found by :func:`find_volumes`.
+        root: The raw folder.
+
+    Returns:
+        E.g. ``subset3``; ``""`` for a volume directly in ``root``.
+    """
+    parts = path.relative_to(root).parts
+    return parts[0] if len(parts) > 1 and parts[0].startswith("subset") else ""
 
 
 def find_candidates_csv(root: Path, given: Path | None) -> Path:
@@ -500,6 +519,7 @@ def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[s
         raise nothing_usable(out, log, "every candidate lies outside its volume")
     final = subsample_negatives(inside, options.delta, options.seed)
     final = final.sort_values(["seriesuid", "candidate_index"], kind="stable")
+    final = final.assign(subset=final["seriesuid"].map(lambda uid: subset_of(volumes[uid], root)))
     _write_outputs(out, final, _patches(final, cache, groups, volumes))
     summary = _summary(root, csv_path, options, candidates, on_disk, volumes, rows, final, log)
     summary["out"] = str(out)
@@ -554,6 +574,9 @@ def _summary(
         ),
         "candidates_without_volume": int((~on_disk).sum()),
         "candidates_outside_volume": int((~rows["_inside"].astype(bool)).sum()),
+        "patches_per_subset": {
+            str(k): int(v) for k, v in final["subset"].value_counts().sort_index().items()
+        },
         **log.as_dict(),
     }
 

@@ -1,4 +1,4 @@
-"""Small synthetic studies written in the *official* LUNA16, BraTS2017 and MSD file layouts.
+"""Small synthetic studies written in the *official* LUNA16, BraTS 2017-2023 and MSD file layouts.
 
 Nobody can download LUNA16 or BraTS on the development machines, so the converters of
 pFedNet's §VI-A datasets are tested on these look-alikes. They are deterministic for a seed,
@@ -10,7 +10,8 @@ Usage::
     python -m data_prep.synthetic luna16 --out DIR [--n-studies K] [--seed S]
         [--direction identity|flipped|permuted|oblique]
     python -m data_prep.synthetic brats --out DIR [--n-studies K] [--seed S]
-        [--layout brats2017|msd|both]
+        [--layout brats2017|brats2018|brats2019|brats2020|brats2021|fets2022|brats2023|msd|both]
+        [--shape X Y Z]
 """
 
 from __future__ import annotations
@@ -275,6 +276,29 @@ class MRIStudy:
         """Case name in the MSD layout (file stem)."""
         return f"BRATS_{self.index + 1:03d}"
 
+    def release_name(self, release: str) -> str:
+        """Subject id of this study in a BraTS release, spelled as the release spells it.
+
+        Args:
+            release: One of :data:`BRATS_RELEASES` other than ``msd``.
+
+        Returns:
+            E.g. ``Brats18_TCIA01_101_1``, ``BraTS20_Training_001``, ``BraTS2021_00000``,
+            ``FeTS2022_00000`` or ``BraTS-GLI-00000-000``.
+        """
+        names = {
+            "brats2017": self.brats_name,
+            "brats2018": f"Brats18_TCIA01_{101 + self.index}_1",
+            "brats2019": f"BraTS19_TCIA01_{101 + self.index}_1",
+            "brats2020": f"BraTS20_Training_{self.index + 1:03d}",
+            "brats2021": f"BraTS2021_{self.index:05d}",
+            "fets2022": f"FeTS2022_{self.index:05d}",
+            "brats2023": f"BraTS-GLI-{self.index:05d}-000",
+        }
+        if release not in names:
+            raise ValueError(f"unknown BraTS release {release!r}")
+        return names[release]
+
 
 def _ellipsoid(shape: Sequence[int], centre: Sequence[float], radii: Sequence[float]) -> np.ndarray:
     axes = [(np.arange(n) - c) / r for n, c, r in zip(shape, centre, radii, strict=True)]
@@ -423,10 +447,129 @@ def _write_msd_json(root: Path, studies: Sequence[MRIStudy]) -> None:
     (root / "dataset.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def make_mri_studies(n_studies: int = 3, seed: int = 0) -> list[MRIStudy]:
-    """Build ``n_studies`` deterministic MRI studies (alternating HGG/LGG)."""
+def make_mri_studies(
+    n_studies: int = 3, seed: int = 0, shape: Sequence[int] = MRI_SHAPE
+) -> list[MRIStudy]:
+    """Build ``n_studies`` deterministic MRI studies (alternating HGG/LGG) on a ``shape`` grid."""
     rng = np.random.default_rng(seed)
-    return [make_mri(i, rng) for i in range(n_studies)]
+    return [make_mri(i, rng, shape) for i in range(n_studies)]
+
+
+# --------------------------------------------------------------------------- BraTS 2018-2023
+
+BRATS_RELEASES = (
+    "brats2017",
+    "brats2018",
+    "brats2019",
+    "brats2020",
+    "brats2021",
+    "fets2022",
+    "brats2023",
+    "msd",
+)
+"""Layouts :func:`write_brats` writes (``brats2018``/``brats2019`` = the 2017 HGG/LGG layout)."""
+BRATS2023_MODALITIES = ("t2f", "t1n", "t1c", "t2w")
+"""BraTS 2023 file suffixes of FLAIR, T1, T1ce, T2 (in :data:`BRATS_MODALITIES` order)."""
+BRATS2020_ODD_SEG = {"BraTS20_Training_355": "W39_1998.09.19_Segm.nii"}
+"""Segmentation files of the BraTS 2020 training data not named ``<id>_seg.nii``."""
+BRATS_TO_2023_LABEL = {0: 0, 1: 1, 2: 2, 4: 3}
+"""BraTS 2017-2021 labels to BraTS 2023 labels (1 NETC, 2 SNFH, 3 enhancing tumour)."""
+
+
+def to_2023_labels(seg: np.ndarray) -> np.ndarray:
+    """Map BraTS labels {0, 1, 2, 4} to BraTS 2023 labels {0, 1, 2, 3} (enhancing 4 -> 3)."""
+    lut = np.zeros(256, np.uint8)
+    for old, new in BRATS_TO_2023_LABEL.items():
+        lut[old] = new
+    return lut[seg]
+
+
+def write_release_study(
+    root: Path,
+    study: MRIStudy,
+    release: str,
+    axcodes: Sequence[str] = ("L", "P", "S"),
+    suffix: str = ".nii.gz",
+) -> Path:
+    """Write one study in the folder layout and file names of a BraTS release.
+
+    * ``brats2017``/``brats2018``/``brats2019``:
+      ``root/{HGG,LGG}/<id>/<id>_{flair,t1,t1ce,t2,seg}.nii.gz``;
+    * ``brats2020``: ``root/BraTS20_Training_NNN/BraTS20_Training_NNN_{...}.nii.gz``, except
+      case 355, whose segmentation is ``W39_1998.09.19_Segm.nii`` as in the release;
+    * ``brats2021`` / ``fets2022``: ``root/<id>/<id>_{flair,t1,t1ce,t2,seg}.nii.gz`` with
+      ``BraTS2021_NNNNN`` / ``FeTS2022_NNNNN`` ids;
+    * ``brats2023``: ``root/BraTS-GLI-NNNNN-NNN/BraTS-GLI-NNNNN-NNN-{t2f,t1n,t1c,t2w,seg}.nii.gz``
+      with labels 1, 2, 3 (3 = enhancing tumour, label 4 of the earlier releases).
+
+    Args:
+        root: Release folder.
+        study: The study.
+        release: One of :data:`BRATS_RELEASES` other than ``msd``.
+        axcodes: Voxel orientation of the files.
+        suffix: ``.nii.gz`` (the releases) or ``.nii`` (e.g. the widely used Kaggle copy of
+            BraTS 2020, whose files are uncompressed).
+
+    Returns:
+        The subject folder.
+    """
+    name = study.release_name(release)
+    if release in ("brats2017", "brats2018", "brats2019"):
+        folder = root / study.grade / name
+    else:
+        folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    sep, modalities, seg = "_", BRATS_MODALITIES, study.seg
+    if release == "brats2023":
+        sep, modalities, seg = "-", BRATS2023_MODALITIES, to_2023_labels(study.seg)
+    for channel, modality in enumerate(modalities):
+        path = folder / f"{name}{sep}{modality}{suffix}"
+        _save_nifti(path, study.images[..., channel], study.affine, axcodes)
+    seg_name = BRATS2020_ODD_SEG.get(name, f"{name}{sep}seg{suffix}")
+    _save_nifti(folder / seg_name, seg, study.affine, axcodes)
+    return folder
+
+
+def _write_brats2020_tables(root: Path, studies: Sequence[MRIStudy]) -> None:
+    """``name_mapping.csv`` and ``survival_info.csv`` as they sit in the 2020 data folder."""
+    names = [s.release_name("brats2020") for s in studies]
+    pd.DataFrame(
+        {
+            "Grade": [s.grade for s in studies],
+            "BraTS_2017_subject_ID": [s.brats_name for s in studies],
+            "BraTS_2018_subject_ID": [s.release_name("brats2018") for s in studies],
+            "TCGA_TCIA_subject_ID": [f"TCGA-02-{s.index:04d}" for s in studies],
+            "BraTS_2019_subject_ID": [s.release_name("brats2019") for s in studies],
+            "BraTS_2020_subject_ID": names,
+        }
+    ).to_csv(root / "name_mapping.csv", index=False)
+    pd.DataFrame(
+        {
+            "Brats20ID": names,
+            "Age": [60.5 + s.index for s in studies],
+            "Survival_days": [str(300 + 10 * s.index) for s in studies],
+            "Extent_of_Resection": ["GTR" for _ in studies],
+        }
+    ).to_csv(root / "survival_info.csv", index=False)
+
+
+def write_fets_partitioning(path: Path, sites: dict[str, object]) -> Path:
+    """Write a FeTS partitioning CSV (``Subject_ID,Partition_ID``, one row per subject).
+
+    FeTS ships ``partitioning_1.csv`` (one partition per institution) and
+    ``partitioning_2.csv`` (the largest institutions further split by tumour size); both
+    have this shape.
+
+    Args:
+        path: The CSV to write.
+        sites: Subject id -> partition id.
+
+    Returns:
+        ``path``.
+    """
+    rows = "".join(f"{subject},{site}\n" for subject, site in sites.items())
+    Path(path).write_text("Subject_ID,Partition_ID\n" + rows)
+    return Path(path)
 
 
 def write_brats(
@@ -436,24 +579,31 @@ def write_brats(
     seed: int = 0,
     axcodes: Sequence[str] | None = None,
     studies: Sequence[MRIStudy] | None = None,
+    suffix: str = ".nii.gz",
 ) -> list[MRIStudy]:
-    """Write synthetic MRI studies in the BraTS2017 or MSD Task01 layout.
+    """Write synthetic MRI studies in a BraTS release's layout or MSD Task01's.
 
-    The same ``seed`` (or the same ``studies``) gives the same underlying studies in either
-    layout, so converters can be checked to produce identical arrays.
+    The same ``seed`` (or the same ``studies``) gives the same underlying studies in every
+    layout, so converters can be checked to produce identical arrays. ``brats2020`` also
+    writes the release's ``name_mapping.csv`` and ``survival_info.csv``; ``fets2022`` writes
+    FeTS's ``partitioning_1.csv`` (two sites) and ``partitioning_2.csv`` (three) next to the
+    subject folders.
 
     Args:
         out: Release folder.
-        layout: ``brats2017`` or ``msd``.
+        layout: One of :data:`BRATS_RELEASES` (see :func:`write_release_study`).
         n_studies: Number of studies (ignored when ``studies`` is given).
         seed: Random seed.
-        axcodes: File orientation; default ``LPS`` for BraTS2017 and ``RAS`` for MSD.
+        axcodes: File orientation; default ``LPS`` for BraTS and ``RAS`` for MSD.
         studies: Pre-built studies to write instead of new ones.
+        suffix: File suffix of the BraTS 2018-2023 layouts, ``.nii.gz`` or ``.nii``.
 
     Returns:
         The studies written.
     """
     out = Path(out)
+    if layout not in BRATS_RELEASES:
+        raise ValueError(f"unknown layout {layout!r}")
     studies = list(studies) if studies is not None else make_mri_studies(n_studies, seed)
     if layout == "brats2017":
         for study in studies:
@@ -463,7 +613,14 @@ def write_brats(
             write_msd_study(out, study, axcodes or ("R", "A", "S"))
         _write_msd_json(out, studies)
     else:
-        raise ValueError(f"unknown layout {layout!r}")
+        for study in studies:
+            write_release_study(out, study, layout, axcodes or ("L", "P", "S"), suffix)
+    if layout == "brats2020":
+        _write_brats2020_tables(out, studies)
+    if layout == "fets2022":
+        for number, n_sites in ((1, 2), (2, 3)):
+            sites = {s.release_name(layout): 1 + k % n_sites for k, s in enumerate(studies)}
+            write_fets_partitioning(out / f"partitioning_{number}.csv", sites)
     return studies
 
 
@@ -488,9 +645,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--layout",
-        choices=["brats2017", "msd", "both"],
+        choices=[*BRATS_RELEASES, "both"],
         default="brats2017",
         help="BraTS only; 'both' writes OUT/brats2017 and OUT/msd from the same studies",
+    )
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        default=list(MRI_SHAPE),
+        metavar=("X", "Y", "Z"),
+        help="BraTS only: voxel grid of each MRI (default 80 80 24)",
     )
     return parser
 
@@ -502,12 +667,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("error: --n-studies must be at least 1")
     if args.dataset == "luna16":
         write_luna16(args.out, args.n_studies, args.seed, args.direction)
+    elif min(args.shape) < 4:
+        raise SystemExit(f"error: --shape {args.shape}: every side must be at least 4 voxels")
     elif args.layout == "both":
-        studies = make_mri_studies(args.n_studies, args.seed)
+        studies = make_mri_studies(args.n_studies, args.seed, args.shape)
         write_brats(args.out / "brats2017", "brats2017", studies=studies)
         write_brats(args.out / "msd", "msd", studies=studies)
     else:
-        write_brats(args.out, args.layout, args.n_studies, args.seed)
+        studies = make_mri_studies(args.n_studies, args.seed, args.shape)
+        write_brats(args.out, args.layout, studies=studies)
     print(f"wrote {args.n_studies} synthetic {args.dataset} studies to {args.out}")
     return 0
 

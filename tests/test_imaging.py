@@ -90,7 +90,9 @@ def test_luna16_loads_the_prepared_arrays(prepared):
     assert data.x.shape[1:] == (1, 32, 32) and data.x.dtype == np.float32
     assert data.task == "classification" and data.num_classes == 2
     assert set(np.unique(data.y)) == {0, 1}
-    assert list(data.groups) == manifest["seriesuid"].tolist()
+    assert list(data.groups) == manifest["subset"].tolist()  # natural sites: subset0-9
+    series = luna16(str(prepared.luna), group="seriesuid")
+    assert list(series.groups) == manifest["seriesuid"].tolist()
     balanced = luna16(str(prepared.luna), delta=1.0)
     assert (balanced.y == 0).sum() == (balanced.y == 1).sum() == (data.y == 1).sum()
 

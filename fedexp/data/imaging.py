@@ -1,13 +1,16 @@
 """The imaging data sets of pFedNet §VI-A, loaded from the arrays ``data_prep`` writes.
 
 * LUNA16 lung-nodule candidates: 32x32 CT patches, label 1 = nodule (classification).
-* BraTS2017 brain tumours: 64x64 four-channel MRI patches (FLAIR, T1, T1ce, T2) with their
-  tumour mask (segmentation).
+* BraTS brain tumours (any release 2017-2023, FeTS 2022, MSD Task01): 64x64 four-channel
+  MRI patches (FLAIR, T1, T1ce, T2) with their tumour mask (segmentation).
 
 The raw releases are converted once by ``python -m data_prep.luna16`` / ``data_prep.brats``
 (``docs/data_prep.md``); these loaders only read ``images.npy``, ``labels.npy`` or
-``masks.npy`` and ``manifest.csv``. ``groups`` is the CT series or the patient, so
-``partition=natural`` never splits one patient's patches over clients.
+``masks.npy`` and ``manifest.csv``. ``groups`` (what ``partition=natural`` deals out, one
+client per group) is a manifest column chosen by ``dataset.group``: by default the site,
+i.e. LUNA16's ``subset0``-``subset9`` folder or the BraTS site recorded with
+``data_prep.brats --sites partitioning_1.csv`` (FeTS), else the CT series or the patient;
+either way one patient's patches never straddle clients.
 """
 
 from __future__ import annotations
@@ -54,12 +57,57 @@ def _manifest(folder: Path, column: str, n: int) -> np.ndarray:
     file = folder / "manifest.csv"
     if not file.is_file():
         raise DataError(f"{file} is missing (expected one row per patch with a '{column}' column)")
-    frame = pd.read_csv(file, dtype={column: str})
+    frame = pd.read_csv(file, dtype={column: str}, keep_default_na=False)
     if column not in frame.columns:
         raise DataError(f"{file}: no '{column}' column (columns are: {', '.join(frame.columns)})")
     if len(frame) != n:
         raise DataError(f"{file}: {len(frame)} rows for {n} patches in images.npy")
     return frame[column].to_numpy(dtype=str)
+
+
+#: ``dataset.group`` values per data set: ``auto`` takes the first column when the manifest
+#: has it (for every row), else the second.
+GROUP_COLUMNS = {"luna16": ("subset", "seriesuid"), "brats": ("site", "patient")}
+
+
+def _groups(folder: Path, dataset: str, group: str, n: int, command: str) -> np.ndarray:
+    """The manifest column that ``partition=natural`` deals out, one value per patch.
+
+    Args:
+        folder: Prepared folder.
+        dataset: ``luna16`` or ``brats`` (see :data:`GROUP_COLUMNS`).
+        group: ``auto`` or one of the data set's group columns.
+        n: Number of patches.
+        command: The ``data_prep`` command that writes the folder (for messages).
+
+    Raises:
+        DataError: An unknown ``group``, or a group column the manifest lacks or leaves empty.
+    """
+    site, fallback = GROUP_COLUMNS[dataset]
+    if group not in ("auto", site, fallback):
+        raise DataError(f"dataset.group={group!r}: expected auto, {site} or {fallback}")
+    file = folder / "manifest.csv"
+    header = pd.read_csv(file, nrows=0).columns if file.is_file() else []
+    if group == "auto":
+        if site in header:
+            values = _manifest(folder, site, n)
+            if (values != "").all():
+                return values
+        return _manifest(folder, fallback, n)
+    if group == site and site not in header:
+        hint = " --sites partitioning_1.csv" if dataset == "brats" else ""
+        raise DataError(
+            f"dataset.group={group}: {file} has no '{site}' column; prepare the data again with "
+            f"`{command.format(out=folder)}{hint}` (see docs/data_prep.md)"
+        )
+    values = _manifest(folder, group, n)
+    empty = np.flatnonzero(values == "")
+    if len(empty):
+        raise DataError(
+            f"dataset.group={group}: {file}: line {int(empty[0]) + 2} has no {group} "
+            f"({len(empty)} of {n} rows; expected every patch to have one)"
+        )
+    return values
 
 
 def _check_shape(folder: Path, name: str, array: np.ndarray, expected: str, ok: bool) -> None:
@@ -79,7 +127,9 @@ def _check_not_empty(folder: Path, x: np.ndarray, command: str) -> None:
         )
 
 
-def luna16(path: str, delta: Positive | None = None, seed: NonNegativeInt = 0) -> ArrayDataset:
+def luna16(
+    path: str, delta: Positive | None = None, seed: NonNegativeInt = 0, group: str = "auto"
+) -> ArrayDataset:
     """LUNA16 nodule candidates as 32x32 patches (pFedNet §VI-A, lung nodule classification).
 
     Args:
@@ -90,14 +140,19 @@ def luna16(path: str, delta: Positive | None = None, seed: NonNegativeInt = 0) -
             null keeps every prepared candidate. (Per-client imbalance is
             ``partition=label_imbalance``.)
         seed: seed of the δ draw, ≥ 0.
+        group: what ``partition=natural`` deals out: ``subset`` (the release's
+            ``subset0``-``subset9`` folder of the volume, ten sites), ``seriesuid`` (the CT
+            series) or ``auto``: ``subset`` when the manifest records one for every patch
+            (folders prepared before subsets were recorded have none), else ``seriesuid``.
 
     Returns:
         Classification data: x float32 (n, 1, 32, 32) in [0, 1], y int64 (n,) with 1 = nodule,
-        groups = the CT series UID of each candidate.
+        groups = the subset or CT series UID of each candidate.
 
     Raises:
         DataError: the prepared arrays are missing, inconsistent or hold no patch, δ is not a
-            positive finite number, or δ is set but there is no nodule to balance against.
+            positive finite number, δ is set but there is no nodule to balance against, or
+            ``group`` names a column the manifest lacks.
     """
     command = "python -m data_prep.luna16 --root RAW --out {out}"
     folder = _folder(path, "LUNA16", command)
@@ -106,7 +161,7 @@ def luna16(path: str, delta: Positive | None = None, seed: NonNegativeInt = 0) -
     _check_shape(folder, "images.npy", x, "(N, 1, H, W) float32", x.ndim == 4 and x.shape[1] == 1)
     _check_not_empty(folder, x, command)
     _check_shape(folder, "labels.npy", y, f"({len(x)},) integers", y.shape == (len(x),))
-    groups = _manifest(folder, "seriesuid", len(x))
+    groups = _groups(folder, "luna16", group, len(x), command)
     keep = np.arange(len(x))
     if seed < 0:
         raise DataError(f"dataset.seed={seed}: expected ≥ 0")
@@ -132,24 +187,27 @@ def luna16(path: str, delta: Positive | None = None, seed: NonNegativeInt = 0) -
     )
 
 
-def brats(path: str, region: str = "whole") -> ArrayDataset:
-    """BraTS2017 tumour patches, 64x64 with four MRI channels (pFedNet §VI-A, segmentation).
+def brats(path: str, region: str = "whole", group: str = "auto") -> ArrayDataset:
+    """BraTS tumour patches, 64x64 with four MRI channels (pFedNet §VI-A, segmentation).
 
     Args:
         path: folder written by ``python -m data_prep.brats --root RAW --out PATH``.
         region: the binary target: ``whole`` tumour (the default and the only one of
             ``--labels whole`` masks), or ``core`` / ``enhancing`` from ``--labels regions``
             masks.
+        group: what ``partition=natural`` deals out: ``site`` (recorded by ``data_prep.brats
+            --sites partitioning_1.csv``, FeTS's institutions), ``patient``, or ``auto``:
+            ``site`` when the manifest has one, else ``patient``.
 
     Returns:
         Segmentation data: x float32 (n, 4, 64, 64), channels FLAIR, T1, T1ce, T2 (z-scored per
-        patient); y int64 (n, 64, 64) in {0, 1}; groups = the patient of each patch. Its
-        ``labels`` (one per sample, for partitions and the stratified 80/20 split) say whether
-        the patch holds tumour.
+        patient); y int64 (n, 64, 64) in {0, 1}; groups = the site or patient of each patch.
+        Its ``labels`` (one per sample, for partitions and the stratified 80/20 split) say
+        whether the patch holds tumour.
 
     Raises:
-        DataError: the prepared arrays are missing, inconsistent or hold no patch, or the
-            region is not in the masks.
+        DataError: the prepared arrays are missing, inconsistent or hold no patch, the
+            region is not in the masks, or ``group`` names a column the manifest lacks.
     """
     command = "python -m data_prep.brats --root RAW --out {out}"
     folder = _folder(path, "BraTS", command)
@@ -169,7 +227,7 @@ def brats(path: str, region: str = "whole") -> ArrayDataset:
         or (masks.ndim == 4 and masks.shape[1] == 3 and masks.shape[2:] == x.shape[2:])
     )
     _check_shape(folder, "masks.npy", masks, f"({len(x)}, H, W) or ({len(x)}, 3, H, W)", shape_ok)
-    groups = _manifest(folder, "patient", len(x))
+    groups = _groups(folder, "brats", group, len(x), command)
     y = masks if masks.ndim == 3 else masks[:, BRATS_REGIONS.index(region)]
     return ArrayDataset(
         "brats",
