@@ -41,20 +41,21 @@ log = logging.getLogger("fedexp")
 logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-def _set_threads(threads: int, hc: DictConfig) -> None:
-    """Cap torch's CPU threads: ``threads``, or cores / parallel jobs in a parallel sweep."""
-    import os
+def _set_threads(cfg: DictConfig, hc: DictConfig) -> None:
+    """Choose the run's torch threads and log the choice (:mod:`fedexp.engine.threads`).
 
-    import torch
+    The cores available over the processes sharing them: the sweep's parallel jobs (the
+    launcher's ``n_jobs``), the run's ranks; ``threads=N`` overrides. One line, e.g.
+    ``threads: 1 (2 cores shared by 2 sweep jobs)``.
+    """
     from hydra.types import RunMode
 
-    if threads <= 0 and hc.mode == RunMode.MULTIRUN:
-        jobs = hc.launcher.get("n_jobs") if hc.launcher is not None else None
-        cores = os.cpu_count() or 1
-        if jobs is not None and jobs != 1:
-            threads = max(1, cores // (cores if jobs < 0 else jobs))
-    if threads > 0:
-        torch.set_num_threads(threads)
+    from fedexp.engine.threads import apply_threads, available_cores, launcher_jobs
+
+    jobs = 1
+    if hc.mode == RunMode.MULTIRUN and hc.launcher is not None:
+        jobs = launcher_jobs(hc.launcher.get("n_jobs"), available_cores())
+    log.info("%s", apply_threads(cfg, jobs).line())
 
 
 #: Parts of a ``hydra.*`` key, and words in its value, that make Hydra import and call code
@@ -146,7 +147,7 @@ def _prepare(cfg: DictConfig, hc: DictConfig) -> dict[str, str]:
     """Threads, the output folder; returns the run's tags (``choice.<group>``)."""
     from omegaconf import open_dict
 
-    _set_threads(cfg.threads, hc)
+    _set_threads(cfg, hc)
     with open_dict(cfg):
         if cfg.output_dir is None:
             cfg.output_dir = hc.runtime.output_dir
@@ -205,10 +206,14 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
 
 
 def _discard_folder(hc: DictConfig) -> None:
-    """Remove the run's folder Hydra made if the run was refused before it wrote anything."""
-    from fedexp.config.instantiate import discard_fresh_dir
+    """Remove the run's folder Hydra made if the run was refused before it wrote anything.
+
+    A refused resume: Hydra's record of it (``.hydra/resume-<stamp>``) in the run's folder.
+    """
+    from fedexp.config.instantiate import discard_fresh_dir, discard_resume_record
 
     discard_fresh_dir(hc.runtime.output_dir)
+    discard_resume_record(hc.runtime.output_dir, str(hc.output_subdir))
 
 
 def _sweep_tags(cfg: DictConfig, hc: DictConfig, info: SweepInfo | None) -> dict[str, str]:

@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedexp.errors import CheckpointError, DivergenceError, Terminated
+from fedexp.errors import CheckpointError, DivergenceError, RankDied, Terminated
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -76,6 +76,8 @@ def describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
     text = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {exc}"
     if isinstance(exc, Terminated):
         text = "terminated (SIGTERM)"
+    if isinstance(exc, RankDied):  # "rank 1 died (signal 9, SIGKILL) in round 17"
+        text = str(exc)
     if isinstance(exc, CheckpointError):
         return text  # the checkpoint itself is unusable: no resume hint
     # resume= names a checkpoints folder or a file in one (last.safetensors, good.safetensors)

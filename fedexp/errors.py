@@ -25,6 +25,14 @@ class CheckpointError(FedexpError):
     """A checkpoint file is missing, unreadable, or its tensors fail their checksum."""
 
 
+class RankDied(FedexpError):
+    """A process of a ``distributed.nproc`` run ended while the others still needed it.
+
+    Its message is the whole line (``rank 1 died (signal 9, SIGKILL) in round 17``); the CLI
+    adds the resume command of the last checkpoint.
+    """
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the run's main thread by the CLI: the run stops as on Ctrl-C.
 

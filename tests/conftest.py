@@ -20,6 +20,18 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Put torch's threads back after each test: an in-process ``fedexp run`` sets them
+    (fedexp/engine/threads.py), which would leak into the worker's later tests."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op torch thread: tiny models take many small steps, which crawl when two

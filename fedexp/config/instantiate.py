@@ -299,11 +299,83 @@ def discard_fresh_dir(path: str | os.PathLike) -> bool:
     return True
 
 
-def register_resolvers() -> None:
-    """``${fedexp.fresh_dir:<base>}`` for ``hydra.run.dir``/``hydra.sweep.dir`` (conf/config.yaml).
+def resumed_run_dir(resume: str | os.PathLike | None) -> str | None:
+    """The run folder a checkpoint belongs to, or None.
 
-    Cached like Hydra's ``${now:...}`` (Hydra copies the cache into every sweep job's config),
-    so one run or one sweep claims exactly one folder.
+    ``resume=<run>/checkpoints`` (or a file in it, ``good.safetensors``) belongs to
+    ``<run>``: a resumed run writes its results there, beside its checkpoints, so that one
+    folder holds the run's rounds 0..R (``rounds.csv``, ``clients_rounds.csv``, the plots,
+    ``clients.csv``, ``config.yaml``), whatever the number of resumes. None for no resume,
+    for a folder that does not exist, or for one not named ``checkpoints`` (a copied
+    checkpoint): that run writes into a fresh folder, as a new run does.
     """
-    if not OmegaConf.has_resolver("fedexp.fresh_dir"):
-        OmegaConf.register_new_resolver("fedexp.fresh_dir", fresh_dir, use_cache=True)
+    if not resume:
+        return None
+    path = os.fspath(resume)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.basename(os.path.normpath(folder)) != "checkpoints" or not os.path.isdir(folder):
+        return None
+    return os.path.dirname(os.path.normpath(folder)) or "."
+
+
+def discard_resume_record(output_dir: str | os.PathLike, subdir: str) -> bool:
+    """Remove Hydra's record (``.hydra/resume-<stamp>``) of a resume that was refused.
+
+    A resume refused before it ran (a changed setting, a bad checkpoint) leaves its run's
+    folder as it was. Returns whether a record was removed.
+    """
+    import shutil
+
+    if not str(subdir).startswith(".hydra/resume-"):
+        return False
+    record = os.path.join(os.fspath(output_dir), subdir)
+    if not os.path.isdir(record):
+        return False
+    shutil.rmtree(record, ignore_errors=True)
+    return True
+
+
+def run_dir(resume: str | None, base: str) -> str:
+    """``hydra.run.dir``: a resumed run's own folder, else a fresh one.
+
+    :func:`resumed_run_dir` of ``resume``, else :func:`fresh_dir` of ``base``.
+    """
+    return resumed_run_dir(resume) or fresh_dir(base)
+
+
+def hydra_subdir(resume: str | None, stamp: str) -> str:
+    """``hydra.output_subdir``: ``.hydra``, or ``.hydra/resume-<stamp>`` for a resumed run.
+
+    A run resumed in its own folder (:func:`resumed_run_dir`) leaves Hydra's record of the
+    first command in ``.hydra`` and puts each resume's beside it, in a folder it claims
+    (``resume-<stamp>-1``, ... for resumes started in the same second).
+    """
+    run = resumed_run_dir(resume)
+    if run is None:
+        return ".hydra"
+    os.makedirs(os.path.join(run, ".hydra"), exist_ok=True)
+    for n in range(100_000):
+        name = f"resume-{stamp}" if n == 0 else f"resume-{stamp}-{n}"
+        try:
+            os.mkdir(os.path.join(run, ".hydra", name))
+        except FileExistsError:
+            continue
+        return f".hydra/{name}"
+    raise ConfigError(f"no free record folder in {run}/.hydra")
+
+
+def register_resolvers() -> None:
+    """The resolvers of conf/config.yaml's ``hydra`` node.
+
+    ``${fedexp.fresh_dir:<base>}`` (``hydra.sweep.dir``), ``${fedexp.run_dir:<resume>,<base>}``
+    (``hydra.run.dir``) and ``${fedexp.hydra_subdir:<resume>,<stamp>}``
+    (``hydra.output_subdir``). Cached like Hydra's ``${now:...}`` (Hydra copies the cache
+    into every sweep job's config), so one run or one sweep claims exactly one folder.
+    """
+    for name, fn in (
+        ("fedexp.fresh_dir", fresh_dir),
+        ("fedexp.run_dir", run_dir),
+        ("fedexp.hydra_subdir", hydra_subdir),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=True)

@@ -74,9 +74,10 @@ class RunConfig:
         output_dir: where checkpoints and result files go (null: Hydra's run folder).
         eval_participants: evaluate only the round's sampled clients at evaluated rounds
             before the last (pFedSOP's curves); the last round evaluates every client.
-        threads: torch CPU threads of this job; 0 = PyTorch's default for a single run and
-            cores / parallel jobs in a parallel sweep (two jobs each using every core stall
-            each other's small kernels on a 2-core machine).
+        threads: torch CPU threads of this job; 0 = the cores available (CPU affinity, cgroup
+            quota) over the processes sharing them: parallel sweep jobs × the run's ranks (two
+            jobs each using every core stall each other's small kernels on a 2-core
+            machine); logged at the start (fedexp/engine/threads.py).
         store: where the clients' data and states live: "memory", or "disk" (files in
             ``store_dir`` mapped into memory, so the resident memory follows the round's
             clients, not the population; CPU runs; the files go when the run ends).

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.config.groups import check_channel_keys, check_groups
-from fedexp.config.instantiate import fresh_dir, instantiate_checked
+from fedexp.config.instantiate import fresh_dir, instantiate_checked, resumed_run_dir
 from fedexp.config.schema import validate
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import clients_for_batch, federate
@@ -330,6 +330,11 @@ def run(
     artifacts and the per-client table as ``clients_rounds.json``
     (:data:`~fedexp.engine.files.outputs.CLIENT_TABLE`).
 
+    ``cfg.threads`` > 0 sets torch's intra-op threads first (the CLI records its choice
+    there, :mod:`fedexp.engine.threads`, so the ranks a ``distributed.nproc`` run starts take
+    it too); 0 leaves them as the caller set them. A resumed run (``cfg.resume``) writes into
+    the checkpoint's run folder unless ``cfg.output_dir`` names another (:func:`_out_dir`).
+
     Args:
         cfg: the composed run config.
         tracker: overrides ``cfg.tracker`` (tests).
@@ -337,6 +342,8 @@ def run(
         run_name: MLflow run name.
         tags: extra MLflow tags (e.g. the sweep's overrides); they win over provenance tags.
     """
+    if int(cfg.get("threads") or 0) > 0:  # the CLI's choice, in every rank it starts too
+        torch.set_num_threads(int(cfg.threads))
     nodes = cfg.get("distributed", {}).get("nodes", 1)
     if nodes > 1 and Ranks.current() is None:  # the CLI starts them: torchrun or SLURM
         raise ConfigError(f"distributed.nodes={nodes}: no process group spans the nodes")
@@ -347,6 +354,7 @@ def run(
     if out_dir is not None:  # the others start now and build their share meanwhile
         place, procs = launch.start(cfg, str(out_dir), _rank_entry)
     failed = True
+    engine: Engine | None = None
     try:
         engine, data = _build(cfg, place)
         dataset = None  # what rank 0 logs of the data set
@@ -357,6 +365,11 @@ def run(
         result = _run(cfg, engine, dataset, out_dir, tracker, callbacks, run_name, tags)
         failed = False
         return result
+    except RuntimeError as exc:  # a collective: a started rank died? one line, not gloo's
+        ended = launch.lost(exc, procs, engine)
+        if ended is None:
+            raise
+        raise ended from None
     finally:
         if procs:  # the other ranks: waited for, or ended when this one failed
             launch.stop(procs, failed=failed)
@@ -367,9 +380,16 @@ def _nproc(cfg: DictConfig) -> int:
 
 
 def _out_dir(cfg: DictConfig) -> Path:
-    """The run's folder: ``output_dir``, or (the API) one of its own, never reused."""
+    """The run's folder: ``output_dir``, else (the API) a resumed run's or a fresh one.
+
+    A resumed run's own folder: :func:`~fedexp.config.instantiate.resumed_run_dir`; a fresh
+    one is never reused.
+    """
     if cfg.output_dir:
         return Path(cfg.output_dir)
+    resumed = resumed_run_dir(cfg.get("resume"))
+    if resumed is not None:
+        return Path(resumed)
     return Path(fresh_dir(f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"))
 
 

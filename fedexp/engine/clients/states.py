@@ -275,8 +275,111 @@ def merge_exports(exports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: The name of a ``store=disk`` scratch folder: ``fedexp-store-<owner pid>-<random>``.
+SCRATCH_PREFIX = "fedexp-store-"
+#: The file in a scratch folder naming its owner: ``{"host", "pid", "started"}`` (JSON).
+OWNER_FILE = "owner.json"
+#: Seconds two start times of one pid may differ and still be one process (clock-tick rounding).
+_START_TOLERANCE_S = 2.0
+#: The scratch folders this process made (removed by :func:`remove_scratch`).
+_MADE: list[Path] = []
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None if psutil cannot tell."""
+    try:
+        import psutil
+
+        return float(psutil.Process(pid).create_time())
+    except Exception:  # noqa: BLE001 - no such process, no access: unknown
+        return None
+
+
+def _owner_gone(folder: Path, host: str) -> bool:
+    """Whether the process that made scratch ``folder`` on ``host`` is gone.
+
+    Gone: no process of the folder's pid, a zombie (killed, not yet waited for), or a later
+    process that reused the pid (another start time). Unsure means not gone: a folder of an
+    older fedexp (no pid in its name), of another machine (a shared ``store_dir``), or one
+    whose owner file is not written yet or cannot be read.
+    """
+    match = re.fullmatch(re.escape(SCRATCH_PREFIX) + r"(\d+)-\w+", folder.name)
+    if match is None:
+        return False
+    import json
+
+    try:
+        owner = json.loads((folder / OWNER_FILE).read_text())
+        if owner.get("host") != host or int(owner["pid"]) != int(match.group(1)):
+            return False
+        started = float(owner["started"]) if owner.get("started") is not None else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    import psutil
+
+    try:
+        proc = psutil.Process(int(match.group(1)))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        return started is not None and abs(proc.create_time() - started) > _START_TOLERANCE_S
+    except psutil.NoSuchProcess:
+        return True
+    except Exception:  # noqa: BLE001 - no access (another user's, alive), a race: not gone
+        return False
+
+
+def reap_scratch(where: str | Path | None = None) -> list[Path]:
+    """Remove the ``store=disk`` scratch folders in ``where`` whose process is gone.
+
+    A process killed by SIGKILL (or the OOM killer) cannot remove its folder, which may hold
+    gigabytes; the next run that makes one in the same place, or the rank that outlived it,
+    removes it here (:func:`_owner_gone` decides; unsure means kept).
+
+    Args:
+        where: the folder to look in; None: the folders holding this process's own scratch
+            folders, else the temporary folder.
+
+    Returns:
+        The folders removed.
+    """
+    import shutil
+    import socket
+
+    places = {Path(where)} if where else {p.parent for p in _MADE}
+    places = places or {Path(tempfile.gettempdir())}
+    host, removed = socket.gethostname(), []
+    for place in places:
+        try:
+            found = [p for p in place.iterdir() if p.name.startswith(SCRATCH_PREFIX)]
+        except OSError:
+            continue
+        for folder in found:
+            if folder.is_dir() and _owner_gone(folder, host):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
+
+
+def remove_scratch() -> None:
+    """Remove every scratch folder this process made: for exits that skip its finalizers.
+
+    A run's folder goes with its engine (``weakref.finalize``) or at the interpreter's exit;
+    a process that ends by ``os._exit`` or on a signal (a rank of ``distributed.nproc``) calls
+    this first.
+    """
+    import shutil
+
+    for folder in list(_MADE):  # (a signal's thread and the main thread may both get here)
+        shutil.rmtree(folder, ignore_errors=True)
+    _MADE.clear()
+
+
 def scratch_folder(store: str, store_dir: str | None, device: torch.device) -> Path | None:
     """A new folder for ``store=disk``'s memory-mapped files, or None (``store=memory``).
+
+    Named after this process (``fedexp-store-<pid>-…``, with an :data:`OWNER_FILE` naming the
+    host and the pid's start time), so that a later run can tell it from a live run's; the
+    folders of dead runs in the same place are removed first (:func:`reap_scratch`).
 
     Raises:
         ConfigError: ``store=disk`` on a GPU device, or a ``store_dir`` that cannot be made.
@@ -288,12 +391,22 @@ def scratch_folder(store: str, store_dir: str | None, device: torch.device) -> P
             f"store=disk: the clients' files are memory-mapped CPU tensors, but device={device} "
             "keeps the clients on the accelerator; use store=memory there"
         )
+    import json
+    import os
+    import socket
+
     try:
         if store_dir:
             Path(store_dir).mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix="fedexp-store-", dir=store_dir or None))
+        reap_scratch(store_dir or tempfile.gettempdir())
+        pid = os.getpid()
+        folder = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{pid}-", dir=store_dir or None))
+        owner = {"host": socket.gethostname(), "pid": pid, "started": _started(pid)}
+        (folder / OWNER_FILE).write_text(json.dumps(owner))
     except OSError as exc:
         raise ConfigError(
             f"store_dir={store_dir}: cannot make a folder there ({exc.strerror or exc}); "
             "expected a writable folder"
         ) from None
+    _MADE.append(folder)
+    return folder

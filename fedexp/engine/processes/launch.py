@@ -4,29 +4,70 @@ The process the user started becomes rank 0 (it keeps the tracker, the progress 
 the run's files); it starts ranks 1 … P−1 with :mod:`torch.multiprocessing` (spawn), each with
 the same resolved config, and they join one torch.distributed process group over a local TCP
 port. What each rank runs: :mod:`fedexp.engine.processes.ranks`.
+
+When a rank ends while the others still need it (SIGKILL, the OOM killer, a crash), the
+survivors' collectives fail with gloo's "Connection reset by peer"; the run then ends with
+one line and the resume command, no traceback (:func:`lost`): rank 0 names the rank that
+ended and how (it is their parent and knows their exit status); a rank ≥ 1 that outlives
+rank 0 says that rank 0 died. Ranks ≥ 1 ignore Ctrl-C (the terminal sends it to every
+process of the run: rank 0 stops the run, says so, and ends them) and end on SIGTERM
+quietly, at once, even inside a collective; every exit a rank can handle removes its
+``store=disk`` scratch folder, and the survivors remove a killed rank's
+(:func:`~fedexp.engine.clients.states.reap_scratch`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
+import json
 import logging
+import multiprocessing
 import os
+import signal
 import socket
 import sys
+import threading
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from fedexp.engine.clients.states import reap_scratch, remove_scratch
 from fedexp.engine.processes.ranks import TIMEOUT, Ranks, peer_left
-from fedexp.errors import FedexpError
+from fedexp.errors import FedexpError, RankDied
+
+if TYPE_CHECKING:
+    from fedexp.engine.round.engine import Engine
 
 log = logging.getLogger("fedexp")
+
+#: The first line of the config a started rank gets: the command line's overrides (JSON), for
+#: the resume command it prints if rank 0 dies (a YAML comment: the config reads as before).
+_OVERRIDES = "# fedexp-overrides: "
+#: Seconds rank 0 waits for a rank to end after a collective failed because a rank left.
+_END_WAIT_S = 10.0
+#: Seconds a rank ≥ 1 waits to learn whether rank 0 died (else rank 0 says why the run ended).
+_PARENT_WAIT_S = 2.0
+#: This process's rank when :func:`rank_main` started it, else None.
+_started_rank: int | None = None
+#: The socket pair SIGTERM wakes :func:`_watch` through (:func:`_end_on_sigterm`), once set.
+_wakeup: tuple[socket.socket, socket.socket] | None = None
+
+
+class _PeerLost(Exception):
+    """In a rank ≥ 1: a collective failed because another rank left, ``where`` in the run."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
 
 
 def _free_port() -> int:
@@ -69,10 +110,19 @@ def rank_main(
     while rank 0 builds its own. A user's error (:class:`FedexpError`: a setting, the data) is
     left to rank 0 to print, as under torchrun: every rank builds from the same config and
     data, so rank 0 meets it too. So is a collective, or the group's start, that fails because
-    another rank left first (:func:`~fedexp.engine.processes.ranks.peer_left`): that rank says why.
-    Anything else is printed with its traceback.
+    another rank left first (:func:`~fedexp.engine.processes.ranks.peer_left`): rank 0 says
+    which and how, unless rank 0 itself is the one that died: then this rank says so
+    (:func:`_say_if_rank_0_died`). Anything else is printed with its traceback.
+
+    Ctrl-C is ignored (rank 0 stops the run and ends the others); SIGTERM ends the rank
+    quietly. Every way out removes the rank's ``store=disk`` folder.
     """
+    global _started_rank
+    _started_rank = rank
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (also inherited from start(): from birth)
+    _end_on_sigterm()
     logging.getLogger("fedexp").setLevel(logging.WARNING)
+    overrides = _overrides_of(config)
     cfg = OmegaConf.create(config)
     if not cfg.get("threads"):
         _threads(size)
@@ -80,18 +130,210 @@ def rank_main(
         _join(rank, size, port, backend)
         job(cfg)
         dist.barrier()  # with rank 0's stop(): every rank done before the group goes
+    except _PeerLost as exc:  # (from the runner: where in the run it happened)
+        _say_if_rank_0_died(exc.where, cfg, overrides)
+        _quit(1)
     except FedexpError:  # a setting or the data: rank 0 meets it too and alone says it
-        os._exit(1)
+        _quit(1)
     except BaseException as exc:  # noqa: BLE001 - reported, and the group torn down for rank 0
-        if peer_left(exc):  # rank 0 (or another) failed first, and says why
-            os._exit(1)
+        if peer_left(exc):  # another rank left first: rank 0 says why, or this one if rank 0
+            _say_if_rank_0_died("", cfg, overrides)
+            _quit(1)
         traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(1)
+        _quit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     _leave()
+
+
+def _overrides_of(config: str) -> list[str]:
+    """The command line's overrides that :func:`start` put in ``config``'s first line."""
+    first = config.split("\n", 1)[0]
+    if not first.startswith(_OVERRIDES):
+        return []
+    try:
+        return [str(o) for o in json.loads(first[len(_OVERRIDES) :])]
+    except (ValueError, TypeError):
+        return []
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # (a closed stream, a reentrant call)
+            stream.flush()
+
+
+def _quit(code: int) -> None:
+    """End a rank ≥ 1 that failed: its scratch folder removed, without Python's exit."""
+    remove_scratch()
+    _flush()
+    os._exit(code)
+
+
+def _end_on_sigterm() -> None:
+    """SIGTERM ends this rank ≥ 1 at once and quietly, even inside a collective.
+
+    Python runs a signal's handler in the main thread between two bytecodes, which never
+    comes while the thread waits in a gloo collective for a rank that stopped (up to
+    :data:`~fedexp.engine.processes.ranks.TIMEOUT`); the collective releases the GIL, so a
+    thread woken by the signal (``signal.set_wakeup_fd``) ends the rank instead: its scratch
+    folder removed, exit status 128 + 15 (:func:`_quit`).
+    """
+    global _wakeup
+    if _wakeup is not None:
+        return
+    _wakeup = socket.socketpair()
+    _wakeup[1].setblocking(False)
+    signal.set_wakeup_fd(_wakeup[1].fileno(), warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, _noted)  # (Python's C handler writes the signal's number)
+    threading.Thread(target=_watch, args=(_wakeup[0],), daemon=True, name="sigterm").start()
+
+
+def _noted(signum: int, frame: object) -> None:
+    """SIGTERM's Python handler in the main thread: nothing; :func:`_watch` ends the rank."""
+
+
+def _watch(wakeup: socket.socket) -> None:
+    """The thread of :func:`_end_on_sigterm`: ends the rank when SIGTERM's number comes."""
+    while True:
+        try:
+            got = wakeup.recv(64)
+        except OSError:
+            return
+        if not got:
+            return
+        if signal.SIGTERM in got:
+            _quit(128 + signal.SIGTERM)
+
+
+def _death(pid: int) -> str:
+    """How process ``pid`` ended, `` (signal 9, SIGKILL)``, while it is a zombie; else "".
+
+    A rank ≥ 1 is not rank 0's parent and cannot wait for it; ``/proc/<pid>/stat`` still
+    holds the exit status (its 52nd field) until rank 0's own parent (the shell) reaps it.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if fields[0] != "Z":
+            return ""
+        return _how(_exit_code(int(fields[49])))
+    except (OSError, IndexError, ValueError):
+        return ""
+
+
+def _exit_code(status: int) -> int:
+    """A wait status as :attr:`multiprocessing.Process.exitcode` says it (−signal, or code)."""
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
+
+
+def _signal_of(code: int) -> int:
+    """The signal that ended a rank of exit code ``code`` (−9; 143: a rank's SIGTERM), or 0."""
+    if code < 0:
+        return -code
+    return code - 128 if code - 128 in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) else 0
+
+
+def _how(code: int) -> str:
+    """`` (signal 9, SIGKILL)`` for −9, `` (signal 15, SIGTERM)`` for 143, `` (exit code 1)``."""
+    sig = _signal_of(code)
+    if not sig:
+        return f" (exit code {code})"
+    try:
+        return f" (signal {sig}, {signal.Signals(sig).name})"
+    except ValueError:
+        return f" (signal {sig})"
+
+
+def _say_if_rank_0_died(where: str, cfg: DictConfig, overrides: list[str]) -> None:
+    """In a rank ≥ 1 whose collective failed: if rank 0 (its parent) died, say so in one line.
+
+    Rank 0 that is alive says itself why the run ended (and ends this rank). One that died
+    (SIGKILL, the OOM killer) cannot: this rank prints ``fedexp: rank 0 died … in round N;
+    checkpoint kept: fedexp run … resume=…`` and removes rank 0's scratch folder.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    parent.join(_PARENT_WAIT_S)  # (its end closes the pipe: as soon as it died)
+    if parent.is_alive():
+        return
+    reap_scratch()
+    line = f"rank 0 died{_death(int(parent.pid or 0))} {where}".rstrip()
+    try:
+        from fedexp.cli_output import describe_stop
+
+        hc = OmegaConf.create({"overrides": {"task": overrides}})
+        line = describe_stop(RankDied(line), cfg, hc)
+    except Exception:  # noqa: BLE001 - a config without output_dir (tests): the line alone
+        pass
+    print(f"fedexp: {line}", file=sys.stderr, flush=True)
+
+
+def _where(engine: Engine | None) -> str:
+    """Where a run is, for a line on a rank that died: ``in round 17``.
+
+    The round under way (its training, its evaluation or its checkpoint): ``ctx.round`` is
+    set as a round starts, ``round`` advanced as its training ends.
+    """
+    if engine is None:
+        return "while the run was being set up"
+    done = engine.round
+    return f"in round {done + 1 if engine.ctx.round == done else done}"
+
+
+def lost(exc: BaseException, procs: list[Any], engine: Engine | None) -> BaseException | None:
+    """What a run over started ranks raises when ``exc`` is a rank that left, else None.
+
+    On rank 0 (``procs``: the ranks it started): the first of them to end (a signal first),
+    as :class:`~fedexp.errors.RankDied` (``rank 1 died (signal 9, SIGKILL) in round 17``),
+    once it has ended (at most :data:`_END_WAIT_S` seconds); its scratch folder is removed.
+    On a started rank: :class:`_PeerLost` with where the run was (:func:`rank_main` says it if
+    rank 0 is the one that died). None otherwise: the error stands as it is.
+    """
+    if not peer_left(exc):
+        return None
+    if not procs:
+        return _PeerLost(_where(engine)) if _started_rank is not None else None
+    ready = wait([p.sentinel for p in procs], timeout=_END_WAIT_S)
+    ended = []
+    for rank, p in enumerate(procs, start=1):
+        if p.sentinel in ready:
+            p.join(timeout=1)  # (its pipe closes a moment before its exit status is there)
+        if p.exitcode is not None:  # a rank that a signal ended first, then the lowest
+            ended.append((not _signal_of(p.exitcode), rank, p.exitcode))
+    if not ended:
+        return None
+    _, rank, code = min(ended)
+    reap_scratch()
+    said = "died" if _signal_of(code) else "left the run" if code == 0 else "failed"
+    return RankDied(f"rank {rank} {said}{_how(code) if code else ''} {_where(engine)}")
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ctrl-C ignored while ranks are started: they inherit it, and ignore it from birth."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are left alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _command_overrides() -> list[str]:
+    """The command line's overrides (Hydra's), for a started rank's resume command."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return [str(o) for o in HydraConfig.get().overrides.task]
+    except Exception:  # noqa: BLE001 - no Hydra run (the API): none
+        pass
+    return []
 
 
 def _leave() -> None:
@@ -104,8 +346,8 @@ def _leave() -> None:
     """
     gc.collect()
     atexit._run_exitfuncs()  # (weakref.finalize's, logging's, multiprocessing's)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    remove_scratch()
+    _flush()
     os._exit(0)
 
 
@@ -127,15 +369,17 @@ def start(cfg: DictConfig, output_dir: str, entry: Callable[..., None]) -> tuple
     with open_dict(child):
         child.output_dir = output_dir
         child.progress = "none"
-    config = OmegaConf.to_yaml(child, resolve=True)
+    config = _OVERRIDES + json.dumps(_command_overrides()) + "\n"
+    config += OmegaConf.to_yaml(child, resolve=True)
     port = _free_port()
     context = mp.get_context("spawn")
     procs = [
         context.Process(target=entry, args=(r, size, port, config, backend), daemon=True)
         for r in range(1, size)
     ]
-    for p in procs:
-        p.start()
+    with _sigint_ignored():  # Ctrl-C reaches every process of the run: rank 0 handles it
+        for p in procs:
+            p.start()
     if not cfg.get("threads"):
         _threads(size)
     try:
@@ -148,16 +392,28 @@ def start(cfg: DictConfig, output_dir: str, entry: Callable[..., None]) -> tuple
 
 
 def stop(procs: list[Any], *, failed: bool = False) -> None:
-    """Wait for the other ranks (or end them, when the run failed) and leave the group."""
+    """Wait for the other ranks (or end them, when the run failed) and leave the group.
+
+    A failed run sends them SIGTERM (each removes its scratch folder and ends at once, inside
+    a collective too: :func:`_end_on_sigterm`) and leaves the group; a rank that has not
+    ended within 60 s is killed, and the folders of killed ranks are removed.
+    """
     if not failed and dist.is_initialized():
         dist.barrier()
+    if failed:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     for rank, p in enumerate(procs, start=1):
-        if failed:
-            p.terminate()
         p.join(timeout=60)
         if p.is_alive():
             p.kill()
+            p.join(timeout=5)
         elif not failed and p.exitcode:  # after the last barrier: the run's results are whole
             log.warning("rank %d ended with exit code %s after the run finished", rank, p.exitcode)
+    if failed:
+        reap_scratch()  # a rank killed before it could remove its own
     if dist.is_initialized():
         dist.destroy_process_group()

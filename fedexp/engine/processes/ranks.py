@@ -175,12 +175,21 @@ class Ranks:
         return out
 
 
+#: Words of gloo's errors when the other end of a connection went away (gloo raises a plain
+#: RuntimeError: ``[.../gloo/transport/tcp/pair.cc:537] Read error [...]: Connection reset
+#: by peer``, ``Connection closed by peer``, ``Broken pipe``).
+_PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "gloo/transport/")
+
+
 def peer_left(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because another rank left (gloo, NCCL).
 
     Or the group's start: the rank that left says why in its own error.
     """
-    return isinstance(exc, dist.DistError) or "closed by peer" in str(exc)
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return any(w in text for w in _PEER_GONE)
 
 
 def add_floats(records: Sequence[dict[str, float]]) -> dict[str, float]:

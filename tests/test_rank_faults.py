@@ -1,0 +1,157 @@
+"""A rank of ``distributed.nproc=2`` that dies, Ctrl-C, SIGTERM: one line, no scratch left.
+
+Issue 44, items 8 and 9. The faults come at a known round: ``tests/rank_signal`` (a
+``sitecustomize`` on ``PYTHONPATH``, imported by every process of the run, the spawned rank
+too) makes a rank send a signal as that round starts. Whatever the fault, the user reads one
+``fedexp: ...`` line that names it and the resume command, no rank prints a traceback, the
+exit status is not 0, and no ``store=disk`` folder is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fedexp.cli_output import describe_stop
+from fedexp.engine.clients import states
+from fedexp.engine.clients.states import (
+    OWNER_FILE,
+    SCRATCH_PREFIX,
+    reap_scratch,
+    remove_scratch,
+    scratch_folder,
+)
+from fedexp.engine.processes.launch import _exit_code, _how
+from fedexp.engine.processes.ranks import peer_left
+from fedexp.errors import RankDied
+from helpers import compose_config
+
+HOOK = Path(__file__).parent / "rank_signal"
+#: Round 3 of 50: the fault comes before the end, after round 2's checkpoint.
+RUN = [
+    "dataset=synthetic",
+    "num_clients=4",
+    "rounds=50",
+    "checkpoint_every=1",
+    "progress=none",
+    "tracker=none",
+    "device=cpu",
+    "distributed.nproc=2",
+    "store=disk",
+]
+GLOO_RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:21698: Connection reset by peer. This is typically caused by a remote worker "
+    "hanging or bugs in the application."
+)
+
+
+def _fault_run(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """``fedexp run`` of :data:`RUN` in its own session, ``FEDEXP_TEST_SIGNAL=fault``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    path = os.pathsep.join(p for p in (str(HOOK), env.get("PYTHONPATH")) if p)
+    env.update(PYTHONWARNINGS="ignore", PYTHONPATH=path, FEDEXP_TEST_SIGNAL=fault)
+    store = tmp_path / "store"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from fedexp.cli import main; main()", "run", *RUN]
+        + [f"store_dir={store}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,  # its own process group: ``:group`` signals only the run
+    )
+    return proc, store
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "code", "said"),
+    [
+        ("1:3:SIGKILL", 1, "rank 1 died (signal 9, SIGKILL) in round 3"),
+        ("0:3:SIGKILL", None, "rank 0 died (signal 9, SIGKILL) in round 3"),
+        ("1:3:SIGTERM", 1, "rank 1 died (signal 15, SIGTERM) in round 3"),
+        ("0:3:SIGINT:group", 130, "interrupted"),  # Ctrl-C: the terminal signals every process
+        ("0:3:SIGTERM", 128 + signal.SIGTERM, "terminated (SIGTERM)"),
+    ],
+)
+def test_a_rank_that_dies_is_one_line_and_leaves_no_scratch(tmp_path, fault, code, said):
+    proc, store = _fault_run(tmp_path, fault)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr[-4000:]  # no traceback, from any rank
+    assert lines[0].startswith(f"fedexp: {said}; checkpoint kept: fedexp run "), lines[0]
+    if code is None:  # rank 0 killed: its exit status is the signal's; rank 1 said the line
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == code
+    resume = re.search(r" resume=(\S+)$", lines[0])
+    assert resume and (Path(resume.group(1)) / "last.safetensors").is_file(), lines[0]
+    assert "distributed.nproc=2" in lines[0]
+    assert not [p.name for p in store.iterdir()]  # every rank's store=disk folder is gone
+
+
+def test_gloo_losing_a_peer_is_recognised():
+    """gloo's error when the other end went away is a plain RuntimeError, not a DistError."""
+    assert peer_left(RuntimeError(GLOO_RESET))
+    assert peer_left(RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer"))
+    assert not peer_left(RuntimeError("a bug"))
+
+
+def test_a_dead_rank_is_said_with_its_signal_and_the_resume_command(tmp_path):
+    assert _how(_exit_code(signal.SIGKILL)) == " (signal 9, SIGKILL)"  # a wait status
+    assert _how(_exit_code(3 << 8)) == " (exit code 3)"
+    assert _how(128 + signal.SIGTERM) == " (signal 15, SIGTERM)"  # a rank that SIGTERM ended
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "last.safetensors").write_bytes(b"")
+    cfg = compose_config("distributed.nproc=2", output_dir=out)
+    hc = OmegaConf.create({"overrides": {"task": ["distributed.nproc=2"]}})
+    line = describe_stop(RankDied("rank 1 died (signal 9, SIGKILL) in round 17"), cfg, hc)
+    assert line == (
+        "rank 1 died (signal 9, SIGKILL) in round 17; checkpoint kept: fedexp run "
+        f"distributed.nproc=2 resume={out / 'checkpoints'}"
+    )
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and was waited for)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _left(where: Path, pid: int, host: str | None = None, name: str | None = None) -> Path:
+    folder = where / (name or f"{SCRATCH_PREFIX}{pid}-abc123")
+    (folder / "states").mkdir(parents=True)
+    owner = {"host": host or socket.gethostname(), "pid": pid, "started": states._started(pid)}
+    (folder / OWNER_FILE).write_text(json.dumps(owner))
+    return folder
+
+
+def test_the_next_run_removes_the_scratch_folders_of_dead_runs(tmp_path):
+    """A run killed by SIGKILL cannot remove its folder; the next one made there does, and
+    keeps those of live processes, of other machines, and of an older fedexp."""
+    dead = _left(tmp_path, _dead_pid())
+    live = _left(tmp_path, os.getpid())
+    elsewhere = _left(tmp_path, _dead_pid(), host="another-machine")
+    older = _left(tmp_path, 1, name=f"{SCRATCH_PREFIX}k2j4h5")
+    made = scratch_folder("disk", str(tmp_path), torch.device("cpu"))
+    assert made is not None and made.name.startswith(f"{SCRATCH_PREFIX}{os.getpid()}-")
+    assert json.loads((made / OWNER_FILE).read_text())["pid"] == os.getpid()
+    assert not dead.exists()
+    assert live.is_dir() and elsewhere.is_dir() and older.is_dir()
+    assert reap_scratch(tmp_path) == []  # the live ones again: kept
+    remove_scratch()  # what a rank that ends by os._exit or a signal calls first
+    assert not made.exists() and live.is_dir()
