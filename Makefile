@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench bench-peers demo-imaging ui-check clean
+.PHONY: install run test test-slow lint bench bench-peers demo-imaging ui-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,13 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/fedexp run
 
-# two pytest-xdist workers, one torch thread each (tests/conftest.py): the 2-core machine's cores
+# two pytest-xdist workers, one torch thread each (tests/conftest.py): the 2-core machine's cores;
+# `make test` leaves out the long end-to-end cases (marked slow), `make test-slow` runs them, CI both
 test: $(STAMP)
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -77,6 +77,7 @@ def table(tmp_path_factory):
         "unknown-option",
     ],
 )
+@pytest.mark.slow
 def test_bad_input_is_one_clear_line(tmp_path, args, needles):
     if args == ["device=cuda:7"]:
         import torch
@@ -132,6 +133,7 @@ def test_csv_dataset_runs_with_missing_values_and_sites(tmp_path, table):
     assert "Per-client results" in proc.stdout
 
 
+@pytest.mark.slow
 def test_interrupted_run_prints_how_to_resume_and_resumes(tmp_path):
     import shlex
     import signal

@@ -117,6 +117,7 @@ def test_slurm_launcher_off_a_cluster_is_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing ran, no folder made
 
 
+@pytest.mark.slow
 def test_single_run_is_named_by_what_its_command_line_changes(tmp_path):
     uri = mlflow_db(tmp_path / "m.db")
     args = ["rounds=1", "num_clients=3", "progress=none", "device=cpu", "checkpoint_every=0"]

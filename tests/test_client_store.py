@@ -136,6 +136,7 @@ def test_the_table_reads_each_split_as_views_of_one_array():
         ("algorithm=pfedsop", "optimizer=adam"),  # optimiser state in the client's
     ],
 )
+@pytest.mark.slow
 def test_a_run_with_its_clients_on_disk_equals_the_run_in_memory(overrides, tmp_path):
     results = {}
     for store in ("memory", "disk"):

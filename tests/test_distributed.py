@@ -16,6 +16,8 @@ from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
 from helpers import CONF, SMALL, compose_config
 
+pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
+
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
 DP_CENTRAL = ("fedavg", "ditto", "fedamp", "feddwa", "ifca")
 #: adaptive clipping (its count summed over the ranks), local DP (participations counted)

@@ -92,6 +92,7 @@ def test_a_checkpoint_taken_as_the_loss_blows_up_is_not_the_good_one(tmp_path):
 # --- the rescue hint --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_rescue_command_resumes_from_the_good_checkpoint_and_finishes(tmp_path):
     run(compose_config(*DITTO, "rounds=2", output_dir=tmp_path / "a"), tracker=NullTracker())
     folder = tmp_path / "a" / "checkpoints"

@@ -154,6 +154,7 @@ def _shrunk(name: str, command: list[str], prepared, tmp_path: Path):
     ("name", "index"),
     [(n, i) for n in EXPERIMENTS for i in range(len(header_runs(n)))],
 )
+@pytest.mark.slow
 def test_header_command_runs_shrunk(name, index, prepared, tmp_path):
     from fedexp.engine.runner import run
     from fedexp.tracking.base import NullTracker

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
+
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "scripts" / "gpu"
 

@@ -84,6 +84,7 @@ def test_config_run_and_sweep_dirs_claim_a_fresh_folder():
     assert hydra["run"]["dir"].startswith("${fedexp.run_dir:${resume},"), hydra["run"]["dir"]
 
 
+@pytest.mark.slow
 def test_runs_started_together_get_their_own_folders(tmp_path):
     # same base folder, started at once: each claims its own and writes its results there (a
     # refused run would remove its folder again: one short round each)

@@ -44,6 +44,7 @@ def _one_clean_line(proc, *needles):
 # --- 1. a diverged run can be rescued ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_diverged_run_prints_the_rescue_command_and_the_rescue_finishes(tmp_path):
     # a healthy start, checkpointed every round ...
     first = compose_config(*FAST, "rounds=2", "checkpoint_every=1", output_dir=tmp_path / "a")
@@ -69,6 +70,7 @@ def test_diverged_run_prints_the_rescue_command_and_the_rescue_finishes(tmp_path
     assert {"round": 2, "key": "lr", "from": "0.1", "to": "0.05"} in meta["changes"]
 
 
+@pytest.mark.slow
 def test_lr_change_on_resume_is_recorded_in_mlflow_and_the_checkpoint(small_cfg, tmp_path):
     cfg = small_cfg("rounds=2", "checkpoint_every=1")
     with open_dict(cfg):
@@ -166,6 +168,7 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_unreachable_tracking_server_fails_fast_in_one_line(tmp_path):
     uri = f"http://127.0.0.1:{_closed_port()}"
     started = time.monotonic()
@@ -212,6 +215,7 @@ def test_check_reachable_accepts_any_http_answer_and_times_out_on_silence():
 # --- 4. tabular runs import no MONAI ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_default_run_imports_no_monai(tmp_path):
     code = (
         "import sys\n"

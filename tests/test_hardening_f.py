@@ -104,6 +104,7 @@ def test_reaping_never_fails_a_run(store, monkeypatch):
     assert MlflowClient(store[0]).get_run(run_id).data.params == {"a": "1"}
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_cli_run_is_reaped_by_the_next_run(small_cfg, store, tmp_path):
     uri, name = store
     args = ["rounds=100000", "progress=none", "device=cpu", "checkpoint_every=0"]

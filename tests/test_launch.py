@@ -32,6 +32,8 @@ from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
 from helpers import compose_config, mlflow_db, run_cli
 
+pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
+
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TINY = [
     "dataset=synthetic",

@@ -98,6 +98,7 @@ def test_the_ui_hint_is_one_fedexp_ui_command(tmp_path, monkeypatch):
     assert Path(command).resolve() == script.resolve()
 
 
+@pytest.mark.slow
 def test_a_run_prints_where_to_look_on_one_line_each(tmp_path):
     """A real run: the view line is one line (not wrapped at 80 columns), with `fedexp ui`."""
     uri = mlflow_db(tmp_path / "m.db")
@@ -220,6 +221,7 @@ def test_help_lists_the_ui_command_and_its_help_is_light():
     assert not {"mlflow", "torch", "hydra", "numpy"} & set(loaded)
 
 
+@pytest.mark.slow
 def test_the_ui_serves_the_store_prints_the_link_and_stops_on_ctrl_c(store, tmp_path):
     """A real server (about 6 s): up on 127.0.0.1, the ML-view link, Ctrl-C ends it all."""
     import psutil
@@ -455,6 +457,7 @@ def test_optuna_logs_without_colour_codes_off_a_terminal(monkeypatch):
         optuna.logging.enable_default_handler()
 
 
+@pytest.mark.slow
 def test_a_real_study_is_plain_in_a_file_and_warns_at_the_edge(tmp_path):
     """Three trials over lr ∈ {0.01, 0.1, 1} (about 12 s): stderr to a file has no colour
     codes, and a best lr at an end of the choices is named."""
@@ -556,6 +559,7 @@ def test_every_rounds_byte_counts_are_logged(small_cfg):
 # --- 11. noise -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_no_alembic_lines_when_a_model_imports_optuna(tmp_path):
     """VGG-8 imports MONAI, which imports Optuna, which imports Alembic: its INFO lines."""
     proc = subprocess.run(

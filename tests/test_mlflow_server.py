@@ -14,6 +14,8 @@ from omegaconf import open_dict
 
 from fedexp.engine.runner import run
 
+pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -13,6 +13,8 @@ import torch
 
 from fedexp.engine.processes.ranks import SHORT
 
+pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
+
 
 def _exchanges(out: Path, limit: int) -> dict:
     from distributed_worker import exchanges, spawn_ranks

@@ -14,6 +14,7 @@ from fedexp.report import collect, reach, reach_plot, reach_table, table
 from helpers import mlflow_db
 
 
+@pytest.mark.slow
 def test_report_tables_from_mlflow(small_cfg, tmp_path, capsys):
     from fedexp.report import main
 

@@ -96,6 +96,7 @@ def test_resume_with_changed_settings_is_refused(small_cfg, tmp_path):
         run(cfg)
 
 
+@pytest.mark.slow
 def test_two_job_sweep_loses_no_run_and_no_metric(tmp_path):
     db = mlflow_db(tmp_path / "mlflow.db")
     proc = run_cli(

@@ -13,6 +13,8 @@ from mlflow.tracking import MlflowClient
 
 from helpers import run_cli
 
+pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
+
 TINY = ["rounds=1", "num_clients=3", "device=cpu", "checkpoint_every=0"]
 
 

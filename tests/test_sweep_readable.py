@@ -57,6 +57,8 @@ from fedexp.tracking.links import (
 )
 from helpers import mlflow_db, run_cli
 
+pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
+
 TINY = ["rounds=1", "num_clients=3", "device=cpu", "checkpoint_every=0"]
 ROOT = Path(__file__).resolve().parents[1]
 

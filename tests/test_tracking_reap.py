@@ -326,6 +326,7 @@ def test_unwritable_folder_is_a_tracker_error(tmp_path):
     assert not (ro / "sub").exists()
 
 
+@pytest.mark.slow
 def test_cli_names_the_file_in_the_way_in_one_line(tmp_path):
     (tmp_path / "mlflow.db.lock").write_text("")
     uri = "sqlite:///mlflow.db.lock/x.db"

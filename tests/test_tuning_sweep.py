@@ -18,6 +18,8 @@ from omegaconf import OmegaConf
 
 from helpers import CONF, run_cli
 
+pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
+
 SMALL = ("num_clients=3", "progress=none", "checkpoint_every=0", "device=cpu")
 
 
