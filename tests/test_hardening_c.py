@@ -120,13 +120,13 @@ def test_divergence_before_any_checkpoint_suggests_a_fresh_run_with_a_smaller_lr
     cfg = OmegaConf.create({"resume": None, "output_dir": str(tmp_path), "lr": 3.0})
     exc = DivergenceError("client 2: training loss is nan in round 1: the run diverged")
     text = _describe_stop(exc, cfg, hc)
-    assert text.endswith(
-        "no checkpoint yet: run it again with a smaller lr: fedexp run rounds=9 seed=1 lr=0.3"
+    assert text.endswith(  # 3 is above the config's default lr: the default (issue 44 item 7)
+        "no checkpoint yet: run it again with a smaller lr: fedexp run rounds=9 seed=1 lr=0.1"
     ), text
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / checkpoint.FILENAME).write_bytes(b"")
     text = _describe_stop(exc, cfg, hc)
-    assert text.endswith(f"fedexp run rounds=9 seed=1 resume={tmp_path}/checkpoints lr=0.3")
+    assert text.endswith(f"fedexp run rounds=9 seed=1 resume={tmp_path}/checkpoints lr=0.1")
 
 
 # --- 2. blow-ups are detected, not only NaN/inf -----------------------------------------------

@@ -58,7 +58,7 @@ class ClassificationTask:
             per_sample = F.binary_cross_entropy_with_logits(
                 logits[:, 0], torch.where(valid, y, 0).to(logits.dtype), reduction="none"
             )
-            return torch.where(valid, per_sample, 0.0).sum() / valid.sum().clamp(min=1)
+            return torch.where(valid, per_sample, 0.0).sum() / valid.sum()  # none: NaN, as a mean
         return F.cross_entropy(logits, y, ignore_index=PADDING)
 
     def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -151,7 +151,7 @@ class SegmentationTask:
         valid = (y.reshape(n, -1)[:, 0] != PADDING).to(logits.dtype)
         target = y.long().unsqueeze(1)
         dice = self._dice(logits, target.clamp(min=0)).reshape(n, -1).mean(1)
-        dice = (dice * valid).sum() / valid.sum().clamp(min=1)
+        dice = (dice * valid).sum() / valid.sum()
         return dice + F.cross_entropy(logits, target[:, 0], ignore_index=PADDING)
 
     def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
