@@ -53,12 +53,13 @@ def test_diverged_run_prints_the_rescue_command_and_the_rescue_finishes(tmp_path
     # ... then continued with an absurd lr: round 3 diverges (NaN) through the CLI
     args = [*FAST, "rounds=4", "checkpoint_every=1", "lr=1e38", f"resume={ckpt}"]
     proc = run_cli("run", *args, cwd=tmp_path)
-    line = _one_clean_line(proc, "diverged", "in round 3", "checkpoint kept", "lr=1e+37")
+    line = _one_clean_line(proc, "diverged", "in round 3", "checkpoint kept", "lr=0.1")
     command = shlex.split(line[line.index("fedexp run") :])
     assert command[:2] == ["fedexp", "run"] and f"resume={ckpt}" in command
-    assert [a for a in command if a.startswith("lr=")] == ["lr=1e+37"]  # replaces lr=1e38
+    # replaces lr=1e38: the config's default lr, as lr=1e38 is above it (issue 44 item 7)
+    assert [a for a in command if a.startswith("lr=")] == ["lr=0.1"]
     assert checkpoint.load(ckpt)[1]["round"] == 2  # the last good checkpoint is kept
-    # the printed command, with an lr that suits this problem, finishes the run
+    # the printed command, with another lr (so that the change is recorded), finishes the run
     rescue = [a if not a.startswith("lr=") else "lr=0.05" for a in command[2:]]
     tracker = NullTracker()
     res = run(compose_config(*rescue, output_dir=tmp_path / "b"), tracker=tracker)
