@@ -127,6 +127,17 @@ class TrainPool:
         dev = self.x.device
         self.offset, self.size = self.offset.to(dev), self.size.to(dev)
 
+    def fills(self, size: int) -> bool:
+        """Whether every client's training set is whole batches of ``size``.
+
+        Then no epoch ends in a short batch. One reduction the first time a size is asked,
+        then remembered.
+        """
+        cache: dict[int, bool] = self.__dict__.setdefault("_fills", {})  # either constructor
+        if size not in cache:
+            cache[size] = bool((self.size % size == 0).all())
+        return cache[size]
+
     def rows(self, data: Sequence[ClientData]) -> torch.Tensor | None:
         """The pool rows (client ids) of ``data``, or None if one is not a pooled client.
 

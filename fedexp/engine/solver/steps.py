@@ -103,8 +103,8 @@ def draw_batch(ctx: Context, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor
     idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling)
     cohort.draws = draws + 1
     x, y = cohort.pool.gather(cohort.rows, idx)
-    if ctx.sampling != "shuffle" or not any(d.num_train % size for d in cohort.data):
-        return x, y  # every batch full
+    if ctx.sampling != "shuffle" or cohort.pool.fills(size):
+        return x, y  # every batch of every client full
     valid = pass_valid(draws, size, num).to(y.device)
     valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
     return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING)
