@@ -78,6 +78,149 @@ class Cohort:
         )
 
 
+class CohortStates(Sequence[State]):
+    """A cohort's client states, stacked by key: ``{key: [m, ...]}``, row i client i's.
+
+    What ``client_update`` reads its clients' states as, and may return them as: one tensor
+    per key for the whole cohort, so that reading, updating and writing back the states of
+    m clients costs the same few tensor operations for any m (a GPU launches one kernel per
+    op: an op per client would make a round's cost grow with the cohort).
+
+    A row may lack a key (a client whose optimiser state is fresh, a key its algorithm writes
+    some rounds only): :attr:`present` holds a bool ``[m]`` mask for each key some rows may
+    lack (a key not in it is in every row), and a lacking row holds its algorithm's initial
+    value of the key, or zeros (which is what a fresh optimiser state is).
+
+    Read per client (``states[i]``, iteration) it is the list of dicts the contract had before:
+    row views of the keys each row has (this reads the masks on the host once, and costs ops
+    per client: for hooks not yet written over stacks).
+
+    Args:
+        size: m, the number of rows.
+        stacks: key -> ``[m, ...]``.
+        present: key -> bool ``[m]`` for the keys some rows may lack.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        stacks: Mapping[str, torch.Tensor] | None = None,
+        present: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.size = size
+        self.stacks: dict[str, torch.Tensor] = dict(stacks or {})
+        self.present: dict[str, torch.Tensor] = dict(present or {})
+        for key, value in self.stacks.items():
+            if value.shape[:1] != (size,):
+                raise ValueError(f"state {key!r}: {tuple(value.shape)} for {size} clients")
+        self._rows: list[State] | None = None
+
+    @classmethod
+    def of_rows(cls, states: Sequence[State]) -> CohortStates:
+        """Per-client states stacked (keys some rows lack get a mask and zeros there)."""
+        if isinstance(states, CohortStates):
+            return states
+        m = len(states)
+        keys = list(dict.fromkeys(k for s in states for k in s))
+        stacks, present, irregular = {}, {}, False
+        for key in keys:
+            like = next(s[key] for s in states if key in s)
+            rows = [s.get(key) for s in states]
+            if any(r is not None and (r.shape, r.dtype) != (like.shape, like.dtype) for r in rows):
+                irregular = True  # rows of different shapes: read per row only
+                continue
+            if any(r is None for r in rows):
+                present[key] = torch.tensor([r is not None for r in rows], device=like.device)
+                zero = torch.zeros_like(like)
+                rows = [zero if r is None else r for r in rows]
+            stacks[key] = torch.stack([r.detach() for r in rows])
+        out = cls(m, stacks, present)
+        if irregular:
+            out._rows = list(states)
+        return out
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - Sequence's
+        rows = self._per_row()
+        return rows[i]
+
+    def __iter__(self):  # noqa: ANN204 - Sequence's
+        return iter(self._per_row())
+
+    def _per_row(self) -> list[State]:
+        """Each row's state as a dict of views (the masks read once; cached)."""
+        if self._rows is None:
+            has = {k: p.tolist() for k, p in self.present.items()}
+            self._rows = [
+                {k: v[i] for k, v in self.stacks.items() if k not in has or has[k][i]}
+                for i in range(self.size)
+            ]
+        return self._rows
+
+    def keys(self) -> list[str]:
+        """The keys some row has."""
+        return list(self.stacks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.stacks
+
+    def stack(self, key: str) -> torch.Tensor:
+        """``[m, ...]`` every row's value of ``key`` (lacking rows: initial value or zeros).
+
+        Raises:
+            KeyError: no row has ``key``.
+        """
+        return self.stacks[key]
+
+    def opt_state(self, persistent: bool, prefix: str = "opt") -> dict[str, torch.Tensor] | None:
+        """The stacked optimiser state saved under ``prefix`` (``<prefix>.<name>`` keys).
+
+        None when the optimiser keeps no state between rounds (``persistent`` false) or no
+        row has one yet; rows without one hold zeros: a fresh state.
+        """
+        if not persistent:
+            return None
+        head = prefix + "."
+        found = {k[len(head) :]: v for k, v in self.stacks.items() if k.startswith(head)}
+        return found or None
+
+    def updated(
+        self,
+        opt_state: Mapping[str, torch.Tensor] | None = None,
+        prefix: str = "opt",
+        **rows: torch.Tensor,
+    ) -> CohortStates:
+        """These states with ``rows`` (``[m, ...]`` each) set and the optimiser state saved.
+
+        ``opt_state``: the solver's stacked optimiser state (``CohortLocal.opt_state``), kept
+        under ``<prefix>.<name>`` (pass it only for an optimiser with persistent state).
+        """
+        new = dict(rows)
+        for name, value in (opt_state or {}).items():
+            new[f"{prefix}.{name}"] = value
+        if self._rows is not None and any(  # keys of several shapes: per row
+            k not in self.stacks for row in self._rows for k in row
+        ):
+            return CohortStates.of_rows(
+                [{**row, **{k: v[i] for k, v in new.items()}} for i, row in enumerate(self._rows)]
+            )
+        stacks, present = dict(self.stacks), dict(self.present)
+        for key, value in new.items():
+            stacks[key] = value.detach()
+            present.pop(key, None)
+        return CohortStates(self.size, stacks, present)
+
+    def take(self, index: torch.Tensor) -> CohortStates:
+        """The rows ``index`` (int64 ``[k]``), in its order."""
+        return CohortStates(
+            int(index.shape[0]),
+            {k: v[index.to(v.device)] for k, v in self.stacks.items()},
+            {k: p[index.to(p.device)] for k, p in self.present.items()},
+        )
+
+
 @dataclass
 class CohortResult:
     """What ``client_update`` returns: stacked uploads, per-client states and metrics.
@@ -86,39 +229,45 @@ class CohortResult:
         updates: [m, ...] the clients' uploads (row i is client ``cohort.clients[i]``'s), a
             dict of such stacks for uploads with named parts, or None when the clients send
             nothing.
-        states: each client's new state, in cohort order.
+        states: the clients' new states, in cohort order: a :class:`CohortStates` (one
+            stack per key: what an algorithm written over stacks returns) or a list of dicts.
         metrics: name -> [m] per-client values (averaged over the round's clients).
     """
 
     updates: Stacked | None
-    states: list[State]
+    states: CohortStates | list[State]
     metrics: dict[str, torch.Tensor]
 
 
 class StackedUpdates(Mapping):
-    """A cohort's received updates as one ``[m, ...]`` tensor, read as ``{client: row}``.
+    """A cohort's messages as ``[m, ...]`` stacks, read as ``{client: row}``.
 
     What the engine hands ``server_update`` instead of a dict of m row views (a view costs
-    ~600 bytes: 60 MB a round at 100,000 clients); :func:`weighted_mean` reads the stack
-    directly.
+    ~600 bytes, 60 MB a round at 100,000 clients, and an op each: a round whose work must not
+    grow with the cohort reads the stack), and what ``Algorithm.downlinks`` may return for
+    per-client messages made at once (FPFC's centres: one gather). :func:`weighted_mean`
+    and :func:`update_parts` read the stack directly.
 
     Args:
-        clients: the senders, ascending (row i is ``clients[i]``'s update).
-        stack: ``[m, ...]`` the decoded updates.
+        clients: the clients, ascending (row i is ``clients[i]``'s message).
+        stack: ``[m, ...]`` the messages, or for messages with named parts a dict of such
+            stacks (a row is then ``{part: its row}``).
     """
 
-    def __init__(self, clients: list[int], stack: torch.Tensor) -> None:
-        if len(clients) != stack.shape[0] or any(
-            a >= b for a, b in zip(clients, clients[1:], strict=False)
-        ):
+    def __init__(self, clients: list[int], stack: Stacked) -> None:
+        first = stack if isinstance(stack, torch.Tensor) else next(iter(stack.values()), None)
+        rows = len(clients) if first is None else first.shape[0]
+        if len(clients) != rows or any(a >= b for a, b in zip(clients, clients[1:], strict=False)):
             raise ValueError("StackedUpdates needs ascending clients, one per row")
         self.clients, self.stack = clients, stack
 
-    def __getitem__(self, n: int) -> torch.Tensor:
+    def __getitem__(self, n: int) -> Message:
         i = bisect.bisect_left(self.clients, n)
         if i == len(self.clients) or self.clients[i] != n:
             raise KeyError(n)
-        return self.stack[i]
+        if isinstance(self.stack, torch.Tensor):
+            return self.stack[i]
+        return {name: part[i] for name, part in self.stack.items()}
 
     def __iter__(self):  # noqa: ANN204 - Mapping's
         return iter(self.clients)
@@ -126,11 +275,15 @@ class StackedUpdates(Mapping):
     def __len__(self) -> int:
         return len(self.clients)
 
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The stacks by part (a bare tensor's part: "")."""
+        return {"": self.stack} if isinstance(self.stack, torch.Tensor) else dict(self.stack)
+
 
 def weighted_mean(updates: Mapping[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
     """Σ_n ω_n u_n over the received updates."""
     clients = sorted(updates)
-    if isinstance(updates, StackedUpdates):  # rows in ascending client order: one product
+    if isinstance(updates, StackedUpdates) and isinstance(updates.stack, torch.Tensor):
         stack = updates.stack
         w = torch.tensor([weights[n] for n in clients], dtype=stack.dtype, device=stack.device)
         return (w @ stack.reshape(len(clients), -1)).reshape(stack.shape[1:])
@@ -141,8 +294,8 @@ def weighted_mean(updates: Mapping[int, torch.Tensor], weights: dict[int, float]
 
 def update_parts(updates: Mapping[int, Message], clients: list[int]) -> dict[str, torch.Tensor]:
     """Received updates as ``{part: [m, ...]}`` in ``clients`` order (a bare tensor's part: "")."""
-    if isinstance(updates, StackedUpdates):
-        return {"": updates.stack}
+    if isinstance(updates, StackedUpdates) and list(updates) == list(clients):
+        return updates.parts()
     first = updates[clients[0]]
     if isinstance(first, torch.Tensor):
         return {"": torch.stack([updates[n] for n in clients])}  # type: ignore[misc]
@@ -150,11 +303,7 @@ def update_parts(updates: Mapping[int, Message], clients: list[int]) -> dict[str
 
 
 def parts_updates(parts: dict[str, torch.Tensor], clients: list[int]) -> Mapping[int, Message]:
-    """:func:`update_parts` undone.
-
-    Bare tensors come back as a :class:`StackedUpdates`, named parts as a dict of each
-    client's parts.
-    """
+    """:func:`update_parts` undone: a :class:`StackedUpdates` (of named parts or a bare tensor)."""
     if set(parts) == {""}:
         return StackedUpdates(clients, parts[""])
-    return {n: {name: p[i] for name, p in parts.items()} for i, n in enumerate(clients)}
+    return StackedUpdates(clients, dict(parts))

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from fedexp.contract import CohortStates
 from fedexp.engine import rng
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import build_engine, run
@@ -63,7 +64,9 @@ def test_client_streams_do_not_depend_on_order_or_sampling(small_cfg):
     a.run_round()
     # b runs the clients in reverse order, each a cohort of one, through the same hook
     for n in reversed(range(len(b.clients))):
-        res = b.algorithm.client_update(b.ctx, None, [b.client_states[n]], cohort_of(b, [n], 0))
+        res = b.algorithm.client_update(
+            b.ctx, None, CohortStates.of_rows([b.client_states[n]]), cohort_of(b, [n], 0)
+        )
         b.client_states[n] = res.states[0]
     for sa, sb in zip(a.client_states, b.client_states, strict=True):  # (batched rounding)
         torch.testing.assert_close(sa["theta"], sb["theta"], rtol=1e-6, atol=1e-7)

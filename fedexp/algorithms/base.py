@@ -29,6 +29,7 @@ from fedexp.contract import (
     PART_KINDS,
     Cohort,
     CohortResult,
+    CohortStates,
     Message,
     Stacked,
     StackedUpdates,
@@ -43,6 +44,7 @@ __all__ = [
     "Algorithm",
     "Cohort",
     "CohortResult",
+    "CohortStates",
     "Message",
     "Stacked",
     "StackedUpdates",
@@ -81,6 +83,10 @@ class Algorithm(ABC):
     uplink_parts: Mapping[str, str] = MappingProxyType({})
     update_scale: str = "step"
     server_reads: str = "each"
+    #: :meth:`init_client` depends on the client (a per-client random start, the client's
+    #: id); False (the default): every client starts alike, so the engine makes the initial
+    #: state once for the whole population (``tests/test_round_census.py`` holds this).
+    init_per_client: bool = False
 
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
         """Server state before round 0 (default: the global model ``x``)."""
@@ -96,24 +102,29 @@ class Algorithm(ABC):
 
     def downlinks(
         self, ctx: Context, server: State, clients: list[int]
-    ) -> dict[int, Message | None]:
+    ) -> Mapping[int, Message | None]:
         """Every sampled client's :meth:`downlink` message of the round, in one call.
 
         The engine's entry point; the default asks :meth:`downlink` client by client. An
         algorithm whose messages are cheaper computed together (FedAMP's cloud models)
-        overrides it; the messages must equal :meth:`downlink`'s up to rounding.
+        overrides it; the messages must equal :meth:`downlink`'s up to rounding. Returning a
+        :class:`StackedUpdates` of ``clients`` (per-client messages made by one gather) keeps
+        the round's ops from growing with the cohort.
         """
         return {n: self.downlink(ctx, server, n) for n in clients}
 
     @abstractmethod
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """Local work of every client of ``cohort``.
 
         ``model_in``: the decoded downlink messages stacked ``[m, ...]`` in
         ``cohort.clients`` order (named parts: a dict of such stacks; None when nothing is
-        sent); ``states``: each client's state, in the same order.
+        sent); ``states``: the clients' states stacked by key, in the same order (read them
+        with ``states.stack(key)`` and ``ctx.optimizer.load(states)``, return
+        ``states.updated(...)``: a fixed number of ops for any cohort; ``states[i]`` reads
+        client i's alone, at a cost per client).
         """
 
     @abstractmethod

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import PositiveInt, Range
 from fedexp.engine.solver.context import Context
@@ -48,7 +48,7 @@ class Ditto(FedAvg):
         return {"v": x0.clone()}
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """Global part as FedAvg, then the personal steps pulled towards the received w.
 
@@ -59,10 +59,10 @@ class Ditto(FedAvg):
         result = super().client_update(ctx, model_in, states, cohort)
         opt = ctx.optimizer
         personal = ctx.train(
-            torch.stack([s["v"] for s in states]),
+            states.stack("v"),
             cohort,
             objective=ctx.proximal_objective(model_in.detach(), self.lam),
-            opt_states=[opt.load(s, "opt_v") for s in states],
+            opt_states=opt.load(states, "opt_v"),
             steps=self.personal_steps,
         )
         new_states = unstack_states(

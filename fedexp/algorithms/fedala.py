@@ -133,6 +133,8 @@ class FedALA(FedAvg):
         return torch.cat([glob[:lo], torch.lerp(local[lo:hi], glob[lo:hi], w), stats[hi:]])
 
     # ------------------------------------------------------------------ state
+    init_per_client = True  # the state keeps the client's id
+
     def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
         """Θ_i = x0, W_i = 1, start phase pending."""
         lo, hi = self.top_range(ctx)

@@ -13,7 +13,15 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Stacked,
+    State,
+    weighted_mean,
+)
 from fedexp.config.ranges import Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Objective
@@ -44,7 +52,7 @@ class FedAvg(Algorithm):
         return ctx.model_objective()
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """E local steps of the run's optimiser (its state kept); send Δ = x − θ^E."""
         assert isinstance(model_in, torch.Tensor)
@@ -53,7 +61,7 @@ class FedAvg(Algorithm):
             model_in,
             cohort,
             objective=self.objective(ctx, model_in.detach()),
-            opt_states=[opt.load(s) for s in states],
+            opt_states=opt.load(states),
         )
         new_states = unstack_states(states, opt, local.opt_state)
         return CohortResult(model_in - local.params, new_states, {"train_loss": local.loss})

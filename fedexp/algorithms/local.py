@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 
@@ -31,12 +31,12 @@ class LocalOnly(Algorithm):
         return None
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """E local steps on each client's own model (optimiser state kept); no upload."""
         opt = ctx.optimizer
-        theta = torch.stack([s["theta"] for s in states])
-        local = ctx.train(theta, cohort, opt_states=[opt.load(s) for s in states])
+        theta = states.stack("theta")
+        local = ctx.train(theta, cohort, opt_states=opt.load(states))
         new_states = unstack_states(states, opt, local.opt_state, theta=local.params)
         return CohortResult(None, new_states, {"train_loss": local.loss})
 

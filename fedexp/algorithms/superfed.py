@@ -92,6 +92,7 @@ class SuPerFed(FedAvg):
     ) -> None:
         if local_init not in ("reinit", "x0"):
             raise ValueError(f"local_init={local_init!r}: expected 'reinit' or 'x0'")
+        self.init_per_client = local_init == "reinit"  # a (seed, client) stream each
         super().__init__(server_lr, weighting)
         self.mu, self.nu, self.warmup_rounds = mu, nu, warmup_rounds
         self.eval_lambda, self.fixed_lambda, self.local_init = eval_lambda, fixed_lambda, local_init

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fedexp.algorithms.feddwa import FedDWA, dwa_weights
+from fedexp.contract import CohortStates
 from fedexp.engine.runner import build_engine
 from helpers import assert_resume_exact, refused, solo
 
@@ -93,7 +94,7 @@ def test_guide_is_one_more_step_and_the_downlink_is_the_personal_row(small_cfg):
     )
     ctx, alg, x0 = engine.ctx, engine.algorithm, engine.x0
     data = engine.clients[1]
-    out = alg.client_update(ctx, x0[None], [{"guide": x0}], solo(data))
+    out = alg.client_update(ctx, x0[None], CohortStates.of_rows([{"guide": x0}]), solo(data))
     theta, guide = out.updates["model"][0], out.updates["guide"][0]
     _, grad, _ = ctx.loss_grad_post(ctx.model_objective(), theta, data.x_train, data.y_train, None)
     torch.testing.assert_close(guide, theta - ctx.lr * grad)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedexp.algorithms.ifca import IFCA
+from fedexp.contract import CohortStates
 from fedexp.engine.clients.pool import TrainPool
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver.optim import SGD
@@ -114,7 +115,9 @@ def test_clients_choose_their_lowest_loss_cluster_and_bytes_are_k_models(small_c
 
     def update(prev, extra):
         state = {"cluster": torch.tensor([prev]), **extra}
-        out = engine.algorithm.client_update(ctx, {"clusters": clusters[None]}, [state], solo(data))
+        out = engine.algorithm.client_update(
+            ctx, {"clusters": clusters[None]}, CohortStates.of_rows([state]), solo(data)
+        )
         return out.updates["update"][0]
 
     fresh = update(-1, {})

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedexp.algorithms.pfedme import PFedMe
+from fedexp.contract import CohortStates
 from fedexp.engine import rng
 from fedexp.engine.runner import build_engine, run
 from fedexp.tracking.base import NullTracker
@@ -130,7 +131,7 @@ def test_large_lambda_gives_theta_equal_w_and_fedavg_steps(small_cfg):
         gap[lam] = float((e.server["x"] - avg.server["x"]).norm())
         # one local round from x: θ̃ is the prox point of x, ‖θ̃ − x‖ = ‖∇f(θ̃)‖/λ
         one = PFedMe(lam=lam, personal_steps=30, personal_lr=0.5 / lam, local_rounds=1)
-        out = one.client_update(e.ctx, x[None], [{}], solo(e.clients[0]))
+        out = one.client_update(e.ctx, x[None], CohortStates(1), solo(e.clients[0]))
         pull[lam] = float((out.states[0]["theta"] - x).norm())
     assert gap[1000.0] < gap[10.0] / 20
     assert gap[1000.0] < 0.01 * float((avg.server["x"] - x).norm())
@@ -143,7 +144,7 @@ def test_local_rounds_draw_exactly_one_minibatch_each(small_cfg):
         e = _engine(small_cfg, "batch_size=4", "algorithm.personal_steps=5", *overrides)
         cohort = cohort_of(e, [1, 3])
         e.algorithm.client_update(
-            e.ctx, e.server["x"].expand(2, -1), e.client_states[1:4:2], cohort
+            e.ctx, e.server["x"].expand(2, -1), e.client_states.rows([1, 3]), cohort
         )
         assert cohort.draws.tolist() == [rounds, rounds]
 

@@ -32,6 +32,7 @@ from typing import Any, overload
 
 import torch
 
+from fedexp.contract import CohortStates
 from fedexp.data.client import client_ids
 from fedexp.engine.clients import hugepages
 from fedexp.errors import ConfigError
@@ -48,6 +49,8 @@ class ClientStates(Sequence[State]):
         device: where states are read to (the columns live there too unless on disk).
         folder: where the columns' files go (memory-mapped); None keeps them in memory.
         share: ``(rank, P)``: hold the clients n with n mod P == rank only; None: all.
+        shared_init: ``init(n)`` is the same for every n (read once, broadcast); false: made
+            per client for the rows never written.
     """
 
     def __init__(
@@ -57,8 +60,11 @@ class ClientStates(Sequence[State]):
         device: torch.device | str = "cpu",
         folder: str | Path | None = None,
         share: tuple[int, int] | None = None,
+        shared_init: bool = False,
     ) -> None:
         self._size, self._init, self.share = size, init, share
+        self.shared_init = shared_init
+        self._start: State | None = None  # the shared initial state, [1, ...] per key
         self.device = torch.device(device)
         self.folder = None if folder is None else Path(folder)
         self._held = len(self.own())  # rows: the clients this process holds
@@ -78,7 +84,7 @@ class ClientStates(Sequence[State]):
 
     def __getitem__(self, n: int | slice) -> State | list[State]:
         if isinstance(n, slice):
-            return self.rows(list(range(self._size))[n])
+            return list(self.rows(list(range(self._size))[n]))
         if not -self._size <= n < self._size:
             raise IndexError(f"client {n} of {self._size}")
         return self.rows([n % self._size])[0]
@@ -120,10 +126,72 @@ class ClientStates(Sequence[State]):
             )
         return ids // procs
 
-    def rows(self, clients: Sequence[int]) -> list[State]:
-        """The states of ``clients``, in their order."""
-        if not len(clients):
-            return []
+    def rows(self, clients: Sequence[int]) -> CohortStates:
+        """The states of ``clients``, in their order, stacked by key (:class:`CohortStates`).
+
+        A fixed number of tensor ops per key, whatever the number of clients: one gather of
+        the key's column and one ``where`` putting the initial value in the rows never written
+        (with a per-client initial state, ``shared_init`` false, the initial states of the rows
+        never written are made one by one). States kept aside (a value whose shape changed)
+        are read row by row.
+        """
+        m = len(clients)
+        if not m:
+            return CohortStates(0)
+        ids = self._rows(clients)
+        written = self._written[ids]
+        init = {} if self._loose else self._initial(clients, written)
+        if self._loose or any(
+            k in self._cols and v.shape[1:] != self._cols[k].shape[1:] for k, v in init.items()
+        ):  # values kept aside, or an initial value of another shape than its column's
+            return CohortStates.of_rows(self._each(clients))
+        stacks: dict[str, torch.Tensor] = {}
+        present: dict[str, torch.Tensor] = {}
+        dev = self.device
+        fresh = (~written).to(dev)
+        for key in dict.fromkeys([*self._cols, *init]):
+            col, start = self._cols.get(key), init.get(key)
+            if col is None:  # no client has written it: the initial value, in unwritten rows
+                stacks[key] = start.expand(m, *start.shape[1:])  # type: ignore[union-attr]
+                present[key] = fresh
+                continue
+            has = self._has[key][ids].to(dev)
+            values = col[ids.to(col.device)].to(dev)
+            mask = has.view(m, *[1] * (values.dim() - 1))
+            if start is not None:
+                stacks[key] = torch.where(mask, values, start.to(values.dtype))
+                present[key] = has | fresh
+            else:
+                stacks[key] = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
+                present[key] = has
+        return CohortStates(m, stacks, present)
+
+    def _initial(self, clients: Sequence[int], written: torch.Tensor) -> State:
+        """The initial state of the rows of ``clients`` never written, by key.
+
+        ``[1, ...]`` (broadcast over the rows) with a shared initial state; else ``[m, ...]``
+        with the rows never written made one by one (zeros elsewhere).
+        """
+        if self.shared_init:
+            if self._start is None:
+                self._start = {k: v.to(self.device)[None] for k, v in self._init(0).items()}
+            return self._start
+        fresh = (~written).nonzero().flatten().tolist()
+        if not fresh:
+            return {}
+        made = {i: self._init(int(clients[i])) for i in fresh}
+        out: State = {}
+        for key in dict.fromkeys(k for st in made.values() for k in st):
+            like = next(st[key] for st in made.values() if key in st)
+            stack = torch.zeros((len(clients), *like.shape), dtype=like.dtype, device=self.device)
+            for i, st in made.items():
+                if key in st:
+                    stack[i] = st[key]
+            out[key] = stack
+        return out
+
+    def _each(self, clients: Sequence[int]) -> list[State]:
+        """The states of ``clients`` one by one (with values kept aside, :attr:`_loose`)."""
         ids = self._rows(clients)
         written = self._written[ids].tolist()
         out: list[State] = [
@@ -141,23 +209,54 @@ class ClientStates(Sequence[State]):
             for i, h in enumerate(has):
                 if h:
                     out[i][key] = values[i]
-        if self._loose:
-            for i, n in enumerate(clients):
-                if written[i] and n in self._loose:
-                    out[i].update(self._loose[n])
+        for i, n in enumerate(clients):
+            if written[i] and n in self._loose:
+                out[i].update(self._loose[n])
         return out
 
     def write(self, clients: Sequence[int], states: Sequence[State]) -> None:
-        """Set the states of ``clients`` (their rows of each key; a missing key is unset)."""
+        """Set the states of ``clients`` (their rows of each key; a missing key is unset).
+
+        ``states``: a :class:`CohortStates` (one scatter per key) or a list of dicts.
+        """
         if len(clients) != len(states):
             raise ValueError(f"{len(clients)} clients but {len(states)} states")
         if not len(clients):
             return
         ids = self._rows(clients)
-        for n in clients:
-            self._loose.pop(n, None)
+        if self._loose:
+            for n in clients:
+                self._loose.pop(n, None)
         for has in self._has.values():
             has[ids] = False
+        if isinstance(states, CohortStates):
+            self._write_stacks(clients, ids, states)
+        else:
+            self._write_each(clients, ids, states)
+        self._written[ids] = True
+
+    def _write_stacks(
+        self, clients: Sequence[int], ids: torch.Tensor, states: CohortStates
+    ) -> None:
+        """:meth:`write` of stacked states: each key's rows scattered into its column at once."""
+        for key, value in states.stacks.items():
+            col = self._cols.get(key)
+            if col is None:
+                col = self._column(key, value.shape[1:], value.dtype)
+            mask = states.present.get(key)
+            if value.shape[1:] != col.shape[1:] or value.dtype != col.dtype:
+                rows = [{key: v} for v in value]  # a changed shape: kept aside, per client
+                if mask is not None:
+                    rows = [r if h else {} for r, h in zip(rows, mask.tolist(), strict=True)]
+                self._write_each(clients, ids, rows)
+                continue
+            col[ids.to(col.device)] = value.detach().to(col.device)
+            self._has[key][ids] = True if mask is None else mask.to(self._has[key].device)
+
+    def _write_each(
+        self, clients: Sequence[int], ids: torch.Tensor, states: Sequence[State]
+    ) -> None:
+        """:meth:`write` of a list of per-client states."""
         keys = list(dict.fromkeys(k for s in states for k in s))
         for key in keys:
             fits, values = [], []
@@ -165,7 +264,7 @@ class ClientStates(Sequence[State]):
                 v = s.get(key)
                 if v is None:
                     continue
-                col = self._cols.get(key) if key in self._cols else self._column(key, v)
+                col = self._cols[key] if key in self._cols else self._column(key, v.shape, v.dtype)
                 if v.shape == col.shape[1:] and v.dtype == col.dtype:
                     fits.append(i)
                     values.append(v)
@@ -176,17 +275,16 @@ class ClientStates(Sequence[State]):
                 where = ids[torch.as_tensor(fits, dtype=torch.int64)]
                 col[where.to(col.device)] = torch.stack(values).detach().to(col.device)
                 self._has[key][where] = True
-        self._written[ids] = True
 
-    def _column(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        """A new zero column ``[rows, *like.shape]`` for ``key``: in memory, or a mapped file."""
+    def _column(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A new zero column ``[rows, *shape]`` for ``key``: in memory, or a mapped file."""
         if "/" in key:
             raise ValueError(f"client state key {key!r}: expected a name without '/'")
-        shape = (self._held, *like.shape)
+        shape = (self._held, *shape)
         if self.folder is None and self.device.type == "cpu":  # large ones on huge pages
-            col = hugepages.zeros(shape, like.dtype)
+            col = hugepages.zeros(shape, dtype)
         elif self.folder is None:
-            col = torch.zeros(shape, dtype=like.dtype, device=self.device)
+            col = torch.zeros(shape, dtype=dtype, device=self.device)
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             path = self.folder / f"{len(self._cols)}-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}.bin"
@@ -194,7 +292,7 @@ class ClientStates(Sequence[State]):
             count = 1
             for s in shape:
                 count *= s
-            flat = torch.from_file(str(path), shared=True, size=max(count, 1), dtype=like.dtype)
+            flat = torch.from_file(str(path), shared=True, size=max(count, 1), dtype=dtype)
             col = flat[:count].view(shape)
         self._cols[key] = col
         self._has[key] = torch.zeros(self._held, dtype=torch.bool)

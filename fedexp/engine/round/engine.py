@@ -25,6 +25,7 @@ from fedexp.comm.codec import DenseCodec
 from fedexp.contract import (
     Cohort,
     CohortResult,
+    CohortStates,
     Message,
     Stacked,
     StackedUpdates,
@@ -182,6 +183,7 @@ class Engine(Transport, Evaluation):
             ctx.device,
             self.store,
             share=None if self.ranks is None else self.ranks.share,
+            shared_init=not algo.init_per_client,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -249,6 +251,10 @@ class Engine(Transport, Evaluation):
         if not workers:
             return None, CohortResult(None, [], {})
         msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
+        if isinstance(msgs, StackedUpdates) and msgs.clients == workers:  # made at once
+            inbox = self._send_cohort("down", workers, msgs.stack)
+            if inbox is not None:
+                return inbox, self._client_work(workers, inbox)
         inbox = self._downlink(workers, [msgs[n] for n in workers])
         return inbox, self._client_work(workers, inbox)
 
@@ -349,8 +355,8 @@ class Engine(Transport, Evaluation):
         received = self._send_cohort("up", sampled, uploads)
         if isinstance(received, torch.Tensor):
             return StackedUpdates(sampled, received), sums
-        if received is not None:  # named parts: each client's row of every part
-            return {n: _row(received, i) for i, n in enumerate(sampled)}, sums
+        if received is not None:  # named parts: a stack of each
+            return StackedUpdates(sampled, received), sums
         for i, n in enumerate(sampled):  # message by message (transforms: CER)
             updates[n], metrics = self._send("up", n, _row(uploads, i))
             for k, v in metrics.items():
@@ -473,10 +479,33 @@ def _merge(results: list[tuple[list[int], CohortResult]], m: int) -> CohortResul
     elif isinstance(first.updates, dict):
         names = first.updates
         updates = {k: cat([r.updates[k] for _, r in results]) for k in names}  # type: ignore[index]
-    states: list[State] = [{}] * m
-    for rows, r in results:
-        for i, state in zip(rows, r.states, strict=True):
-            states[i] = state
+    states: CohortStates | list[State]
+    parts = [r.states for _, r in results]
+    if (
+        all(isinstance(p, CohortStates) for p in parts)
+        and len({tuple(p.keys()) for p in parts}) == 1
+    ):
+        masks = {k for p in parts for k in p.present}  # type: ignore[union-attr]
+        states = CohortStates(
+            m,
+            {k: cat([p.stack(k) for p in parts]) for k in first.states.keys()},  # type: ignore[union-attr]
+            {
+                k: cat(
+                    [
+                        p.present.get(
+                            k, torch.ones(len(p), dtype=torch.bool, device=p.stack(k).device)
+                        )
+                        for p in parts
+                    ]
+                )  # type: ignore[union-attr]
+                for k in masks
+            },
+        )
+    else:
+        states = [{}] * m
+        for rows, r in results:
+            for i, state in zip(rows, r.states, strict=True):
+                states[i] = state
     metrics = {k: cat([r.metrics[k] for _, r in results]) for k in first.metrics}
     return CohortResult(updates, states, metrics)
 

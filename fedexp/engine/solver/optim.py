@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from fedexp.config.ranges import NonNegative, OpenFraction, Positive
+from fedexp.contract import CohortStates
 
 State = dict[str, torch.Tensor]
 
@@ -49,12 +50,17 @@ class Optimizer(ABC):
     ) -> tuple[torch.Tensor, State]:
         """One update; returns (new parameters, new state). Pure: nothing is modified."""
 
-    def load(self, client_state: State, prefix: str = "opt") -> State | None:
-        """The optimiser state stored in ``client_state`` under ``prefix`` (None: fresh)."""
+    def load(self, client_state: State | CohortStates, prefix: str = "opt") -> State | None:
+        """The optimiser state stored in ``client_state`` under ``prefix`` (None: fresh).
+
+        Of a :class:`CohortStates`: the cohort's stacked state (rows without one hold zeros,
+        a fresh state: every optimiser here starts from zeros), ready for ``Context.train``.
+        """
         if not self.persistent:
             return None
+        items = client_state.stacks if isinstance(client_state, CohortStates) else client_state
         head = prefix + "."
-        found = {k[len(head) :]: v for k, v in client_state.items() if k.startswith(head)}
+        found = {k[len(head) :]: v for k, v in items.items() if k.startswith(head)}
         return found or None
 
     def save(self, opt_state: State, prefix: str = "opt") -> State:
@@ -152,9 +158,9 @@ class Adam(Optimizer):
 
 def stack_states(opt: Optimizer, params: torch.Tensor, states: Sequence[State | None]) -> State:
     """The clients' optimiser states stacked per entry (fresh ones from ``opt.init``)."""
-    if all(s is None for s in states):
+    if all(s is None for s in states):  # one fresh state, repeated (ops do not grow with m)
         fresh = opt.init(params[0])
-        return {k: torch.stack([opt.init(p)[k] for p in params]) for k in fresh}
+        return {k: v.expand(params.shape[0], *v.shape).clone() for k, v in fresh.items()}
     full = [opt.init(params[i]) if s is None else s for i, s in enumerate(states)]
     names = sorted(full[0])
     if any(sorted(s) != names for s in full):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.func import grad_and_value, vmap
 
-from fedexp.contract import Cohort
+from fedexp.contract import Cohort, CohortStates
 from fedexp.engine.rng import Stream, minibatch_indices, pass_valid
 from fedexp.engine.solver.objective import Objective
 from fedexp.engine.solver.optim import Optimizer, stack_states
@@ -150,13 +150,17 @@ def unstack_states(
     opt_state: OptState,
     prefix: str = "opt",
     **rows: torch.Tensor,
-) -> list[dict[str, torch.Tensor]]:
-    """Each client's new state, in cohort order.
+) -> CohortStates | list[dict[str, torch.Tensor]]:
+    """The clients' new states, in cohort order.
 
-    Its old state, updated with its row of each ``rows`` entry ([m, ...] tensors) and of the
-    stacked optimiser state (``opt.save(..., prefix)``). Rows are copied: a view would keep
-    the whole cohort's tensor alive in every client's state.
+    Their old states, updated with each ``rows`` entry ([m, ...] tensors) and the stacked
+    optimiser state (``opt.save(..., prefix)``). Of a :class:`CohortStates` (what the engine
+    hands ``client_update``): a :class:`CohortStates`, a fixed number of ops for any cohort.
+    Of a list of dicts: a list, rows copied (a view would keep the whole cohort's tensor alive
+    in every client's state).
     """
+    if isinstance(states, CohortStates):
+        return states.updated(opt_state if opt.persistent else None, prefix, **rows)
     if not opt_state and not rows:
         return list(states)
     out = []
