@@ -94,3 +94,39 @@ def test_a_checkpoint_saves_each_parts_memories_stacked_and_older_ones_still_loa
                 mine, theirs = dict(getattr(engine, kind)[d].items()), getattr(other, kind)[d]
                 assert dict(theirs.items()).keys() == mine.keys()
                 assert all(torch.equal(theirs[k], v) for k, v in mine.items())
+
+
+def test_a_cohorts_memories_are_read_and_written_as_one_stack(memory):
+    assert memory.stack([1, 2], "") is None and not memory.has([1, 2], "").any()
+    memory.write_stack([4, 1, 8], "", torch.arange(6.0).view(3, 2))
+    assert memory.has([1, 2, 4, 8], "").tolist() == [True, False, True, True]
+    stack = memory.stack([8, 2, 1], "")  # rows without a memory: zeros
+    assert stack.tolist() == [[4.0, 5.0], [0.0, 0.0], [2.0, 3.0]]
+    assert torch.equal(memory[4, ""], torch.tensor([0.0, 1.0]))  # the mapping reads the same
+    values = torch.ones(2, 2)
+    memory.write_stack([2, 4], "", values)
+    values += 1  # copied in
+    assert memory.stack([2, 4, 1], "").tolist() == [[1.0, 1.0], [1.0, 1.0], [2.0, 3.0]]
+    del memory[4, ""]
+    assert memory.has([4, 2], "").tolist() == [False, True]
+    other = PartMemory(10, "cpu")
+    other.load(memory.export())  # a checkpoint's memories: who holds one is known again
+    assert other.has(list(range(10)), "").tolist() == [n in (1, 2, 8) for n in range(10)]
+    rank = PartMemory(10, "cpu", share=(0, 2))
+    rank.load(memory.export())  # a rank keeps its own clients
+    assert rank.has([2, 8], "").tolist() == [True, True] and len(rank) == 2
+
+
+def test_a_cohorts_pass_reads_no_memory_row_by_row():
+    from fedexp.engine.round.census import Census
+
+    memory = PartMemory(1000, "cpu")
+    counts = []
+    for m in (10, 500):
+        clients = list(range(0, 2 * m, 2))
+        memory.write_stack(clients, "", torch.ones(m, 3))
+        with Census() as counted:
+            memory.write_stack(clients, "", memory.stack(clients, "") + 1)
+            memory.has(clients, "")
+        counts.append((counted.total_ops, counted.total_reads))
+    assert counts[0] == counts[1] and counts[0][1] == 0

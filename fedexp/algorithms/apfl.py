@@ -40,7 +40,7 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Fraction, Range
 from fedexp.engine.solver.context import Context
@@ -85,9 +85,15 @@ class APFL(FedAvg):
     def mixture(
         self, ctx: Context, w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor
     ) -> torch.Tensor:
-        """v̄ = α v + (1 − α) w on the parameters; running statistics from v."""
+        """v̄ = α v + (1 − α) w on the parameters; running statistics from v.
+
+        Of one client's vectors or of rows of them (``[m, d]``, ``[m, d]``, ``[m, 1]``).
+        """
         mixed = alpha * v + (1 - alpha) * w
-        return ctx.model.with_buffers(mixed, v[ctx.model.layout.num_params :])
+        if not ctx.model.has_buffers:
+            return mixed
+        n = ctx.model.layout.num_params
+        return torch.cat([mixed[..., :n], v[..., n:]], dim=-1)
 
     def joint_loss(
         self,
@@ -131,19 +137,19 @@ class APFL(FedAvg):
 
     # ---------------------------------------------------------------------- hooks
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """E joint steps on [w ; v ; α] from w = the received model; send Δ = w_in − w^E."""
         assert isinstance(model_in, torch.Tensor)
         d = model_in.shape[-1]
-        v = torch.stack([s["v"] for s in states])
-        alpha = torch.stack([s["alpha"] for s in states]).to(model_in)
+        v = states.stack("v")
+        alpha = states.stack("alpha").to(model_in)
         opt = ctx.optimizer
         local = ctx.train(
             torch.cat([model_in.detach(), v, alpha], dim=1),
             cohort,
             objective=self.objective(ctx, model_in.detach()),
-            opt_states=[opt.load(s) for s in states],
+            opt_states=opt.load(states),
         )
         w, v, alpha = local.params[:, :d], local.params[:, d : 2 * d], local.params[:, 2 * d :]
         new_states = unstack_states(states, opt, local.opt_state, v=v, alpha=alpha)
@@ -156,3 +162,10 @@ class APFL(FedAvg):
         """v̄_n = α_n v_n + (1 − α_n) w, w the current global model."""
         w = server["x"]
         return self.mixture(ctx, w, client_state["v"], client_state["alpha"].to(w))
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """:meth:`eval_params` of every client at once."""
+        w = server["x"].expand(len(clients), -1)
+        return self.mixture(ctx, w, states.stack("v"), states.stack("alpha").to(w))

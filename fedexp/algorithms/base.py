@@ -143,6 +143,25 @@ class Algorithm(ABC):
         """The vector client ``client`` is evaluated with (default: the global model)."""
         return server["x"]
 
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """``[m, d]`` the vectors ``clients`` are evaluated with, at once.
+
+        What the engine calls (a fixed number of ops for any cohort when overridden: the
+        global model expanded, ``states.stack(key)``, one gather of server rows); it must
+        equal :meth:`eval_params` row by row. A vector shared by every client is returned
+        expanded (stride 0 along the clients), which the evaluation reads as one plain
+        forward pass. The default asks :meth:`eval_params` client by client.
+        """
+        vectors = [
+            self.eval_params(ctx, server, s, n) for s, n in zip(states, clients, strict=True)
+        ]
+        first = vectors[0]
+        if all(v is first for v in vectors):
+            return first.expand(len(vectors), *first.shape)
+        return torch.stack(vectors)
+
     #: True when :meth:`eval_models` computes the evaluated vectors from the clients' data
     eval_with_data: bool = False
 

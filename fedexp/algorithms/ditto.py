@@ -76,3 +76,9 @@ class Ditto(FedAvg):
     ) -> torch.Tensor:
         """Client n is evaluated with its personal model v_n."""
         return client_state["v"]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """Every client's personal model v_n, at once."""
+        return states.stack("v")

@@ -36,6 +36,12 @@ Choices, and differences from the paper and the authors' code:
   threshold lengthening the start phase); ``ALA.py``'s default, which their run scripts leave
   in place, is 0.1 (``algorithm.threshold=0.1`` reproduces their code). ``num_pre_loss=10``
   is ``ALA.py``'s. Their loop has no cap; ``max_start_epochs`` adds one (null: none).
+* A cohort runs ALA at once: each epoch is the cohort's minibatch steps (every client's
+  gradient in one computation, the solver's; a client whose slice is shorter, or whose
+  weights are done, sits the extra steps out), and after it the stopping rule of each client
+  in its start phase is read on the host (one read an epoch). The start of each slice is its
+  stream's first draw, computed for the cohort at once (:func:`first_draws`). A round's work
+  grows with the most epochs any client takes, not with the clients.
 * Participation: only the sampled clients run ALA (the paper's Algorithm 1). The authors'
   simulation runs ALA on every client every round (``send_models`` loops over all clients);
   their runs use full participation, where the two agree.
@@ -56,20 +62,46 @@ its index, for its ALA stream) and its optimiser state; the server's ``x``.
 from __future__ import annotations
 
 import statistics
+from functools import partial
 from typing import Annotated
 
+import numpy as np
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Positive, PositiveInt, Range
-from fedexp.data.client import ClientData
 from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.steps import unstack_states
+from fedexp.engine.solver.objective import Aux, Objective
+from fedexp.engine.solver.steps import stacked_gradients, unstack_states
+from fedexp.models.task import PADDING
 
 #: stream purpose of the ALA data slice (beside ``fedexp.engine.rng``'s)
 ALA_STREAM = 41
+
+
+def first_draws(seeds: list[int], highs: np.ndarray) -> np.ndarray:
+    """``torch.randint(high, (1,), generator=torch.Generator().manual_seed(seed))`` of each pair.
+
+    That draw is the first output of the generator's MT19937 (Matsumoto & Nishimura 1998),
+    seeded with the seed's low 32 bits, modulo ``high`` (< 2³²): computed here for every seed at
+    once on the host, without a generator and a tensor op per client (tested against torch).
+    """
+    mt = np.empty((398, len(seeds)), dtype=np.uint32)  # the state words the first output reads
+    mt[0] = [s & 0xFFFFFFFF for s in seeds]
+    with np.errstate(over="ignore"):  # arithmetic modulo 2³², as MT19937's
+        for j in range(1, 398):
+            prev = mt[j - 1]
+            mt[j] = np.uint32(1812433253) * (prev ^ (prev >> np.uint32(30))) + np.uint32(j)
+    y = (mt[0] & np.uint32(0x80000000)) | (mt[1] & np.uint32(0x7FFFFFFF))
+    odd = np.where(y & np.uint32(1), np.uint32(0x9908B0DF), np.uint32(0))
+    y = mt[397] ^ (y >> np.uint32(1)) ^ odd
+    y ^= y >> np.uint32(11)
+    y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
+    y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
+    y ^= y >> np.uint32(18)
+    return y.astype(np.int64) % np.asarray(highs, dtype=np.int64)
 
 
 class FedALA(FedAvg):
@@ -127,10 +159,14 @@ class FedALA(FedAvg):
     def mix(
         self, ctx: Context, glob: torch.Tensor, local: torch.Tensor, w: torch.Tensor
     ) -> torch.Tensor:
-        """Θ̂ = Θ_i + (Θ − Θ_i) ⊙ W on the top tensors, Θ below, statistics per ``stats``."""
+        """Θ̂ = Θ_i + (Θ − Θ_i) ⊙ W on the top tensors, Θ below, statistics per ``stats``.
+
+        Of one client's vectors or of rows of them (``[m, d]``, ``[m, d]``, ``[m, hi − lo]``).
+        """
         lo, hi = self.top_range(ctx)
         stats = glob if self.stats == "global" else local
-        return torch.cat([glob[:lo], torch.lerp(local[lo:hi], glob[lo:hi], w), stats[hi:]])
+        top = torch.lerp(local[..., lo:hi], glob[..., lo:hi], w)
+        return torch.cat([glob[..., :lo], top, stats[..., hi:]], dim=-1)
 
     # ------------------------------------------------------------------ state
     init_per_client = True  # the state keeps the client's id
@@ -146,22 +182,84 @@ class FedALA(FedAvg):
         }
 
     # -------------------------------------------------------------------- ALA
-    def ala_step(
+    def ala_loss(
         self,
         ctx: Context,
-        glob: torch.Tensor,
-        local: torch.Tensor,
         w: torch.Tensor,
         x: torch.Tensor,
         y: torch.Tensor,
+        aux: Aux,
+        u: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One minibatch: W ← clip(W − η_W ∇_W L(Θ̂(W); x, y), 0, 1); returns (W, loss)."""
-        leaf = w.detach().requires_grad_(True)
-        ctx.model.module.train()
-        logits, _ = ctx.model.forward_train(self.mix(ctx, glob, local, leaf), x)
-        loss = ctx.task.loss(logits, y)
-        (grad,) = torch.autograd.grad(loss, leaf)
-        return torch.clamp(leaf.detach() - self.eta * grad, 0.0, 1.0), loss.detach()
+        """L(Θ̂(W); x, y) of one client, ``aux``: its Θ and Θ_i (statistics updates dropped)."""
+        logits, _ = ctx.model.forward_train(self.mix(ctx, aux["glob"], aux["local"], w), x)
+        return ctx.task.loss(logits, y), w.detach()
+
+    def slices(
+        self, ctx: Context, cohort: Cohort, ids: list[int]
+    ) -> tuple[dict[str, torch.Tensor], int, int]:
+        """Each client's ALA data: a slice of s % of its training set from a random start.
+
+        The start is the first draw of the client's stream (seed, 41, round, client)
+        (:func:`first_draws`); the slice is read in minibatches of ``batch_size`` (≤ 0: the
+        whole slice). Returns [m] int64 tensors ``start``, ``size``, ``chunk`` (the minibatch
+        size) and ``batches`` (the minibatches of an epoch), then the most minibatches and
+        the largest minibatch of any client (from the host's sizes: no read).
+        """
+        num = np.array([d.num_train for d in cohort.data], dtype=np.int64)
+        size = np.minimum(num, np.maximum(1, (self.rand_percent / 100 * num).astype(np.int64)))
+        seeds = [rng.derive_seed(ctx.seed, ALA_STREAM, ctx.round, n) for n in ids]
+        start = first_draws(seeds, num - size + 1)
+        chunk = size if ctx.batch_size <= 0 else np.full_like(size, ctx.batch_size)
+        batches = -(-size // chunk)
+        table = torch.as_tensor(np.stack([start, size, chunk, batches]), device=ctx.device)
+        names = ("start", "size", "chunk", "batches")
+        return dict(zip(names, table, strict=True)), int(batches.max()), int(chunk.max())
+
+    def minibatch(
+        self, cohort: Cohort, ala: dict[str, torch.Tensor], t: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Minibatch t of every client's slice, [m, width, ...].
+
+        Rows past a client's minibatch are padding (target :data:`PADDING`, no weight in the
+        loss); a client whose slice has fewer minibatches gets its last one again (its step
+        is then not taken).
+        """
+        step = torch.minimum(ala["batches"] - 1, torch.tensor(t, device=ala["batches"].device))
+        cols = torch.arange(width, device=step.device)
+        pos = (step * ala["chunk"])[:, None] + cols  # position in the slice
+        valid = (cols < ala["chunk"][:, None]) & (pos < ala["size"][:, None])
+        x, y = cohort.pool.gather(cohort.rows, ala["start"][:, None] + torch.where(valid, pos, 0))
+        valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
+        return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING)
+
+    def ala_objective(self, ctx: Context, glob: torch.Tensor, local: torch.Tensor) -> Objective:
+        """L(Θ̂(W)) of the rows ``glob``, ``local`` ([m, d]) as a function of their W."""
+        frozen = None  # W has no frozen coordinate; with running statistics in the model a
+        if ctx.model.has_buffers:  # mask sends it row by row (each client's batch statistics)
+            lo, hi = self.top_range(ctx)
+            frozen = torch.zeros(hi - lo, dtype=torch.bool, device=glob.device)
+        aux = {"glob": glob.detach(), "local": local.detach()}
+        return Objective(partial(self.ala_loss, ctx), aux=aux, frozen=frozen)
+
+    def ala_step(
+        self, ctx: Context, objective: Objective, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One minibatch of every row: W ← clip(W − η_W ∇_W L(Θ̂(W); x, y), 0, 1); (W, losses).
+
+        Autograd through Θ̂, W the only leaf; the rows' gradients at once
+        (:func:`fedexp.engine.solver.steps.stacked_gradients`; row by row if vmap refuses).
+        """
+        noise = torch.zeros(w.shape[0], 0, device=w.device)
+        args = (w.detach(), x, y, objective.aux, noise)
+        try:
+            grads, (loss, _) = stacked_gradients(ctx, objective)(*args)
+        except RuntimeError:
+            if not ctx.vmap_ok:
+                raise
+            ctx.vmap_ok = False  # as the local solver: row by row from now on
+            grads, (loss, _) = stacked_gradients(ctx, objective)(*args)
+        return torch.clamp(w.detach() - self.eta * grads, 0.0, 1.0), loss.detach()
 
     def learn_weights(
         self,
@@ -169,72 +267,91 @@ class FedALA(FedAvg):
         glob: torch.Tensor,
         local: torch.Tensor,
         w: torch.Tensor,
-        data: ClientData,
-        generator: torch.Generator,
-        start_phase: bool,
-    ) -> tuple[torch.Tensor, int, float]:
-        """ALA's weight learning on a random slice of s % of the data; (W, epochs, loss)."""
-        n = data.num_train
-        size = min(n, max(1, int(self.rand_percent / 100 * n)))
-        start = int(torch.randint(n - size + 1, (1,), generator=generator))
-        xs, ys = data.x_train[start : start + size], data.y_train[start : start + size]
-        chunk = size if ctx.batch_size <= 0 else ctx.batch_size
-        batches = list(zip(torch.split(xs, chunk), torch.split(ys, chunk), strict=True))
-        glob, local = glob.detach(), local.detach()
-        losses: list[float] = []
-        while True:
-            for xb, yb in batches:
-                w, loss = self.ala_step(ctx, glob, local, w, xb, yb)
-            losses.append(float(loss))  # the epoch's last minibatch, as the authors
-            if not start_phase:
-                break
-            recent = losses[-self.num_pre_loss :]
-            if len(losses) > self.num_pre_loss and statistics.pstdev(recent) < self.threshold:
-                break
-            if self.max_start_epochs is not None and len(losses) >= self.max_start_epochs:
-                break
-        return w, len(losses), losses[-1]
+        cohort: Cohort,
+        ids: list[int],
+        running: list[bool],
+        start_phase: list[bool],
+    ) -> tuple[torch.Tensor, list[int]]:
+        """ALA's weight learning of the cohort's ``running`` clients; (W, epochs of each).
+
+        Epoch after epoch, minibatch by minibatch of its slice (:meth:`slices`), every running
+        client takes an :meth:`ala_step`. After an epoch a client stops unless in its start
+        phase, whose rule (:meth:`start_done`) reads the epoch's last minibatch loss of every
+        client on the host (one read an epoch).
+        """
+        ala, rounds, width = self.slices(ctx, cohort, ids)
+        objective = self.ala_objective(ctx, glob, local)
+        losses: list[list[float]] = [[] for _ in ids]
+        ctx.model.module.train()
+        while any(running):
+            on = torch.tensor(running, device=w.device)
+            last = torch.zeros(w.shape[0], device=w.device)
+            for t in range(rounds):
+                x, y = self.minibatch(cohort, ala, t, width)
+                new, loss = self.ala_step(ctx, objective, w, x, y)
+                w = torch.where((on & (ala["batches"] > t))[:, None], new, w)
+                last = torch.where(ala["batches"] == t + 1, loss, last)
+            for i, value in enumerate(last.tolist()):  # the epoch's last minibatch's loss
+                if running[i]:
+                    losses[i].append(value)
+                    running[i] = start_phase[i] and not self.start_done(losses[i])
+        return w, [len(history) for history in losses]
+
+    def start_done(self, losses: list[float]) -> bool:
+        """Whether the start phase ends after these epoch losses."""
+        recent = losses[-self.num_pre_loss :]
+        if len(losses) > self.num_pre_loss and statistics.pstdev(recent) < self.threshold:
+            return True
+        return self.max_start_epochs is not None and len(losses) >= self.max_start_epochs
 
     # ----------------------------------------------------------------- client
     def adapt(
-        self, ctx: Context, glob: torch.Tensor, state: State, data: ClientData
-    ) -> tuple[torch.Tensor, State, float]:
-        """ALA of one client: (Θ̂, its new ``W`` and ``started``, the ALA epochs taken)."""
-        theta, w, started = state["theta"], state["W"], state["started"]
+        self, ctx: Context, glob: torch.Tensor, states: CohortStates, cohort: Cohort
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """ALA of the cohort: (Θ̂ [m, d], the new ``W`` and ``started``, the ALA epochs [m]).
+
+        A client runs ALA unless Θ equals its Θ_i on the coordinates below the statistics
+        (what it knows of the round: read on the host once, with its id and start phase).
+        """
+        theta, w, started = states.stack("theta"), states.stack("W"), states.stack("started")
         lo, hi = self.top_range(ctx)
-        epochs = 0.0
-        if hi > lo and not torch.equal(glob[:hi], theta[:hi]):
-            stream = rng.generator(ctx.seed, ALA_STREAM, ctx.round, int(state["client"][0]))
-            start_phase = not bool(started[0] > 0)
-            w, taken, _ = self.learn_weights(ctx, glob, theta, w, data, stream, start_phase)
-            started, epochs = torch.ones_like(started), float(taken)
+        m = len(cohort)
+        epochs = torch.zeros(m, device=glob.device)
+        if hi > lo:
+            moved = (glob[:, :hi] != theta[:, :hi]).any(dim=1)
+            done = (started[:, 0] > 0).long()
+            flags = torch.stack([states.stack("client")[:, 0], moved.long(), done])
+            ids, running, done = flags.tolist()
+            running = [bool(r) for r in running]
+            if any(running):
+                start_phase = [not d for d in done]
+                w, taken = self.learn_weights(
+                    ctx, glob, theta, w, cohort, ids, list(running), start_phase
+                )
+                started = torch.where(moved[:, None], torch.ones_like(started), started)
+                epochs = torch.tensor(taken, dtype=epochs.dtype, device=epochs.device)
         return self.mix(ctx, glob, theta, w).detach(), {"W": w, "started": started}, epochs
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """ALA → Θ̂; E local steps from Θ̂; send Δ = Θ − θ^E (FedAvg's upload).
 
-        ALA runs client by client (its own stream and stopping rule); the local steps (the
-        run's optimiser, its state kept) are one run of the whole cohort.
+        ALA is the cohort's at once (its loop over epochs and minibatches, each client's own
+        slice and stopping rule); the local steps (the run's optimiser, its state kept) are
+        one run of the whole cohort.
         """
         assert isinstance(model_in, torch.Tensor)
         glob = model_in.detach()
-        done = [
-            self.adapt(ctx, glob[i], s, d)
-            for i, (s, d) in enumerate(zip(states, cohort.data, strict=True))
-        ]
-        init = torch.stack([a[0] for a in done])
+        init, adapted, epochs = self.adapt(ctx, glob, states, cohort)
         opt = ctx.optimizer
         local = ctx.train(
             init,
             cohort,
             objective=self.objective(ctx, init),
-            opt_states=[opt.load(s) for s in states],
+            opt_states=opt.load(states),
         )
-        adapted = [{**s, **a[1]} for s, a in zip(states, done, strict=True)]
-        new_states = unstack_states(adapted, opt, local.opt_state, theta=local.params)
-        epochs = torch.tensor([a[2] for a in done], device=init.device)
+        new_states = unstack_states(states, opt, local.opt_state, theta=local.params, **adapted)
         metrics = {"ala_epochs": epochs, "train_loss": local.loss}
         return CohortResult(model_in - local.params, new_states, metrics)
 
@@ -245,3 +362,12 @@ class FedALA(FedAvg):
         if self.evaluate == "local":
             return client_state["theta"]
         return self.mix(ctx, server["x"], client_state["theta"], client_state["W"])
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """:meth:`eval_params` of every client at once."""
+        if self.evaluate == "local":
+            return states.stack("theta")
+        glob = server["x"].expand(len(clients), -1)
+        return self.mix(ctx, glob, states.stack("theta"), states.stack("W"))

@@ -63,8 +63,17 @@ from types import MappingProxyType
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Stacked,
+    StackedUpdates,
+    State,
+)
 from fedexp.config.ranges import Fraction, NonNegative, Positive
+from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
@@ -72,10 +81,13 @@ from fedexp.errors import ConfigError
 #: σ of FedAMP's A(x) = 1 − e^{−x/σ} when none is given: the scale of the squared distances
 #: between client models of the project's default runs (the module docstring, "Defaults").
 FEDAMP_SIGMA = 0.3
-#: elements of the [S, N, d] pairwise tensor of one slice of :meth:`FedAMP.downlinks` (64 MiB)
-_ROWS_ELEMENTS = 2**24
 #: HeurFedAMP's cosine scale when none is given (PFLlib's HeurFedAMP scripts: -sg 0.1).
 HEUR_SIGMA = 0.1
+
+
+def _diagonal(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """Bool [len(rows), n]: True at (s, rows[s]), client i's own column."""
+    return rows[:, None] == torch.arange(n, device=rows.device)
 
 
 def attention(
@@ -100,10 +112,9 @@ def attention(
         ξ with rows summing to one (ξ_ii on the diagonal of the selected rows).
     """
     n = W.shape[0]
-    wi = W[rows]  # [S, d]
-    eye = torch.nn.functional.one_hot(rows, n).to(torch.bool)  # [S, N]: the diagonal
     if n == 1:
         return torch.ones(rows.shape[0], 1, dtype=W.dtype, device=W.device)
+    eye = _diagonal(rows, n)
     if heuristic:
         # cos(w_i, w_j) as one product of unit rows ([S, N]; ε as cosine_similarity's)
         unit = W / W.norm(dim=1, keepdim=True).clamp_min(1e-8)
@@ -111,8 +122,9 @@ def attention(
         logits = (sigma * cos).masked_fill(eye, float("-inf"))
         others = (1.0 - self_attention) * torch.softmax(logits, dim=1)
         return torch.where(eye, torch.full_like(others, self_attention), others)
-    diff = wi[:, None, :] - W[None, :, :]
-    dist = (diff * diff).sum(dim=-1)  # ‖w_i − w_j‖², exact (no cdist cancellation)
+    # ‖w_i − w_j‖² from the differences themselves (no ‖w_i‖² + ‖w_j‖² − 2 w_i·w_j
+    # cancellation), [S, N] without an [S, N, d] intermediate
+    dist = torch.cdist(W[rows], W, compute_mode="donot_use_mm_for_euclid_dist").square()
     others = (alpha_k * torch.exp(-dist / sigma) / sigma).masked_fill(eye, 0.0)
     return torch.where(eye, (1.0 - others.sum(dim=1, keepdim=True)).expand_as(others), others)
 
@@ -161,7 +173,7 @@ class FedAMP(Algorithm):
         """u_i = w_i + Σ_{j≠i} ξ_ij (w_j − w_i) for i in ``rows``: [len(rows), d]."""
         xi = self.xi(W, rows)
         wi = W[rows]
-        others = xi.masked_fill(torch.nn.functional.one_hot(rows, W.shape[0]).bool(), 0.0)
+        others = xi.masked_fill(_diagonal(rows, W.shape[0]), 0.0)
         return wi + others @ W - others.sum(dim=1, keepdim=True) * wi
 
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
@@ -186,18 +198,14 @@ class FedAMP(Algorithm):
         rows = torch.tensor([client], device=server["W"].device)
         return self.cloud_models(server["W"], rows)[0]
 
-    def downlinks(
-        self, ctx: Context, server: State, clients: list[int]
-    ) -> dict[int, torch.Tensor | None]:
-        """All ``clients``' cloud models at once (slices of ~``_ROWS_ELEMENTS`` pairwise terms)."""
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """All ``clients``' cloud models at once, [m, d] (pairwise terms [m, N], not [m, N, d])."""
         W = server["W"]
-        per = max(1, _ROWS_ELEMENTS // max(1, W.numel()))
         rows = torch.tensor(clients, device=W.device)
-        u = torch.cat([self.cloud_models(W, part) for part in torch.split(rows, per)])
-        return dict(zip(clients, u.unbind(0), strict=True))
+        return StackedUpdates(clients, self.cloud_models(W, rows))
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """Local steps on f_i(w) + (λ/(2α_k))‖w − u_i‖² from u_i; upload the new w_i."""
         assert isinstance(model_in, torch.Tensor)
@@ -207,7 +215,7 @@ class FedAMP(Algorithm):
             anchor,
             cohort,
             objective=ctx.proximal_objective(anchor, self.lam / self.alpha_k),
-            opt_states=[opt.load(s) for s in states],
+            opt_states=opt.load(states),
         )
         new_states = unstack_states(states, opt, local.opt_state)
         return CohortResult(local.params, new_states, {"train_loss": local.loss})
@@ -222,14 +230,20 @@ class FedAMP(Algorithm):
         """W[i] ← w_i for the clients that reported (no averaging; ``weights`` unused)."""
         if not updates:
             return server
-        W = server["W"].clone()
+        W = server["W"]
         clients = sorted(updates)
         idx = torch.tensor(clients, device=W.device)
-        W[idx] = torch.stack([updates[n].to(W) for n in clients])
-        return {**server, "W": W}
+        return {**server, "W": W.index_copy(0, idx, update_parts(updates, clients)[""].to(W))}
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int
     ) -> torch.Tensor:
         """Client i's personalised model w_i = W[i]."""
         return server["W"][client]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """The clients' rows of W, [m, d]: one gather."""
+        W = server["W"]
+        return W.index_select(0, torch.as_tensor(clients, device=W.device))

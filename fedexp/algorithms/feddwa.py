@@ -50,8 +50,18 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Message, Stacked, State
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Message,
+    Stacked,
+    StackedUpdates,
+    State,
+)
 from fedexp.config.ranges import PositiveInt, Range
+from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 
@@ -71,7 +81,8 @@ def dwa_weights(
         [m, m] float64 matrix, non-negative, each column summing to one.
     """
     m = models.shape[0]
-    dist = torch.stack([((models - g) ** 2).sum(dim=1) for g in guides], dim=1)
+    # dist[j, i] = ‖θ_j − θ̂_i‖², from the differences (no cancellation), no [m, m, d] tensor
+    dist = torch.cdist(models, guides, compute_mode="donot_use_mm_for_euclid_dist").square()
     inv = 1.0 / (dist.to(torch.float64) + eps)
     w = inv / inv.sum(dim=0, keepdim=True)
     if topk < m:
@@ -120,14 +131,20 @@ class FedDWA(Algorithm):
         """Client i's personalised model Σ_j w_ji θ_j from its last participation."""
         return server["personal"][client]
 
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """The clients' personalised models, [m, d]: one gather of the server's rows."""
+        personal = server["personal"]
+        rows = torch.tensor(clients, device=personal.device)
+        return StackedUpdates(clients, personal.index_select(0, rows))
+
     # ----------------------------------------------------------------- client
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """E local steps → θ_i; one more pass → θ̂_i; send both."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
-        local = ctx.train(model_in, cohort, opt_states=[opt.load(s) for s in states])
+        local = ctx.train(model_in, cohort, opt_states=opt.load(states))
         guide = ctx.train(local.params, cohort, opt_states=local.opt_state, steps=self.guide_steps)
         kept = {}
         if self.evaluate != "personal":
@@ -149,14 +166,14 @@ class FedDWA(Algorithm):
         if not updates:
             return server
         clients = sorted(updates)
-        models = torch.stack([updates[n]["model"] for n in clients])  # type: ignore[index]
-        guides = torch.stack([updates[n]["guide"] for n in clients])  # type: ignore[index]
+        parts = update_parts(updates, clients)
+        models, guides = parts["model"], parts["guide"]
         p = ctx.model.layout.num_params
         w = dwa_weights(guides[:, :p], models[:, :p], self.topk, self.eps)
-        personal = server["personal"].clone()
+        personal = server["personal"]
         idx = torch.tensor(clients, device=personal.device)
-        personal[idx] = (w.T.to(models.dtype) @ models).to(personal.dtype)
-        return {**server, "personal": personal}
+        mixed = (w.T.to(models.dtype) @ models).to(personal.dtype)
+        return {**server, "personal": personal.index_copy(0, idx, mixed)}
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int
@@ -165,3 +182,13 @@ class FedDWA(Algorithm):
         if self.evaluate == "personal":
             return server["personal"][client]
         return client_state[self.evaluate]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """:meth:`eval_params` of every client at once (one gather of the server's rows)."""
+        if self.evaluate == "personal":
+            personal = server["personal"]
+            rows = torch.tensor(clients, device=personal.device)
+            return personal.index_select(0, rows)
+        return states.stack(self.evaluate)

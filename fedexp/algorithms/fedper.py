@@ -20,7 +20,15 @@ from collections.abc import Sequence
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Message, Stacked, State, weighted_mean
+from fedexp.algorithms.base import (
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Message,
+    Stacked,
+    State,
+    weighted_mean,
+)
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
@@ -86,16 +94,16 @@ class FedPer(FedAvg):
         return dict.fromkeys(clients, body)
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """E local steps on (received body, own head); keep the head, send Δ of the body."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
         local = ctx.train(
-            self.assemble(ctx, model_in, torch.stack([s["head"] for s in states])),
+            self.assemble(ctx, model_in, states.stack("head")),
             cohort,
             objective=ctx.model_objective(),
-            opt_states=[opt.load(s) for s in states],
+            opt_states=opt.load(states),
         )
         head = local.params[:, self.personal_idx(ctx)]
         new_states = unstack_states(states, opt, local.opt_state, head=head)
@@ -122,3 +130,14 @@ class FedPer(FedAvg):
     ) -> torch.Tensor:
         """The current body with the client's own head."""
         return self.assemble(ctx, server["x"][self.body_idx(ctx)], client_state["head"])
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """The current body with every client's own head, [m, d] at once.
+
+        ``x`` holds the body in its body coordinates: its rows with the heads put in.
+        """
+        full = server["x"].expand(len(clients), -1).clone()
+        full[:, self.personal_idx(ctx)] = states.stack("head").to(full)
+        return full

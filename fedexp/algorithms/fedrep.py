@@ -28,7 +28,7 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedper import FedPer
 from fedexp.config.ranges import NonNegative, Range
@@ -83,7 +83,7 @@ class FedRep(FedPer):
         return mask
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """τ_h head steps (body frozen), τ_φ body steps (head frozen); send Δ of the body.
 
@@ -91,8 +91,8 @@ class FedRep(FedPer):
         """
         assert isinstance(model_in, torch.Tensor)
         opt, body, head = ctx.optimizer, self.body_idx(ctx), self.personal_idx(ctx)
-        theta = self.assemble(ctx, model_in, torch.stack([s["head"] for s in states]))
-        new_states, metrics = list(states), {}
+        theta = self.assemble(ctx, model_in, states.stack("head"))
+        new_states, metrics = states, {}
         head_steps, body_steps = self.phase_steps(ctx, cohort.data[0])
         for name, idx, steps in (("head", head, head_steps), ("body", body, body_steps)):
             if steps == 0:
@@ -101,7 +101,7 @@ class FedRep(FedPer):
                 theta,
                 cohort,
                 objective=ctx.model_objective(),
-                opt_states=[opt.load(s, f"opt_{name}") for s in states],
+                opt_states=opt.load(states, f"opt_{name}"),
                 steps=steps,
                 mask=self.phase_mask(ctx, idx, theta[0]),
             )

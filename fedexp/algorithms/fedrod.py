@@ -60,9 +60,10 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Positive
+from fedexp.engine.clients.pool import padded
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.steps import unstack_states
@@ -72,6 +73,25 @@ from fedexp.errors import ConfigError
 def class_counts(y: torch.Tensor, num_classes: int) -> torch.Tensor:
     """Samples (or pixels, for segmentation masks) of each class in ``y``, as floats."""
     return torch.bincount(y.reshape(-1).long(), minlength=num_classes)[:num_classes].float()
+
+
+def cohort_class_counts(cohort: Cohort, num_classes: int) -> torch.Tensor:
+    """[m, C] :func:`class_counts` of each cohort client's training labels, read at once.
+
+    The clients' training rows gathered padded from their pool (``pool.padded``), so that
+    the ops do not grow with the cohort; client by client where they are not pooled.
+    """
+    gathered = padded([d.pooled() for d in cohort.data])
+    if gathered is None:
+        return torch.stack([class_counts(d.y_train, num_classes) for d in cohort.data])
+    _, y, lengths = gathered
+    m, longest = y.shape[:2]
+    y = y.reshape(m, longest, -1).long()
+    valid = torch.arange(longest, device=y.device) < lengths.to(y.device)[:, None]
+    labels = torch.where(valid[..., None] & (y < num_classes), y, num_classes).reshape(m, -1)
+    counts = torch.zeros(m, num_classes + 1, dtype=torch.int64, device=y.device)
+    counts.scatter_add_(1, labels, torch.ones_like(labels))
+    return counts[:, :num_classes].float()
 
 
 def log_priors(counts: torch.Tensor, floor: float = 1.0) -> torch.Tensor:
@@ -181,20 +201,16 @@ class FedRoD(FedAvg):
         return {"p": p}
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """E joint steps on [θ ; p] (BSM for θ, personal loss for p); send Δ = θ_in − θ_out."""
         assert isinstance(model_in, torch.Tensor)
         joint, opt, dev = self._joint(ctx), ctx.optimizer, model_in.device
-        counts = torch.stack(
-            [  # from the training labels at the first participation, then kept
-                s["counts"]
-                if "counts" in s
-                else class_counts(d.y_train, ctx.task.num_classes).to(dev)
-                for s, d in zip(states, cohort.data, strict=True)
-            ]
-        )
-        p = torch.stack([s["p"] for s in states])
+        if "counts" in states and "counts" not in states.present:  # every client's, kept
+            counts = states.stack("counts")
+        else:  # from the training labels at a first participation (the others' alike)
+            counts = cohort_class_counts(cohort, ctx.task.num_classes).to(dev)
+        p = states.stack("p")
         frozen = None
         if ctx.model.has_buffers:  # running statistics follow the generic forward; p has none
             keep = torch.zeros(p.shape[1], dtype=torch.bool, device=dev)
@@ -204,7 +220,7 @@ class FedRoD(FedAvg):
             torch.cat([model_in, p], dim=1),
             cohort,
             objective=Objective(joint.loss, aux=aux, frozen=frozen),
-            opt_states=[opt.load(s) for s in states],
+            opt_states=opt.load(states),
         )
         theta, p = local.params[:, : joint.d], local.params[:, joint.d :]
         new_states = unstack_states(states, opt, local.opt_state, p=p, counts=counts)
@@ -218,6 +234,16 @@ class FedRoD(FedAvg):
         return torch.cat(
             [server["x"], p if self.evaluate_with == "personal" else p.new_zeros(p.shape)]
         )
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """[x ; p_n] of every client at once ([x ; 0], shared, with ``"generic"``)."""
+        x, p = server["x"], states.stack("p")
+        if self.evaluate_with == "generic":
+            shared = torch.cat([x, p.new_zeros(p.shape[1:])])
+            return shared.expand(len(clients), -1)
+        return torch.cat([x.expand(len(clients), -1), p], dim=1)
 
     def predict(self, ctx: Context, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """g(z) + p(z): the model at θ plus the model at θ with its head replaced by p."""

@@ -30,7 +30,7 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.algorithms.fedprox import FedProx
 from fedexp.config.ranges import NonNegative, Range
@@ -54,7 +54,7 @@ class _FineTune:
         return ctx.cohort_steps(cohort) if self.finetune_steps is None else self.finetune_steps
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """Fine-tune x → x^FT (kept as ``ft``), E local steps from x^FT; send x − θ^E."""
         assert isinstance(model_in, torch.Tensor)
@@ -67,7 +67,7 @@ class _FineTune:
             ft.params,
             cohort,
             objective=self.objective(ctx, model_in.detach()),  # type: ignore[attr-defined]
-            opt_states=[opt.load(s) for s in states],
+            opt_states=opt.load(states),
         )
         new_states = unstack_states(states, opt, local.opt_state, ft=ft.params)
         metrics = {"train_loss": local.loss, "finetune_loss": ft.loss}

@@ -48,8 +48,17 @@ from typing import Annotated
 import numpy as np
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Stacked,
+    StackedUpdates,
+    State,
+)
 from fedexp.config.ranges import Positive, Range
+from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.graph.fusion import check_penalty, prox_rows
@@ -111,18 +120,24 @@ class FPFC(Algorithm):
         """The client's proximal centre c_i."""
         return server["centre"][client]
 
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """The clients' centres c_i, [m, d]: one gather of the server's rows."""
+        centre = server["centre"]
+        rows = torch.tensor(clients, device=centre.device)
+        return StackedUpdates(clients, centre.index_select(0, rows))
+
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """E local steps from θ_i on f_i + (ρ(N−1)/2)‖θ − c_i‖²; upload θ_i."""
         assert isinstance(model_in, torch.Tensor)
         opt = ctx.optimizer
         mu = self.rho * max(ctx.num_clients - 1, 1)
         local = ctx.train(
-            torch.stack([s["theta"] for s in states]),
+            states.stack("theta"),
             cohort,
             objective=ctx.proximal_objective(model_in.detach(), mu),
-            opt_states=[opt.load(s) for s in states],
+            opt_states=opt.load(states),
         )
         new_states = unstack_states(states, opt, local.opt_state, theta=local.params)
         return CohortResult(local.params, new_states, {"train_loss": local.loss})
@@ -137,13 +152,13 @@ class FPFC(Algorithm):
         """Write Θ; ζ- then v-step on the edges touching a sampled client; new centres."""
         if not updates:
             return server
-        theta = server["theta"].clone()
-        n = theta.shape[0]
-        sampled = torch.tensor(sorted(updates), device=theta.device)
-        theta[sampled] = torch.stack([updates[i] for i in sorted(updates)]).to(theta)
+        clients = sorted(updates)
+        n = server["theta"].shape[0]
+        sampled = torch.tensor(clients, device=server["theta"].device)
+        received = update_parts(updates, clients)[""].to(server["theta"])
+        theta = server["theta"].index_copy(0, sampled, received)
         edges = complete_edges(n, theta.device)
-        touched = torch.zeros(n, dtype=torch.bool, device=theta.device)
-        touched[sampled] = True
+        touched = torch.zeros(n, dtype=torch.bool, device=theta.device).index_fill(0, sampled, True)
         active = (touched[edges[:, 0]] | touched[edges[:, 1]])[:, None]
         diff = qt_rows(theta, edges)  # θ_i − θ_j per edge
         rho = self.rho
@@ -169,6 +184,12 @@ class FPFC(Algorithm):
     ) -> torch.Tensor:
         """The client's own θ_i."""
         return client_state["theta"]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """Every client's own θ_i, at once."""
+        return states.stack("theta")
 
     def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
         """Clusters (components of the fused pairs ‖ζ_ij‖ ≤ ξ) and the primal residual."""

@@ -26,9 +26,11 @@ Differences from the paper and the authors' code (github.com/jichan3751/ifca), a
   several runs) and the FEMNIST warm start (a pretrained FedAvg model, 20 rounds of random
   forced assignments) are left to the experiment.
 * The loss estimate runs the model in evaluation mode without gradients (no dropout; BatchNorm
-  with the cluster model's running statistics), in chunks
-  (:func:`fedexp.engine.solver.losses.train_losses`); it draws nothing from the client's stream, so
-  the minibatches are FedAvg's. Ties go to the lowest index; a non-finite loss never wins.
+  with the cluster model's running statistics), every client's training split gathered from
+  the training pool at once (:func:`fedexp.engine.solver.losses.train_losses`); it draws
+  nothing from the client's stream, so the minibatches are FedAvg's. Ties go to the lowest
+  index; a non-finite loss never wins. The choice ĵ stays on the device (an argmin, then
+  gathers and masks).
 * Optimiser state (momentum, Adam moments): kept between rounds while the client stays in the
   same cluster, restarted fresh when ĵ changes (the old state belongs to another model).
 * Evaluation (``evaluate="estimate"``, the default): Algorithm 1 estimates a client's cluster
@@ -56,14 +58,14 @@ from fedexp.algorithms.base import (
     Algorithm,
     Cohort,
     CohortResult,
+    CohortStates,
     Message,
     Stacked,
-    StackedUpdates,
     State,
-    weighted_mean,
 )
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import PositiveInt, Range
+from fedexp.contract import update_parts
 from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.losses import train_losses
@@ -71,6 +73,16 @@ from fedexp.engine.solver.steps import unstack_states
 
 #: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
 CLUSTER_INIT = 31
+
+
+def restarted(opt_state: State | None, stayed: torch.Tensor) -> State | None:
+    """The stacked optimiser state, kept in the rows ``stayed`` (bool [m]), fresh (zeros) else."""
+    if opt_state is None:
+        return None
+    return {
+        name: torch.where(stayed.to(v.device).view(-1, *[1] * (v.dim() - 1)), v, 0.0)
+        for name, v in opt_state.items()
+    }
 
 
 class IFCA(Algorithm):
@@ -136,12 +148,13 @@ class IFCA(Algorithm):
 
     # ----------------------------------------------------------------- client
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """ĵ = argmin_j F_n(θ_j); E local steps from θ_ĵ; send Δ = θ_ĵ − θ^E and ĵ.
 
         F_n(θ_j): the mean task loss on the client's training split (eval mode), each cluster
-        model scored on every client's split at once (:func:`train_losses`).
+        model scored on every client's split at once (``train_losses``). The choice stays on the
+        device: a gather of the chosen rows, a mask of the clients that moved.
         """
         assert isinstance(model_in, dict)
         clusters = model_in["clusters"]  # [m, k, d]
@@ -149,18 +162,10 @@ class IFCA(Algorithm):
         rows = torch.arange(len(cohort), device=j.device)
         theta = clusters[rows, j]
         opt = ctx.optimizer
-        before = torch.stack([s["cluster"][0] for s in states]).tolist()
-        local = ctx.train(
-            theta,
-            cohort,
-            opt_states=[  # kept in the same cluster, fresh when ĵ changed
-                opt.load(s) if b == c else None
-                for s, b, c in zip(states, before, j.tolist(), strict=True)
-            ],
-        )
+        stayed = states.stack("cluster")[:, 0].to(j.device) == j
+        local = ctx.train(theta, cohort, opt_states=restarted(opt.load(states), stayed))
         chosen = j[:, None].to(theta.device)
-        kept = [{k: v for k, v in s.items() if not k.startswith("opt.")} for s in states]
-        new_states = unstack_states(kept, opt, local.opt_state, cluster=chosen)
+        new_states = unstack_states(states, opt, local.opt_state, cluster=chosen)
         upload = {"update": theta - local.params, "cluster": chosen}
         metrics = {"train_loss": local.loss, "cluster_loss": losses[rows, j]}
         return CohortResult(upload, new_states, metrics)
@@ -174,9 +179,8 @@ class IFCA(Algorithm):
         """
         if clusters.dim() == 2:
             clusters = clusters.expand(len(cohort), -1, -1)
-        losses = train_losses(
-            ctx, lambda j, rows: clusters[rows, j], clusters.shape[1], cohort.data
-        ).float()
+        k = clusters.shape[1]
+        losses = train_losses(ctx, lambda j, rows: clusters[rows, j], k, cohort.data).float()
         losses = torch.where(torch.isfinite(losses), losses, torch.full_like(losses, torch.inf))
         return torch.argmin(losses, dim=1), losses  # the first of equal losses
 
@@ -188,30 +192,40 @@ class IFCA(Algorithm):
         updates: dict[int, Message],
         weights: dict[int, float],
     ) -> State:
-        """θ_j ← θ_j − η_s Σ_{ĵ_n = j} ω_n Δ_n / Σ_{ĵ_n = j} ω_n; unchosen clusters stay."""
+        """θ_j ← θ_j − η_s Σ_{ĵ_n = j} ω_n Δ_n / Σ_{ĵ_n = j} ω_n; unchosen clusters stay.
+
+        Over the stacked uploads: a [k, m] membership mask of the clients' ĵ, one host read
+        (whether an ĵ is out of range) and a product per cluster (k of them, for any cohort).
+
+        Raises:
+            ValueError: a client sent ĵ outside 0..k−1.
+        """
         clusters = server["clusters"]
-        counts = torch.zeros(self.k, device=clusters.device)
-        chosen: dict[int, int] = {}
-        for n, msg in updates.items():
-            assert isinstance(msg, dict)
-            j = int(round(float(msg["cluster"].reshape(-1)[0])))
-            if not 0 <= j < self.k:
-                raise ValueError(f"client {n} sent cluster {j}: expected 0 ≤ ĵ < k={self.k}")
-            chosen[n] = j
-        new = clusters.clone()
-        for j in range(self.k):
-            members = [n for n in sorted(updates) if chosen[n] == j]
-            if not members:
-                continue
-            w = {n: weights[n] for n in members}
-            if len(members) < len(updates):  # all of them: the weights already sum to one
-                total = sum(w.values())
-                w = {n: v / total for n, v in w.items()}
-            rows = torch.stack([updates[n]["update"] for n in members])  # type: ignore[index]
-            stack = StackedUpdates(members, rows)  # read as FedAvg's (k = 1: the same sums)
-            new[j] = clusters[j] - self.server_lr * weighted_mean(stack, w)
-            counts[j] = len(members)
-        return {**server, "clusters": new, "counts": counts}
+        if not updates:
+            return {**server, "counts": torch.zeros(self.k, device=clusters.device)}
+        clients = sorted(updates)
+        parts = update_parts(updates, clients)
+        deltas = parts["update"].reshape(len(clients), -1).to(clusters)
+        j = parts["cluster"].reshape(len(clients), -1)[:, 0].round().long().to(clusters.device)
+        bad = (j < 0) | (j >= self.k)
+        if bool(bad.any()):
+            i = int(bad.long().argmax())
+            raise ValueError(
+                f"client {clients[i]} sent cluster {int(j[i])}: expected 0 ≤ ĵ < k={self.k}"
+            )
+        member = j[None, :] == torch.arange(self.k, device=j.device)[:, None]  # [k, m]
+        counts = member.sum(dim=1)
+        # ω_n renormalised within each cluster, in float64 (a cluster of every client: the
+        # weights already sum to one, kept as they are: k = 1 is FedAvg's sums bit for bit)
+        w = torch.tensor([weights[n] for n in clients], dtype=torch.float64, device=j.device)
+        w = member * w
+        total = w.sum(dim=1, keepdim=True)
+        w = w / torch.where((counts[:, None] < len(clients)) & (total > 0), total, 1.0)
+        w = w.to(deltas.dtype)
+        mean = torch.stack([w[c] @ deltas for c in range(self.k)])  # as FedAvg's weighted_mean
+        moved = clusters - self.server_lr * mean.reshape(clusters.shape)
+        new = torch.where((counts > 0)[:, None], moved, clusters)
+        return {**server, "clusters": new, "counts": counts.to(torch.float32)}
 
     def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
         """How many of the round's clients chose each cluster."""

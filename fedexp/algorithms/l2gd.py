@@ -47,7 +47,15 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Stacked,
+    State,
+    weighted_mean,
+)
 from fedexp.config.ranges import Positive, PositiveInt, Range
 from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
@@ -131,7 +139,7 @@ class L2GD(Algorithm):
         return server["xbar"]
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """Take m_{t−1} averaging steps towards the received x̄, k_t local steps; send x̄ − x_i.
 
@@ -139,12 +147,12 @@ class L2GD(Algorithm):
         """
         assert isinstance(model_in, torch.Tensor)
         ones, zeros = self.schedule(ctx, ctx.round)
-        x = torch.stack([s["x"] for s in states])
+        x = states.stack("x")
         if ones > 0:  # lerp is exact at both ends: weight 0 keeps x, weight 1 gives x̄
             x = torch.lerp(x, model_in, 1.0 - (1.0 - self.averaging_rate(ctx)) ** ones)
         opt = ctx.optimizer
         local = ctx.train(
-            x, cohort, opt_states=[opt.load(s) for s in states], steps=zeros, lr=self.local_lr(ctx)
+            x, cohort, opt_states=opt.load(states), steps=zeros, lr=self.local_lr(ctx)
         )
         new_states = unstack_states(states, opt, local.opt_state, x=local.params)
         full = torch.ones(len(cohort), device=x.device)
@@ -170,3 +178,9 @@ class L2GD(Algorithm):
     ) -> torch.Tensor:
         """Client i is evaluated with its own x_i."""
         return client_state["x"]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """Every client's own x_i, at once."""
+        return states.stack("x")

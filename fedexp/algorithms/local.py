@@ -55,3 +55,9 @@ class LocalOnly(Algorithm):
     ) -> torch.Tensor:
         """The client's own model."""
         return client_state["theta"]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """Every client's own model, at once."""
+        return states.stack("theta")

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Positive, PositiveInt
 from fedexp.engine.solver.context import Context
@@ -115,3 +115,9 @@ class PFedMe(FedAvg):
     ) -> torch.Tensor:
         """Client i is evaluated with its personalised model θ̃_i."""
         return client_state["theta"]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """Every client's personalised model θ̃_i, at once."""
+        return states.stack("theta")

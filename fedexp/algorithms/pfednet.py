@@ -31,8 +31,17 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Stacked,
+    StackedUpdates,
+    State,
+)
 from fedexp.config.ranges import NonNegative, NonNegativeInt, Positive, PositiveInt, Range
+from fedexp.contract import update_parts
 from fedexp.data.client import ClientData
 from fedexp.engine.solver import steps as solver
 from fedexp.engine.solver.context import Context
@@ -136,9 +145,14 @@ class PFedNet(Algorithm):
 
     def _model_of(self, ctx: Context, server: State, n: int) -> torch.Tensor:
         """y⁽ⁿ⁾ in the model's dtype (that of x): Z's float64 column is cast here, and only here."""
-        y = torch.empty(ctx.model.layout.numel, device=ctx.device, dtype=server["x"].dtype)
-        y[ctx.shared_idx] = server["x"]
-        y[ctx.personal_idx] = server["Z"][:, n].to(y.dtype)
+        return self._models_of(ctx, server, torch.tensor([n], device=server["Z"].device))[0]
+
+    def _models_of(self, ctx: Context, server: State, clients: torch.Tensor) -> torch.Tensor:
+        """[m, d] the models y⁽ⁿ⁾ of ``clients`` (int64 [m]): one gather of Z's columns."""
+        x = server["x"]
+        y = torch.empty(clients.shape[0], ctx.model.layout.numel, device=x.device, dtype=x.dtype)
+        y[:, ctx.shared_idx] = x
+        y[:, ctx.personal_idx] = server["Z"].index_select(1, clients).T.to(y.dtype)
         return y
 
     def _sent_idx(self, ctx: Context, phase: str) -> torch.Tensor | None:
@@ -207,8 +221,13 @@ class PFedNet(Algorithm):
         """y⁽ⁿ⁾ = Mx + Nz⁽ⁿ⁾."""
         return self._model_of(ctx, server, client)
 
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """Every y⁽ⁿ⁾ of the round, [m, d]: one gather of Z's columns."""
+        rows = torch.tensor(clients, device=server["Z"].device)
+        return StackedUpdates(clients, self._models_of(ctx, server, rows))
+
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """Pseudo-gradient of E local steps (or one gradient), of the phase's coordinates.
 
@@ -242,20 +261,19 @@ class PFedNet(Algorithm):
         phase = self.phase(ctx.round)
         d1, d2 = ctx.shared_idx.numel(), ctx.personal_idx.numel()
         full = phase == "joint"
-        if not full:  # the phase's part of every upload
-            updates = {n: u[phase] for n, u in updates.items()}  # type: ignore[index]
+        clients = sorted(updates)
+        stack = update_parts(updates, clients)["" if full else phase]  # [m, ...] in order
         out = dict(server)
         if phase in ("joint", "x") and d1 > 0:
-            g = {n: (u[ctx.shared_idx] if full else u) for n, u in updates.items()}
-            out["x"] = server["x"] - (ctx.lr if self.eta_x is None else self.eta_x) * weighted_mean(
-                g, weights
-            )
+            g = stack[:, ctx.shared_idx] if full else stack
+            w = torch.tensor([weights[n] for n in clients], dtype=g.dtype, device=g.device)
+            eta_x = ctx.lr if self.eta_x is None else self.eta_x
+            out["x"] = server["x"] - eta_x * (w[:, None] * g).sum(dim=0)
         if phase in ("joint", "z") and d2 > 0:
-            G = torch.zeros(  # noqa: N806 - in Z's dtype (float64): the uploads fit exactly
-                server["Z"].shape, dtype=server_dtype(ctx.device), device=server["Z"].device
-            )
-            for n, u in updates.items():
-                G[:, n] = u[ctx.personal_idx] if full else u
+            Z = server["Z"]  # noqa: N806
+            G = torch.zeros(Z.shape, dtype=server_dtype(ctx.device), device=Z.device)  # noqa: N806
+            rows = torch.tensor(clients, device=Z.device)  # the uploads fit float64 exactly
+            G[:, rows] = (stack[:, ctx.personal_idx] if full else stack).T.to(G.dtype)
             out.update(self._z_step(ctx, server, G))
         return out
 
@@ -295,6 +313,12 @@ class PFedNet(Algorithm):
     ) -> torch.Tensor:
         """Client n is evaluated with its personalised model y⁽ⁿ⁾."""
         return self._model_of(ctx, server, client)
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """Every y⁽ⁿ⁾ at once: one gather of Z's columns."""
+        return self._models_of(ctx, server, torch.tensor(clients, device=server["Z"].device))
 
     def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
         """Spread of the personal parts (mean ‖z⁽ⁿ⁾ − z̄‖₂) and the last ADMM's figures."""

@@ -46,7 +46,15 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, Stacked, State, weighted_mean
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Stacked,
+    State,
+    weighted_mean,
+)
 from fedexp.config.ranges import Positive, Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
@@ -139,7 +147,7 @@ class PFedSOP(Algorithm):
         return torch.where(seen > 0, stepped, x)
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """Newton step (returning clients), T local steps from it, send Δ_i = (x⁰ − x^T)/η₂.
 
@@ -147,11 +155,11 @@ class PFedSOP(Algorithm):
         a new one. Running statistics: Δ_i is zero there and x_i takes them from x^T.
         """
         assert isinstance(model_in, torch.Tensor)
-        x, delta, seen = (torch.stack([s[k] for s in states]) for k in ("x", "delta", "seen"))
+        x, delta, seen = (states.stack(k) for k in ("x", "delta", "seen"))
         eta1 = ctx.lr if self.personal_lr is None else self.personal_lr
         x_start = torch.func.vmap(partial(self.newton_start, eta1))(x, delta, model_in.to(x), seen)
         opt = ctx.optimizer
-        local = ctx.train(x_start, cohort, opt_states=[opt.load(s) for s in states])
+        local = ctx.train(x_start, cohort, opt_states=opt.load(states))
         delta = (x_start - local.params) / ctx.lr
         x_new = local.params if self.keep_trained else x_start
         if ctx.model.has_buffers:  # running statistics: no gradient, taken from x^T
@@ -179,3 +187,9 @@ class PFedSOP(Algorithm):
     ) -> torch.Tensor:
         """Client i is evaluated with its personal model x_i."""
         return client_state["x"]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """Every client's own x_i, at once."""
+        return states.stack("x")

@@ -44,7 +44,7 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, Stacked, State
+from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Fraction, NonNegativeInt, Range
 from fedexp.data.client import ClientData
@@ -198,6 +198,14 @@ class SuPerFed(FedAvg):
         lam = client_state["lam_eval"].to(server["x"])
         return self.mixture(ctx, server["x"], client_state["local"], lam)
 
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """:meth:`eval_params` of every client at once."""
+        g = server["x"].expand(len(clients), -1)
+        lam = states.stack("lam_eval").to(g)
+        return self.mixture(ctx, g, states.stack("local"), lam)
+
 
 def cos2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """cos²(a, b) = ⟨a, b⟩² / (‖a‖² ‖b‖²) (0 if either vector is zero)."""
@@ -246,6 +254,6 @@ def select_lambdas(
     def mixtures(j: int, rows: slice) -> torch.Tensor:
         return SuPerFed.mixture(ctx, g[rows], local[rows], LAMBDA_GRID[j])
 
-    losses = train_losses(ctx, mixtures, len(LAMBDA_GRID), data).nan_to_num(nan=float("inf"))
+    losses = train_losses(ctx, mixtures, len(LAMBDA_GRID), data).cpu().nan_to_num(nan=float("inf"))
     best = torch.tensor(LAMBDA_GRID, dtype=torch.float64)[losses.argmin(dim=1)]  # first lowest
     return best.tolist()

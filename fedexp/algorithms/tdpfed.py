@@ -50,6 +50,7 @@ from fedexp.algorithms.base import (
     Algorithm,
     Cohort,
     CohortResult,
+    CohortStates,
     Message,
     Stacked,
     State,
@@ -57,9 +58,10 @@ from fedexp.algorithms.base import (
 )
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import OpenFraction, Positive, PositiveInt, Range
+from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
-from fedexp.engine.solver.optim import SGD, Adam, stack_states
+from fedexp.engine.solver.optim import SGD, Adam, Optimizer, stack_states
 from fedexp.engine.solver.steps import draw_batch, unstack_states
 from fedexp.models.cp import CPLayout, als, compose
 from fedexp.models.flat import Layout
@@ -156,7 +158,7 @@ class TDPFed(Algorithm):
         return 0.5 * aux["lam"] * (diff * diff).sum(), params.detach()
 
     def client_update(
-        self, ctx: Context, model_in: Stacked | None, states: list[State], cohort: Cohort
+        self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
     ) -> CohortResult:
         """τ local rounds of s θ-steps then s′ factor steps on one minibatch; upload A.
 
@@ -168,15 +170,12 @@ class TDPFed(Algorithm):
         cp = self.cp(ctx)
         compose_rows = torch.func.vmap(cp.compose)
         a = model_in.detach().clone()
-        theta = (
-            compose_rows(a) if self.reset_personal else torch.stack([s["theta"] for s in states])
-        )
-        opt_theta = stack_states(
-            self.theta_opt, theta, [self.theta_opt.load(s, "opt_theta") for s in states]
-        )
-        opt_a = stack_states(self.factor_opt, a, [self.factor_opt.load(s, "opt_a") for s in states])
+        theta = compose_rows(a) if self.reset_personal else states.stack("theta")
+        opt_theta = _stacked_opt(self.theta_opt, theta, states, "opt_theta")
+        opt_a = _stacked_opt(self.factor_opt, a, states, "opt_a")
         buffers = ctx.model.buffer_mask if ctx.model.has_buffers else None
         frozen_a = None if buffers is None else cp.model_mask(buffers)
+        dense_src = None if buffers is None else cp.dense_source(a.device)
         lam = torch.tensor(float(self.lam), device=a.device, dtype=a.dtype)
         total = torch.zeros(len(cohort), device=a.device)
         for _ in range(rounds):
@@ -195,8 +194,7 @@ class TDPFed(Algorithm):
                 theta, opt_theta = personal.params, personal.opt_state
                 total = total + personal.loss
             if frozen_a is not None:  # running statistics travel in A, taken from θ
-                fitted = [cp.decompose(t, start=r, sweeps=0) for t, r in zip(theta, a, strict=True)]
-                a = torch.where(frozen_a, torch.stack(fitted), a)
+                a = torch.where(frozen_a, theta[:, dense_src], a)
             if self.factor_steps > 0:
                 aux = {"theta": theta.detach(), "lam": lam}
                 fit = ctx.train(
@@ -230,11 +228,12 @@ class TDPFed(Algorithm):
         cp = self.cp(ctx)
         new = afm.clone()
         clients = sorted(updates)
+        stack = update_parts(updates, clients)[""]  # [m, numel] the uploaded factors
+        w = torch.tensor([weights[n] for n in clients], dtype=a.dtype, device=a.device)
         for e in cp.entries:
             if e.rank == 0:
                 continue
-            composed = torch.stack([compose(cp.factors(updates[n], e)) for n in clients])
-            w = torch.tensor([weights[n] for n in clients], dtype=a.dtype, device=a.device)
+            composed = compose(cp.factors(stack, e))  # [m, I_1, …, I_N]
             avg = torch.tensordot(w, composed, dims=1)
             target = (1.0 - self.beta) * compose(cp.factors(a, e)) + self.beta * avg
             fitted = als(target, cp.factors(afm, e), self.act_sweeps)
@@ -246,3 +245,17 @@ class TDPFed(Algorithm):
     ) -> torch.Tensor:
         """Client k is evaluated with its personalised model θ_k."""
         return client_state["theta"]
+
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
+    ) -> torch.Tensor:
+        """Every client's θ_k, at once."""
+        return states.stack("theta")
+
+
+def _stacked_opt(
+    opt: Optimizer, params: torch.Tensor, states: CohortStates, prefix: str
+) -> dict[str, torch.Tensor]:
+    """The cohort's stacked optimiser state saved under ``prefix`` (fresh if none was)."""
+    loaded = opt.load(states, prefix)
+    return loaded if loaded is not None else stack_states(opt, params, [None] * len(states))

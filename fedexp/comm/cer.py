@@ -31,6 +31,12 @@ each step adds two knots and removes any number, so the whole pass is O(d). The 
 variation denoising", IEEE SPL 20(11), is the other classic O(d)-in-practice solver; the DP is
 used because its O(d) bound holds in the worst case too.
 
+A cohort's messages (:meth:`CERTransform.many`) are solved by one call of the same kernel: the
+rows of ``[m, d]`` are consecutive segments of one vector (each tensor of each row its own
+with ``scope="per_tensor"``), so every row's solution is the one it gets alone, bit for bit.
+The dynamic programme is sequential along a message, so it runs on the host (numba): one copy
+of the cohort's messages there and one back, whatever the cohort.
+
 :func:`cer_admm_reference` is the paper's Algorithm 3 (ADMM with the eigendecomposition of
 ``Lambda^T Lambda``, O(d^2) memory) with the r-update threshold corrected to ``1 / rho``;
 it is kept as a small-d reference for tests and benchmarks.
@@ -156,6 +162,16 @@ def difference(x: ArrayOrTensor, segments: Sequence[int] | None = None) -> Array
     ends = np.cumsum([x.shape[0]] if segments is None else list(segments)) - 1
     ends = ends[ends >= 0]
     out[ends] = x[ends]
+    return out
+
+
+def difference_rows(x: torch.Tensor, segments: Sequence[int] | None = None) -> torch.Tensor:
+    """:func:`difference` of every row of ``x`` ``[m, d]`` (``Lambda`` applied row by row)."""
+    out = torch.empty_like(x)
+    out[:, :-1] = x[:, :-1] - x[:, 1:]
+    ends = np.cumsum([x.shape[1]] if segments is None else list(segments)) - 1
+    ends = torch.as_tensor(ends[ends >= 0], dtype=torch.int64, device=x.device)
+    out[:, ends] = x[:, ends]
     return out
 
 
@@ -352,6 +368,41 @@ class CERTransform:
         runs = 0 if flat.numel() == 0 else 1 + int((out[1:] != out[:-1]).sum())
         zeros = int((difference(out, self.segments) == 0).sum()) if flat.numel() else 0
         return out.reshape(x.shape), {"cer/runs": float(runs), "cer/sparsity": zeros / d}
+
+    def many(
+        self, x: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The CER update of every row of ``x`` ``[m, d]`` and each row's metrics, at once.
+
+        Row ``i`` is ``self(x[i], scale)``'s update bit for bit: the rows (and with
+        ``"per_tensor"`` their tensors) are the segments of one call of the DP kernel, in
+        float64 on the host, as a single message is (module docstring). The metrics are
+        float64 ``[m]`` (``cer/runs``, ``cer/sparsity``), on ``x``'s device.
+        """
+        m, d = x.shape
+        if self.segments is not None and sum(self.segments) != d:
+            raise ValueError(f"layout covers {sum(self.segments)} entries, the message has {d}")
+        gamma = self.gamma * float(scale)
+        _check(gamma, self.eta)
+        if gamma == 0.0 or x.numel() == 0:
+            out = x.detach().clone()
+        else:
+            u = -self.eta * x.detach().to("cpu", torch.float64).numpy().reshape(-1)
+            sizes = np.tile(np.asarray(self.segments or [d], dtype=np.int64), m)
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            w = np.empty_like(u)
+            _tv_tail0_segments(np.ascontiguousarray(u), float(self.eta * gamma), offsets, w)
+            w = (-w / self.eta).reshape(m, d)
+            out = torch.from_numpy(w).to(device=x.device, dtype=x.dtype)
+        if d == 0:
+            zero = torch.zeros(m, dtype=torch.float64, device=x.device)
+            return out, {"cer/runs": zero, "cer/sparsity": zero}
+        runs = 1 + (out[:, 1:] != out[:, :-1]).sum(dim=1)
+        zeros = (difference_rows(out, self.segments) == 0).sum(dim=1)
+        return out, {
+            "cer/runs": runs.to(torch.float64),
+            "cer/sparsity": zeros.to(torch.float64) / d,
+        }
 
     def __repr__(self) -> str:
         return f"CERTransform(gamma={self.gamma}, eta={self.eta}, scope={self.scope!r})"

@@ -4,9 +4,10 @@ The sender applies its transforms (e.g. CER) to the message, adds its error-feed
 residual, compresses, keeps the new residual and encodes to bytes. The receiver decodes the
 bytes. The engine owns the residuals (one per sender) so that a checkpoint holds them.
 
-``send_many`` / ``receive_many`` do the same for a cohort's stacked messages ``[m, d]`` in one
-pass of the codec's batched methods (channels without transforms); each sender still gets its
-own payload (its bytes counted on their own) and its own residual.
+``compress_many`` does the sender's side for a cohort's stacked messages ``[m, d]`` in one pass
+(the transforms' batched form, one residual per sender, the codec's ``compress_many``);
+``send_many`` / ``receive_many`` add the bytes: each sender still gets its own payload (its
+bytes counted on their own) and its own residual.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from typing import Protocol
 
 import torch
 
-from fedexp.comm.codec import Codec, DenseCodec, Payloads
+from fedexp.comm.codec import Codec, DenseCodec, Payloads, Streams
 
 
 class UpdateTransform(Protocol):
-    """A deterministic map applied to a message before compression (e.g. CER)."""
+    """A deterministic map applied to a message before compression (e.g. CER).
+
+    A transform may also offer ``many(x, scale) -> (out, metrics)``, the same for the rows of
+    ``x`` ``[m, d]`` at once, each metric a float64 tensor ``[m]`` of the rows' values
+    (:func:`transform_many` loops over the rows otherwise).
+    """
 
     def __call__(
         self, x: torch.Tensor, scale: float = 1.0
@@ -33,6 +39,26 @@ class UpdateTransform(Protocol):
         depends on the magnitude (CER's γ) acts on that scale and returns the result × scale.
         """
         ...
+
+
+def transform_many(
+    transform: UpdateTransform, x: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``transform`` of every row of ``x`` ``[m, d]``: its ``many`` when it has one, else a loop.
+
+    Returns the rows transformed and each metric's values, float64 ``[m]``.
+    """
+    many = getattr(transform, "many", None)
+    if many is not None:
+        return many(x, scale)
+    rows, metrics = [], {}
+    for i, row in enumerate(x):
+        out, m = transform(row, scale)
+        rows.append(out)
+        for k, v in m.items():
+            metrics.setdefault(k, [0.0] * x.shape[0])[i] = v
+    stacked = torch.stack(rows) if rows else x.clone()
+    return stacked, {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}
 
 
 @dataclass
@@ -76,37 +102,55 @@ class Channel:
         """Decode a payload onto ``device``."""
         return self.codec.decode(payload, numel).to(device)
 
-    def send_many(
+    def compress_many(
         self,
         x: torch.Tensor,
         residuals: torch.Tensor | None,
-        generators: Sequence[torch.Generator | None] | None = None,
-    ) -> tuple[Payloads, torch.Tensor | None]:
-        """``send`` of every row of ``x`` ``[m, d]`` at once (channels without transforms).
+        generators: Streams | None = None,
+        scale: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The sender's side of ``send`` for every row of ``x`` ``[m, d]`` at once, no bytes.
 
-        Error feedback as in ``send`` row by row (Sattler et al. 2019): ``acc = x +
-        residuals``, ``sent = compress_many(acc)``, new residuals ``acc - sent``.
+        Transforms (:func:`transform_many`), then error feedback as in ``send`` row by row
+        (Sattler et al. 2019): ``acc = x + residuals``, ``sent = compress_many(acc)``, new
+        residuals ``acc - sent``.
 
         Args:
             x: the stacked messages, one sender per row.
             residuals: ``[m, d]`` residuals of the senders, or None (all zero / none kept).
             generators: one random stream per sender for randomised codecs, or None.
+            scale: what ``x`` is a step of (:class:`UpdateTransform`).
+
+        Returns:
+            (what the codec sends ``[m, d]``, the new residuals ``[m, d]`` or None without
+            error feedback, the transforms' metrics: float64 ``[m]`` each).
+        """
+        metrics: dict[str, torch.Tensor] = {}
+        x = x.detach().to(torch.float32)
+        for transform in self.transforms:
+            x, m = transform_many(transform, x, scale)
+            metrics.update(m)
+        if self.error_feedback:
+            acc = x if residuals is None else x + residuals
+            sent = self.codec.compress_many(acc, generators)
+            return sent, acc - sent, metrics
+        return self.codec.compress_many(x, generators), None, metrics
+
+    def send_many(
+        self,
+        x: torch.Tensor,
+        residuals: torch.Tensor | None,
+        generators: Streams | None = None,
+        scale: float = 1.0,
+    ) -> tuple[Payloads, torch.Tensor | None]:
+        """``send`` of every row of ``x`` ``[m, d]`` at once: :meth:`compress_many`, then bytes.
 
         Returns:
             (the senders' payloads, the new residuals ``[m, d]`` or None without error
             feedback).
-
-        Raises:
-            ValueError: if the channel has transforms (they act message by message).
         """
-        if self.transforms:
-            raise ValueError("send_many needs a channel without transforms; use send per message")
-        x = x.detach().to(torch.float32)
-        if self.error_feedback:
-            acc = x if residuals is None else x + residuals
-            sent = self.codec.compress_many(acc, generators)
-            return self.codec.encode_many(sent), acc - sent
-        return self.codec.encode_many(self.codec.compress_many(x, generators)), None
+        sent, new, _ = self.compress_many(x, residuals, generators, scale)
+        return self.codec.encode_many(sent), new
 
     def receive_many(
         self, payloads: Payloads, numel: int, device: torch.device | str

@@ -17,6 +17,13 @@ messages ``[m, d]`` of ``m`` senders. Each message keeps its own payload, byte f
 one ``encode`` gives its row, so every sender's bytes are still counted; the
 payloads live in one :class:`Payloads` buffer. The defaults loop over the rows; the dense and
 sparse codecs override them with one vectorised pass.
+
+On the device: ``sizes_many`` gives each message's exact ``len(encode(row))`` from its code's
+length formula, as an int64 tensor ``[m]`` computed where the messages are (no bytes written,
+no copy to the host), and ``received_many`` what ``decode(encode(row))`` gives, from the
+compressed rows themselves. A codec without a length formula (an entropy coder: its length is
+known only from its bytes) returns None, and its bytes are written. The tests check the
+formulas against the real payloads.
 """
 
 from __future__ import annotations
@@ -24,9 +31,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 import torch
+
+#: The random streams of a cohort's messages for a randomised codec: one torch generator (or
+#: None) per message, or int64 stream keys ``[m]`` (counter-based draws, one tensor expression
+#: for the whole cohort: :class:`fedexp.comm.randk.RandKCodec`).
+Streams: TypeAlias = Sequence[torch.Generator | None] | torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,10 +104,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(torch.float32)
 
 
-def check_generators(
-    generators: Sequence[torch.Generator | None] | None, m: int
-) -> Sequence[torch.Generator | None]:
-    """One generator (or None) per message; None stands for m Nones."""
+def check_generators(generators: Streams | None, m: int) -> Streams:
+    """One generator (or None, or a stream key) per message; None stands for m Nones."""
     if generators is None:
         return [None] * m
     if len(generators) != m:
@@ -138,11 +149,7 @@ class Codec(ABC):
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         """Rebuild the flat float32 vector (on the CPU) from ``payload``."""
 
-    def compress_many(
-        self,
-        x: torch.Tensor,
-        generators: Sequence[torch.Generator | None] | None = None,
-    ) -> torch.Tensor:
+    def compress_many(self, x: torch.Tensor, generators: Streams | None = None) -> torch.Tensor:
         """``compress`` of every row of ``x`` ``[m, d]``, stacked (the default loops).
 
         Args:
@@ -177,6 +184,23 @@ class Codec(ABC):
         if len(payloads) == 0:
             return torch.zeros((0, numel), dtype=torch.float32)
         return torch.stack([self.decode(p, numel) for p in payloads])
+
+    def sizes_many(self, x_hat: torch.Tensor) -> torch.Tensor | None:
+        """``len(encode(row))`` of every row of ``x_hat`` ``[m, d]`` from the code's length formula.
+
+        int64 ``[m]`` on ``x_hat``'s device, computed without writing a byte; None when the
+        codec has no formula (its bytes must be written to be counted). The default: None.
+        """
+        return None
+
+    def received_many(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(row))`` of every row of a ``compress_many`` output, on its device.
+
+        ``x_hat`` itself by the codecs' contract (``decode(encode(compress(x))) ==
+        compress(x)``); a codec whose format does not carry some of its values' bits (a
+        sparse code drops the sign of a kept zero) says so here.
+        """
+        return x_hat
 
 
 class DenseCodec(Codec):
@@ -225,3 +249,10 @@ class DenseCodec(Codec):
         # the received tensor reads the payload buffer itself (one that ``encode_many`` wrote
         # is the payload's own copy); a read-only buffer (bytes) is copied
         return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+    def sizes_many(self, x_hat: torch.Tensor) -> torch.Tensor | None:
+        """``4 d`` bytes a message (no header)."""
+        if overrides(self, DenseCodec, "encode"):
+            return None
+        m, d = x_hat.shape
+        return torch.full((m,), 4 * d, dtype=torch.int64, device=x_hat.device)

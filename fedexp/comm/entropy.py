@@ -12,6 +12,11 @@ Wire format::
 
 The encoder falls back to "stored" when compression does not shrink the inner payload, so a
 message never costs more than one byte over the inner codec's.
+
+Cohorts: the inner codec's batched ``compress_many`` and ``encode_many`` / ``decode_many``, then
+the compressor message by message on the host: an entropy coder's length is known only from
+its bytes (no length formula, ``sizes_many`` is None), so its bytes are always written. That
+loop runs no tensor op.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Annotated
 
 import torch
 
-from fedexp.comm.codec import Codec, DenseCodec
+from fedexp.comm.codec import Codec, DenseCodec, Payloads, Streams, overrides
 from fedexp.config.ranges import Range
 
 try:  # pragma: no cover - depends on the environment
@@ -78,6 +83,40 @@ class EntropyCodec(Codec):
         """The inner codec's lossy operator."""
         return self.inner.compress(x, generator)
 
+    def compress_many(self, x: torch.Tensor, generators: Streams | None = None) -> torch.Tensor:
+        """The inner codec's batched lossy operator."""
+        if overrides(self, EntropyCodec, "compress"):
+            return super().compress_many(x, generators)
+        return self.inner.compress_many(x, generators)
+
+    def received_many(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """What the inner codec's decoder gives (the entropy stage is lossless)."""
+        if overrides(self, EntropyCodec, "decode"):
+            return super().received_many(x_hat)
+        return self.inner.received_many(x_hat)
+
+    def encode_many(self, x_hat: torch.Tensor) -> Payloads:
+        """The inner payloads in one pass, then each compressed (or stored) on its own."""
+        if overrides(self, EntropyCodec, "encode"):
+            return super().encode_many(x_hat)
+        return Payloads.of([self._wrap(raw) for raw in self.inner.encode_many(x_hat)])
+
+    def decode_many(self, payloads: Payloads, numel: int) -> torch.Tensor:
+        """Each payload's entropy stage undone, then the inner codec's batched decoder.
+
+        Raises:
+            ValueError: naming the first message whose entropy stage is malformed.
+        """
+        if overrides(self, EntropyCodec, "decode"):
+            return super().decode_many(payloads, numel)
+        raws = []
+        for i, payload in enumerate(payloads):
+            try:
+                raws.append(self._unwrap(payload))
+            except ValueError as exc:
+                raise ValueError(f"message {i}: {exc}") from None
+        return self.inner.decode_many(Payloads.of(raws), numel)
+
     def _pack(self, raw: bytes) -> bytes:
         if self.method == "zlib":
             return zlib.compress(raw, -1 if self.level is None else self.level)
@@ -88,7 +127,10 @@ class EntropyCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> bytes:
         """One method byte, then the compressed inner payload (or the inner payload stored)."""
-        raw = self.inner.encode(x)
+        return self._wrap(self.inner.encode(x))
+
+    def _wrap(self, raw: bytes) -> bytes:
+        """The method byte and the compressed ``raw``, or ``raw`` stored when not smaller."""
         packed = self._pack(raw)
         if len(packed) >= len(raw):
             return bytes([_STORED]) + raw
@@ -96,6 +138,10 @@ class EntropyCodec(Codec):
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         """Undo the entropy stage (by the method byte), then the inner codec's decode."""
+        return self.inner.decode(self._unwrap(payload), numel)
+
+    def _unwrap(self, payload: bytes) -> bytes:
+        """The inner payload of ``payload`` (the entropy stage undone, by its method byte)."""
         if not payload:
             raise ValueError("empty entropy-coded payload")
         method, body = payload[0], payload[1:]
@@ -111,7 +157,7 @@ class EntropyCodec(Codec):
             raw = lzma.decompress(body)
         else:
             raise ValueError(f"unknown entropy method byte {method}")
-        return self.inner.decode(raw, numel)
+        return raw
 
     def __repr__(self) -> str:
         return f"EntropyCodec({self.inner!r}, method={self.method!r}, level={self.level})"

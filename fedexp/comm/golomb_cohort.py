@@ -9,11 +9,16 @@ its own Rice parameter, its own byte-aligned stream; only the work is shared.
 The single-message code (bit streams, Rice parameters, gaps; the functions the docstrings
 here name without a module, such as :func:`~fedexp.comm.golomb.rice_bits`) is
 :mod:`fedexp.comm.golomb`; the write and read kernels here are compiled with numba.
+
+The code lengths alone, without writing a bit, are tensor expressions over the cohort on the
+messages' device (:func:`gaps_of_sorted`, :func:`gaps_of_marked`, :func:`rice_bits_rows`,
+:func:`best_rice_rows`): the codecs' ``sizes_many``.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit
 
 from fedexp.comm.golomb import MAX_RICE_PARAMETER
@@ -310,3 +315,59 @@ def rice_status_message(code: int, detail: int, count: int, nbits: int, numel: i
     if code == OUT_OF_RANGE:
         return f"position {detail} out of range for {numel} entries"
     raise AssertionError(f"unknown status {code}")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- lengths on the device
+
+
+def gaps_of_sorted(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """:func:`positions_to_gaps` of every row of ascending ``positions`` ``[m, K]``, as int64.
+
+    Row ``i``'s positions are its entries where ``valid`` (a prefix of the row); the gaps of
+    the other entries are 0.
+    """
+    p = positions.to(torch.int64)
+    prev = torch.nn.functional.pad(p[:, :-1], (1, 0), value=-1)
+    return torch.where(valid, p - prev - 1, 0)
+
+
+def gaps_of_marked(mask: torch.Tensor) -> torch.Tensor:
+    """:func:`positions_to_gaps` of the marked entries of every row of ``mask`` ``[m, d]``.
+
+    int64 ``[m, d]``: the gap at each marked entry (its distance to the row's previous marked
+    entry, less one; the first one's position), 0 elsewhere. One ``cummax`` over the rows.
+    """
+    d = mask.shape[1]
+    small = torch.int32 if d < 2**31 else torch.int64
+    j = torch.arange(d, dtype=small, device=mask.device)
+    last = torch.where(mask, j, -1).cummax(dim=1).values  # the last marked entry <= j
+    prev = torch.nn.functional.pad(last[:, :-1], (1, 0), value=-1)
+    return torch.where(mask, (j - prev - 1).to(torch.int64), 0)
+
+
+def rice_bits_rows(gaps: torch.Tensor, counts: torch.Tensor, b: int | torch.Tensor) -> torch.Tensor:
+    """:func:`rice_bits` of each row's gaps (``[m, K]``, 0 where no gap) with parameter ``b``.
+
+    ``b``: one for all rows, or int64 ``[m]``. Returns int64 ``[m]``.
+    """
+    shift = b[:, None] if isinstance(b, torch.Tensor) else b
+    return (gaps >> shift).sum(dim=1) + (1 + b) * counts
+
+
+def best_rice_rows(
+    gaps: torch.Tensor, counts: torch.Tensor, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`best_rice_parameters` of every row and its :func:`rice_bits`, as tensors.
+
+    Every ``b`` from 0 to the bit length of ``numel - 1`` (no gap is longer; capped at
+    :data:`MAX_RICE_PARAMETER`) is costed and the smallest minimiser taken, as the numpy
+    form does (a wider range changes nothing: its docstring). A fixed number of ops for any
+    number of rows (it depends on ``numel``).
+
+    Returns:
+        (int64 ``[m]`` parameters, int64 ``[m]`` bits).
+    """
+    top = min(max(numel - 1, 0).bit_length(), MAX_RICE_PARAMETER)
+    costs = torch.stack([rice_bits_rows(gaps, counts, b) for b in range(top + 1)], dim=1)
+    best = costs.min(dim=1)
+    return best.indices, best.values

@@ -25,18 +25,19 @@ Cohorts (``compress_many`` / ``encode_many`` / ``decode_many``): one ``torch.top
 stacked messages, ``mu`` of every row as one tensor reduction, then all payloads written and
 read in one pass (numpy plus one numba kernel for the gaps and sign bits of every message);
 each payload is byte for byte the single-message one, so every sender's bytes are counted.
+``sizes_many`` gives the payloads' lengths from the formula above on the messages' device,
+without writing them.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from fedexp.comm.codec import Codec, Payloads, as_rows, check_generators, overrides
+from fedexp.comm.codec import Codec, Payloads, Streams, as_rows, check_generators, overrides
 from fedexp.comm.golomb import (
     BitReader,
     BitWriter,
@@ -55,6 +56,7 @@ from fedexp.comm.topk import (
     read_sparse_many,
     rice_parameter_for,
     rice_parameters_for_many,
+    sparse_bits_rows,
     sparse_rows,
 )
 from fedexp.config.ranges import PositiveFraction
@@ -110,39 +112,36 @@ def _top_k_rows(a: torch.Tensor, q: float) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, a.gather(1, idx)
 
 
-def row_means(v: torch.Tensor) -> torch.Tensor:
-    """``v[i].mean()`` of every row of ``v`` ``[r, c]``, bit for bit.
+def _row_reduce(v: torch.Tensor, how: str) -> torch.Tensor:
+    """``v[i].sum()`` or ``v[i].mean()`` of every row of ``v`` ``[r, c]``, bit for bit.
 
-    ``mean(dim=1)`` sums each row with the same kernel, in the same order, as ``mean`` of
-    that row on its own (CPU, ``c`` below ATen's grain size; checked by the tests); longer
-    rows, where a 1-D reduction may be split across threads, are reduced row by row (their
-    length dwarfs the per-row call). On other devices the reduction order of the two forms
-    is not guaranteed to agree, so ``mu`` may differ in its last bit from ``compress``.
+    ``sum(dim=1)`` / ``mean(dim=1)`` reduce each row with the same kernel, in the same order,
+    as that row on its own (CPU, ``c`` below ATen's grain size; checked by the tests); longer
+    rows, where a 1-D reduction may be split across threads, are reduced row by row on the
+    CPU (their length dwarfs the per-row call). On other devices the reduction order of the
+    two forms is not guaranteed to agree, so a result may differ in its last bit from the
+    single-message one.
     """
     if v.shape[1] >= _GRAIN_SIZE and v.device.type == "cpu":
-        return torch.stack([row.mean() for row in v.contiguous()])
-    return v.mean(dim=1)
+        return torch.stack([getattr(row, how)() for row in v.contiguous()])
+    return getattr(v, how)(dim=1)
+
+
+def row_means(v: torch.Tensor) -> torch.Tensor:
+    """``v[i].mean()`` of every row of ``v`` ``[r, c]``, bit for bit (:func:`_row_reduce`)."""
+    return _row_reduce(v, "mean")
 
 
 def masked_row_means(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``v[i][mask[i]].mean()`` of every row with a masked entry (0 for the other rows).
+    """The mean of the masked entries of every row of ``v`` ``[r, c]`` (0 for rows with none).
 
-    The masked entries of a row are reduced as the 1-D vector ``v[i][mask[i]]`` would be,
-    in their order: the rows are grouped by their number of masked entries ``c`` and each
-    group's ``[r, c]`` block goes through :func:`row_means` (at most ``min(m, k)`` groups).
+    Their sum (the row with its other entries as 0, reduced by :func:`_row_reduce`) over their
+    count: a fixed number of ops for any ``r``, and a row's mean does not depend on the
+    other rows (the single-message ``compress`` takes it of a ``[1, c]`` block).
     """
-    m = v.shape[0]
-    means = torch.zeros(m, dtype=v.dtype, device=v.device)
     counts = mask.sum(dim=1)
-    flat = v[mask]  # row-major: row i's entries are flat[start_i : start_i + counts_i]
-    starts = torch.cumsum(counts, 0) - counts
-    for c in torch.unique(counts).tolist():
-        if c == 0:
-            continue
-        rows = torch.nonzero(counts == c).squeeze(1)
-        block = flat[starts[rows, None] + torch.arange(c, device=v.device)]
-        means[rows] = row_means(block)
-    return means
+    sums = _row_reduce(torch.where(mask, v, 0), "sum")
+    return torch.where(counts > 0, sums / counts.clamp(min=1), 0)
 
 
 class STCCodec(Codec):
@@ -222,11 +221,7 @@ class STCCodec(Codec):
         out[positions] = np.where(negative, -mu, mu)
         return torch.from_numpy(out)
 
-    def compress_many(
-        self,
-        x: torch.Tensor,
-        generators: Sequence[torch.Generator | None] | None = None,
-    ) -> torch.Tensor:
+    def compress_many(self, x: torch.Tensor, generators: Streams | None = None) -> torch.Tensor:
         """``compress`` of every row: one ``torch.topk(|x|, k, dim=1)``, ``mu`` per row.
 
         ``mu_i`` is the mean of row ``i``'s kept magnitudes taken over the same values in
@@ -295,6 +290,22 @@ class STCCodec(Codec):
         out[msgs.rows, msgs.positions] = np.where(msgs.negative.astype(bool), -mu, mu)
         return torch.from_numpy(out)
 
+    def _sizes(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """Header plus ``ceil((rice_bits + n) / 8)`` of every row (:meth:`payload_bytes`)."""
+        k = keep_count(self.q, x_hat.shape[1])
+        bits, n = sparse_bits_rows(x_hat, k, self.q, self.adaptive_golomb)
+        return self.HEADER_BYTES + (bits + n + 7) // 8
+
+    def sizes_many(self, x_hat: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`payload_bytes` of every row of a ``compress_many`` output, on its device."""
+        return None if overrides(self, STCCodec, "encode") else self._sizes(x_hat)
+
+    def received_many(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """The rows with ``-0.0`` as ``0.0`` (a zero is not sent, whatever its sign)."""
+        if overrides(self, STCCodec, "decode"):
+            return Codec.received_many(self, x_hat)
+        return x_hat + 0.0
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(q={self.q}, adaptive_golomb={self.adaptive_golomb})"
 
@@ -331,11 +342,10 @@ class TwoMeanSTCCodec(STCCodec):
             return out
         idx, kept = _top_k(a, self.q)
         pos, neg = kept > 0, kept < 0
-        if bool(pos.any()):
-            out[idx[pos]] = kept[pos].mean()
-        if bool(neg.any()):
-            out[idx[neg]] = kept[neg].mean()
-        return out
+        mu_pos = masked_row_means(kept[None], pos[None])[0]
+        mu_neg = masked_row_means(kept[None], neg[None])[0]
+        zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        return out.index_put_((idx,), torch.where(pos, mu_pos, torch.where(neg, mu_neg, zero)))
 
     def encode(self, x: torch.Tensor) -> bytes:
         """Header with both means, then gaps and sign bits; ``x`` takes values 0, mu+, -mu-."""
@@ -362,16 +372,12 @@ class TwoMeanSTCCodec(STCCodec):
         out[positions] = np.where(negative, -np.float32(mu_neg), np.float32(mu_pos))
         return torch.from_numpy(out)
 
-    def compress_many(
-        self,
-        x: torch.Tensor,
-        generators: Sequence[torch.Generator | None] | None = None,
-    ) -> torch.Tensor:
+    def compress_many(self, x: torch.Tensor, generators: Streams | None = None) -> torch.Tensor:
         """``compress`` of every row: one ``topk`` over the rows, ``mu+`` / ``mu-`` per row.
 
-        Each mean is taken over the same values, in the same order, as ``compress`` takes it
-        (:func:`masked_row_means`), so a row without a tie at the ``k``-th magnitude equals
-        ``compress(x[i])`` bit for bit on the CPU; with a tie both are valid.
+        Each mean is taken as ``compress`` takes it (:func:`masked_row_means` of the row), so
+        a row without a tie at the ``k``-th magnitude equals ``compress(x[i])`` bit for bit on
+        the CPU; with a tie both are valid.
 
         Args:
             x: ``[m, d]`` stacked messages.
@@ -441,3 +447,13 @@ class TwoMeanSTCCodec(STCCodec):
         out = np.zeros((len(payloads), numel), dtype=np.float32)
         out[msgs.rows, msgs.positions] = np.where(msgs.negative.astype(bool), -mu_neg, mu_pos)
         return torch.from_numpy(out)
+
+    def sizes_many(self, x_hat: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`payload_bytes` of every row of a ``compress_many`` output, on its device."""
+        return None if overrides(self, TwoMeanSTCCodec, "encode") else self._sizes(x_hat)
+
+    def received_many(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """The rows with ``-0.0`` as ``0.0`` (a zero is not sent, whatever its sign)."""
+        if overrides(self, TwoMeanSTCCodec, "decode"):
+            return Codec.received_many(self, x_hat)
+        return x_hat + 0.0

@@ -12,6 +12,8 @@ Wire format (little-endian)::
 
 so a payload has ``5 + ceil(rice_bits / 8) + 4 n`` bytes. Entries of the ``compress`` output
 that are exactly zero are not sent (a kept entry whose value is 0 costs nothing).
+``sizes_many`` evaluates that formula for a cohort on the messages' device (the ascending
+positions of each row's at most ``k`` non-zeros by one ``topk``, their gaps and Rice bits).
 
 Cohorts (``compress_many`` / ``encode_many`` / ``decode_many``): one ``torch.topk`` over the
 rows, then the payloads of all rows written (read) in one pass of numpy and one numba kernel
@@ -22,14 +24,14 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 import torch
 
-from fedexp.comm.codec import Codec, Payloads, as_rows, check_generators, overrides
+from fedexp.comm.codec import Codec, Payloads, Streams, as_rows, check_generators, overrides
 from fedexp.comm.golomb import (
     MAX_RICE_PARAMETER,
     BitReader,
@@ -43,9 +45,12 @@ from fedexp.comm.golomb import (
 )
 from fedexp.comm.golomb_cohort import (
     best_rice_parameters,
+    best_rice_rows,
+    gaps_of_sorted,
     positions_to_gaps_many,
     read_rice_many,
     rice_bits_many,
+    rice_bits_rows,
     rice_status_message,
     write_rice_many,
 )
@@ -135,6 +140,38 @@ def rice_parameters_for_many(
     if adaptive:
         return best_rice_parameters(gaps, offsets)
     return np.full(offsets.size - 1, golomb_parameter(q), dtype=np.int64)
+
+
+def sorted_nonzeros(x_hat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ascending positions of the non-zeros of every row of ``x_hat`` ``[m, d]``.
+
+    For rows of at most ``k`` non-zeros (a sparse codec's ``compress`` output): ``[m, k]``
+    positions (the row's non-zeros first, in order, then ``d``) and the mask of the real ones,
+    by one ``topk`` of the smallest ``k`` of (position where non-zero, else ``d``), on the
+    rows' device.
+    """
+    d = x_hat.shape[1]
+    small = torch.int32 if d < 2**31 else torch.int64
+    j = torch.arange(d, dtype=small, device=x_hat.device)
+    key = torch.where(x_hat != 0, j, d)
+    positions = torch.topk(key, k, dim=1, largest=False, sorted=True).values
+    return positions, positions < d
+
+
+def sparse_bits_rows(
+    x_hat: torch.Tensor, k: int, q: float, adaptive: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Rice bits of every row's position gaps and its number of non-zeros (int64 ``[m]``).
+
+    With the parameter a codec writes: ``b*(q)``, or each row's best when ``adaptive``
+    (:func:`rice_parameter_for`); rows of at most ``k`` non-zeros (:func:`sorted_nonzeros`).
+    """
+    positions, valid = sorted_nonzeros(x_hat, k)
+    counts = valid.sum(dim=1)
+    gaps = gaps_of_sorted(positions, valid)
+    if adaptive:
+        return best_rice_rows(gaps, counts, x_hat.shape[1])[1], counts
+    return rice_bits_rows(gaps, counts, golomb_parameter(q)), counts
 
 
 def sparse_rows(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -359,11 +396,7 @@ class TopKCodec(Codec):
         """Rebuild the sparse float32 vector."""
         return decode_sparse_values(payload, numel)
 
-    def compress_many(
-        self,
-        x: torch.Tensor,
-        generators: Sequence[torch.Generator | None] | None = None,
-    ) -> torch.Tensor:
+    def compress_many(self, x: torch.Tensor, generators: Streams | None = None) -> torch.Tensor:
         """``compress`` of every row with one ``torch.topk(|x|, k, dim=1)`` and a scatter.
 
         Row ``i`` equals ``compress(x[i])`` exactly whenever the row has no tie at the
@@ -420,6 +453,23 @@ class TopKCodec(Codec):
         out = np.zeros((len(payloads), numel), dtype=np.float32)
         out[msgs.rows, msgs.positions] = msgs.values
         return torch.from_numpy(out)
+
+    def sizes_many(self, x_hat: torch.Tensor) -> torch.Tensor | None:
+        """``5 + ceil(rice_bits / 8) + 4 n`` of every row of a ``compress_many`` output.
+
+        On ``x_hat``'s device (at most ``k`` non-zeros a row: :func:`sparse_bits_rows`).
+        """
+        if overrides(self, TopKCodec, "encode"):
+            return None
+        k = keep_count(self.q, x_hat.shape[1])
+        bits, n = sparse_bits_rows(x_hat, k, self.q, self.adaptive_golomb)
+        return _SPARSE_HEADER.size + (bits + 7) // 8 + 4 * n
+
+    def received_many(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """The rows with ``-0.0`` as ``0.0``: a kept zero is not sent, whatever its sign."""
+        if overrides(self, TopKCodec, "decode"):
+            return Codec.received_many(self, x_hat)
+        return x_hat + 0.0
 
     def __repr__(self) -> str:
         return f"TopKCodec(q={self.q}, adaptive_golomb={self.adaptive_golomb})"

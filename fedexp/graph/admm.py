@@ -446,19 +446,24 @@ class ZStepSolver:
             tau = lam / rho if w_pen is None else (lam / rho) * w_pen
             w_new = prox_columns(v.T, tau, p).T.contiguous()
             check = (it % check_every == 0) or it == max_iter
-            if check:
-                res.r_scale = max(
-                    float(torch.linalg.vector_norm(zq)), float(torch.linalg.vector_norm(w_new))
-                )
+            if check:  # ‖ZQ‖, ‖W‖ before zq becomes r
+                scales = [torch.linalg.vector_norm(zq), torch.linalg.vector_norm(w_new)]
             # Ω-update with r = ZQ − W (zq becomes r in place).
             r = zq.sub_(w_new)
             omega.add_(r, alpha=rho)
             q_rows(w_new, edges, n, out=wqt_new)
             q_rows(omega, edges, n, out=oqt)
-            if check:
-                res.r = float(torch.linalg.vector_norm(r))
-                res.s = rho * float(torch.linalg.vector_norm(torch.sub(wqt_new, wqt, out=rhs)))
-                res.s_scale = float(torch.linalg.vector_norm(oqt))
+            if check:  # the five norms read from the device at once
+                norms = torch.stack(
+                    [
+                        *scales,
+                        torch.linalg.vector_norm(r),
+                        torch.linalg.vector_norm(torch.sub(wqt_new, wqt, out=rhs)),
+                        torch.linalg.vector_norm(oqt),
+                    ]
+                ).tolist()
+                res.r_scale = max(norms[0], norms[1])
+                res.r, res.s, res.s_scale = norms[2], rho * norms[3], norms[4]
                 res.eps_pri = sqrt_p * eps_abs + eps_rel * res.r_scale
                 res.eps_dual = sqrt_n * eps_abs + eps_rel * res.s_scale
             w_var = w_new

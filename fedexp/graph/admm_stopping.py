@@ -32,7 +32,8 @@ def _objective_offset(
     n = Z_t.shape[1]
     zt = Z_t.to(dtype)
     g = G.to(dtype)
-    return float((g * zt).sum()) / n - eta * float((g * g).sum()) / (2.0 * n * n)
+    inner, square = torch.stack([(g * zt).sum(), (g * g).sum()]).tolist()  # one read
+    return inner / n - eta * square / (2.0 * n * n)
 
 
 def _duality_gap(
@@ -76,13 +77,16 @@ def _duality_gap(
     """
     buf_n, zq, tmp = scratch
     torch.sub(z, base, out=buf_n)
-    quad = float(torch.linalg.vector_norm(buf_n)) ** 2 / (2.0 * eta)
+    distance = torch.linalg.vector_norm(buf_n)
     buf_n.add_(oqt, alpha=eta)
-    stationarity = float(torch.linalg.vector_norm(buf_n)) ** 2 / (2.0 * eta)
+    stationary = torch.linalg.vector_norm(buf_n)
     qt_rows(z, edges, out=zq, tmp=tmp)
     norms = torch.linalg.vector_norm(zq, ord=ordp, dim=1)
-    penalty = float((norms * lam_w).sum())
-    coupling = float(torch.mul(omega, zq, out=tmp).sum())
+    coupled = torch.mul(omega, zq, out=tmp).sum()
+    values = torch.stack([distance, stationary, (norms * lam_w).sum(), coupled]).tolist()
+    distance_f, stationary_f, penalty, coupling = values  # one read of the device
+    quad = distance_f**2 / (2.0 * eta)
+    stationarity = stationary_f**2 / (2.0 * eta)
     return stationarity + penalty - coupling, quad + penalty
 
 

@@ -61,6 +61,10 @@ def parse_p(p: PNorm) -> str:
 
 def _column_tau(tau: float | torch.Tensor, V: torch.Tensor) -> torch.Tensor:  # noqa: N803
     """Thresholds as a ``(1, M)`` tensor (or a 0-d tensor) broadcasting over the rows of V."""
+    if isinstance(tau, (int, float)):  # checked on the host: no read of the device
+        if tau < 0:
+            raise ValueError("tau must be nonnegative")
+        return torch.as_tensor(tau, dtype=V.dtype, device=V.device)
     t = torch.as_tensor(tau, dtype=V.dtype, device=V.device)
     if t.dim() == 0:
         if bool(t < 0):

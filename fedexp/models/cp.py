@@ -183,6 +183,20 @@ class CPLayout:
                 ]
         return mask
 
+    def dense_source(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 [numel]: each dense coordinate's model coordinate (0 at factor coordinates).
+
+        ``model_vec[..., dense_source()]`` puts a model vector's dense entries (biases,
+        running statistics) where the factor vector carries them, rows of vectors at once.
+        """
+        index = torch.zeros(self.numel, dtype=torch.long)
+        for e in self.entries:
+            if e.rank == 0:
+                index[e.offset : e.offset + e.size] = torch.arange(
+                    e.model_offset, e.model_offset + e.size
+                )
+        return index.to(device)
+
     def compose(self, vec: torch.Tensor) -> torch.Tensor:
         """The model vector ``[[A]]``: every weight composed, the rest copied (batched ok)."""
         parts = []

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from fedexp.algorithms.fedala import FedALA
+from fedexp.algorithms.fedala import ALA_STREAM, FedALA, first_draws
+from fedexp.engine import rng
 from fedexp.engine.runner import build_engine
-from helpers import assert_resume_exact, refused
+from helpers import assert_resume_exact, cohort_of, refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,6 +21,17 @@ MLP = ("model=mlp", "model.hidden=8")
 def _rounds(engine, n):
     history = [engine.run_round() for _ in range(n)]
     return history
+
+
+def _assert_eval_stack_is_eval_params(engine):
+    """``eval_stack`` of clients in any order is ``eval_params`` row by row, bit for bit."""
+    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
+    clients = [3, 0, 4, 1]
+    stack = alg.eval_stack(ctx, server, states.rows(clients), clients)
+    assert stack.shape == (len(clients), engine.x0.numel())
+    assert not torch.equal(stack[0], stack[1])  # personal vectors: a mix-up would show
+    for row, n in zip(stack, clients, strict=True):
+        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
 
 
 @pytest.mark.parametrize(
@@ -64,7 +77,9 @@ def test_weight_step_matches_a_hand_computation(small_cfg):
     assert torch.equal(mixed[:lo], glob[:lo])  # lower layers: the global model
     torch.testing.assert_close(mixed[lo:hi], local[lo:hi] + (glob - local)[lo:hi] * w)
 
-    new_w, loss = alg.ala_step(ctx, glob, local, w, x, y)
+    objective = alg.ala_objective(ctx, glob[None], local[None])  # a cohort of one
+    new_w, loss = alg.ala_step(ctx, objective, w[None], x[None], y[None])
+    new_w, loss = new_w[0], loss[0]
     ref_loss, grad, _ = ctx.loss_grad_post(ctx.model_objective(), mixed, x, y, None)
     expected = torch.clamp(w - 3.0 * grad[lo:hi] * (glob - local)[lo:hi], 0.0, 1.0)
     torch.testing.assert_close(new_w, expected)
@@ -121,6 +136,7 @@ def test_runs(small_cfg, overrides):
     _rounds(engine, 2)
     agg, per_client = engine.evaluate()
     assert math.isfinite(agg["acc/mean"]) and len(per_client) == 5
+    _assert_eval_stack_is_eval_params(engine)
 
 
 def test_bad_arguments_are_refused():
@@ -142,19 +158,61 @@ def test_start_phase_runs_to_the_papers_threshold(small_cfg, monkeypatch):
     batches = math.ceil(int(0.8 * engine.clients[0].num_train) / ctx.batch_size)
     calls = {"n": 0}
 
-    def step(ctx, glob, local, w, xb, yb):
+    def step(ctx, objective, w, xb, yb):
         calls["n"] += 1
         loss = next(losses) if calls["n"] % batches == 0 else 0.0  # the epoch's last counts
-        return w, torch.tensor(loss)
+        return w, torch.tensor([loss])
 
     monkeypatch.setattr(alg, "ala_step", step)
-    w = torch.ones(hi - lo)
-    gen = torch.Generator().manual_seed(0)
-    data = engine.clients[0]
-    _, epochs, _ = alg.learn_weights(ctx, x0, x0 + 1, w, data, gen, start_phase=True)
-    assert epochs == 25  # 15 noisy epochs, then 10 whose std is below 0.01
+    w = torch.ones(1, hi - lo)
+    cohort = cohort_of(engine, [0])
+
+    def epochs():
+        return alg.learn_weights(ctx, x0[None], x0[None] + 1, w, cohort, [0], [True], [True])[1]
+
+    assert epochs() == [25]  # 15 noisy epochs, then 10 whose std is below 0.01
     alg.threshold = 0.1  # ALA.py's default stops as soon as 10 losses are in (std 0.05)
     losses = iter([1 + 0.05 * (-1) ** e for e in range(15)])
     calls["n"] = 0
-    _, epochs, _ = alg.learn_weights(ctx, x0, x0 + 1, w, data, gen, start_phase=True)
-    assert epochs == 11
+    assert epochs() == [11]
+
+
+@pytest.mark.parametrize("norm", [(), ("model.norm=batch",)], ids=["mlp", "batchnorm"])
+def test_a_cohort_learns_each_clients_weights_as_alone(small_cfg, norm):
+    """ALA over a cohort of unequal clients (their slices of different lengths, short last
+    minibatches) gives each client the weights and epochs it gets alone."""
+    overrides = ("algorithm=fedala", "algorithm.eta=5.0", *MLP, *norm, "batch_size=10")
+    engine = build_engine(small_cfg(*overrides))
+    alg, ctx, x0 = engine.algorithm, engine.ctx, engine.x0
+    lo, hi = alg.top_range(ctx)
+    sizes = [c.num_train for c in engine.clients]
+    assert len(set(sizes)) > 1 and any(int(0.8 * n) % 10 for n in sizes)
+    gen = torch.Generator().manual_seed(1)
+    m = len(engine.clients)
+    glob = (x0 + 0.3 * torch.randn(x0.shape, generator=gen)).expand(m, -1)
+    local = x0 + 0.3 * torch.randn((m, *x0.shape), generator=gen)
+    w = torch.rand(m, hi - lo, generator=gen)
+    ids, phase = list(range(m)), [n % 2 == 0 for n in range(m)]
+    cohort = cohort_of(engine, ids)
+    together, epochs = alg.learn_weights(ctx, glob, local, w, cohort, ids, [True] * m, phase)
+    for n in ids:
+        one = cohort_of(engine, [n])
+        alone_w, alone_epochs = alg.learn_weights(
+            ctx, glob[n : n + 1], local[n : n + 1], w[n : n + 1], one, [n], [True], [phase[n]]
+        )
+        torch.testing.assert_close(together[n], alone_w[0])
+        assert epochs[n] == alone_epochs[0]
+    assert epochs[1] == 1 and max(epochs) > 1
+
+
+def test_slice_starts_are_the_streams_first_draws():
+    """:func:`first_draws` gives what a torch generator seeded from the stream draws first."""
+    seeds = [rng.derive_seed(7, ALA_STREAM, t, n) for t in range(3) for n in range(200)]
+    seeds += [0, 1, 2**32 - 1, 2**32, 2**63 - 1]
+    gen = torch.Generator().manual_seed(3)
+    highs = torch.randint(1, 100_000, (len(seeds),), generator=gen).tolist()
+    want = [
+        int(torch.randint(h, (1,), generator=torch.Generator().manual_seed(s)))
+        for s, h in zip(seeds, highs, strict=True)
+    ]
+    assert first_draws(seeds, np.array(highs)).tolist() == want

@@ -114,16 +114,13 @@ def test_resume_is_exact(small_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("heuristic", [False, True])
-def test_the_cohorts_cloud_models_at_once_equal_client_by_client(heuristic, monkeypatch):
-    """``downlinks`` (one computation, in slices) gives each client its ``downlink``."""
-    from fedexp.algorithms import fedamp as fedamp_module
-
+def test_the_cohorts_cloud_models_at_once_equal_client_by_client(heuristic):
+    """``downlinks`` (one computation, a stack) gives each client its ``downlink``."""
     torch.manual_seed(0)
     W = torch.randn(7, 5)
     algo = FedAMP(alpha_k=0.5, sigma=2.0 if not heuristic else 0.3, heuristic=heuristic)
     server = {"W": W}
     clients = [0, 2, 3, 6]
-    monkeypatch.setattr(fedamp_module, "_ROWS_ELEMENTS", 2 * W.numel())  # slices of 2 rows
     together = algo.downlinks(None, server, clients)
     assert list(together) == clients
     for n in clients:
@@ -195,3 +192,20 @@ def test_refuses_an_alpha_k_that_lets_xi_ii_go_negative(small_cfg):
         build_engine(small_cfg(*too_big)).setup()
     build_engine(small_cfg(*too_big, "algorithm.heuristic=true")).setup()
     build_engine(small_cfg("algorithm=fedamp", "algorithm.alpha_k=0.075")).setup()  # = 1: kept
+
+
+def _assert_eval_stack_is_eval_params(engine):
+    """``eval_stack`` (every client at once, in a shuffled order) equals ``eval_params``
+    client by client, bitwise."""
+    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
+    who = list(range(len(engine.clients)))[::-1]
+    stack = alg.eval_stack(ctx, server, states.rows(who), who)
+    assert stack.shape[0] == len(who)
+    for row, n in zip(stack, who, strict=True):
+        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
+    return stack
+
+
+def test_eval_stack_is_eval_params_client_by_client(small_cfg):
+    engine, _ = _rounds(build_engine(small_cfg("algorithm=fedamp", "participation=0.6")), 2)
+    _assert_eval_stack_is_eval_params(engine)

@@ -8,8 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedexp.algorithms.fedrod import FedRoD, class_counts, log_priors, prior_adjusted
+from fedexp.algorithms.fedrod import (
+    FedRoD,
+    class_counts,
+    cohort_class_counts,
+    log_priors,
+    prior_adjusted,
+)
+from fedexp.contract import Cohort
 from fedexp.data.federated import ClientData
+from fedexp.engine.clients.pool import TrainPool
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver.objective import Objective
 from fedexp.errors import ConfigError
@@ -75,6 +83,36 @@ def test_segmentation_logits_are_adjusted_per_pixel_and_empty_classes_floored():
         prior_adjusted(torch.randn(2, 4), log_prior)
 
 
+def test_a_cohorts_class_counts_are_each_clients_own():
+    """Read from the pool at once: rows of unequal lengths, an empty client, masks, a label ≥ C."""
+    torch.manual_seed(3)
+    sizes = [5, 0, 2, 7]
+    data = [
+        ClientData(torch.randn(n, 1, 2, 2), torch.randint(4, (n, 1, 2, 2)), None, None)
+        for n in sizes
+    ]
+    pool = TrainPool(data)
+    rows = torch.tensor([3, 1, 0])
+    cohort = Cohort([3, 1, 0], [data[3], data[1], data[0]], rows, rows, rows, pool)
+    counts = cohort_class_counts(cohort, 3)
+    assert counts.dtype == torch.float32 and counts.shape == (3, 3)
+    for row, n in zip(counts, [3, 1, 0], strict=True):
+        assert torch.equal(row, class_counts(data[n].y_train, 3))
+    assert counts[0].sum() < 7 * 4  # the label 3 ≥ C left out, as class_counts does
+
+
+def test_counts_of_clients_joining_later_are_their_own(small_cfg):
+    e = build_engine(small_cfg("algorithm=fedrod", "participation=0.4"))
+    joined = []
+    for _ in range(3):
+        e.run_round()
+        joined.append(sum("counts" in s for s in e.client_states))
+    assert 0 < joined[0] < joined[-1]  # a round of kept counts and first participations
+    for s, c in zip(e.client_states, e.clients, strict=True):
+        if "counts" in s:
+            assert torch.equal(s["counts"], class_counts(c.y_train, 2))
+
+
 def test_gradients_split_as_a_hand_autograd_computation(small_cfg):
     """θ gets only ∇BSM, p only ∇CE(g(z).detach() + p(z.detach())): an independent torch
     computation with the MLP's modules and a separate linear personal head."""
@@ -131,8 +169,9 @@ def test_generic_model_is_fedavg_when_every_client_is_balanced(small_cfg, model)
         cfg = small_cfg(f"algorithm={name}", *model)
         for balanced in (True, False) if not model else (True,):
             e = build_engine(cfg)
-            if balanced:
+            if balanced:  # the engine trains on its pool: rebuilt of the new data
                 e.clients = _balanced(e.clients)
+                e.pool = TrainPool.of(e.clients)
             _rounds(e, 3)
             engines[name, balanced] = e
     rod, avg = engines["fedrod", True], engines["fedavg", True]
@@ -186,3 +225,26 @@ def test_copy_init_and_a_head_that_matches_nothing(small_cfg):
         FedRoD(head=["nothing.*"]).init_client(e.ctx, e.x0, 0)
     with pytest.raises(ValueError, match="personal_init"):
         FedRoD(personal_init="random")
+
+
+def _assert_eval_stack_is_eval_params(engine):
+    """``eval_stack`` (every client at once, in a shuffled order) equals ``eval_params``
+    client by client, bitwise."""
+    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
+    who = list(range(len(engine.clients)))[::-1]
+    stack = alg.eval_stack(ctx, server, states.rows(who), who)
+    assert stack.shape[0] == len(who)
+    for row, n in zip(stack, who, strict=True):
+        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
+    return stack
+
+
+@pytest.mark.parametrize("evaluate_with", ["personal", "generic"])
+def test_eval_stack_is_eval_params_client_by_client(small_cfg, evaluate_with):
+    cfg = small_cfg(
+        "algorithm=fedrod", "participation=0.6", f"algorithm.evaluate_with={evaluate_with}", *MLP
+    )
+    engine = build_engine(cfg)
+    _rounds(engine, 2)
+    stack = _assert_eval_stack_is_eval_params(engine)
+    assert (stack.stride(0) == 0) == (evaluate_with == "generic")  # shared: one plain pass

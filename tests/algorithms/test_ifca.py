@@ -11,8 +11,10 @@ from fedexp.algorithms.ifca import IFCA
 from fedexp.contract import CohortStates
 from fedexp.engine.clients.pool import TrainPool
 from fedexp.engine.runner import build_engine
+from fedexp.engine.solver import losses as losses_module
+from fedexp.engine.solver.losses import train_losses
 from fedexp.engine.solver.optim import SGD
-from helpers import refused, solo
+from helpers import cohort_of, refused, solo
 
 MLP = ("model=mlp", "model.hidden=8")
 
@@ -123,6 +125,38 @@ def test_clients_choose_their_lowest_loss_cluster_and_bytes_are_k_models(small_c
     fresh = update(-1, {})
     assert torch.equal(update((j + 1) % k, junk), fresh)
     assert not torch.allclose(update(j, junk), fresh)
+
+
+@pytest.mark.parametrize("budget", [None, 200], ids=["one-run", "runs-of-clients"])
+def test_the_pooled_estimate_equals_each_clients_own_loss(small_cfg, monkeypatch, budget):
+    """Unequal training splits gathered from the pool (padding: repeated rows) score as each
+    client's own loss on its split alone, in one run of clients or in several."""
+    engine = build_engine(small_cfg("algorithm=ifca", "algorithm.k=3", *MLP))
+    sizes = {d.num_train for d in engine.clients}
+    assert len(sizes) > 1  # some padding
+    if budget is not None:  # runs of about 2 clients (input elements: budget × features)
+        row = engine.clients[0].x_train[0].numel()
+        monkeypatch.setattr(losses_module, "_ELEMENTS", budget * row)
+    ctx = engine.ctx
+    clusters = engine.server["clusters"].expand(len(engine.clients), -1, -1)
+    cohort = cohort_of(engine, range(len(engine.clients)))
+    assert ctx.model.module.training
+    pooled = train_losses(ctx, lambda j, rows: clusters[rows, j], 3, cohort.data)
+    assert ctx.model.module.training  # the module's mode restored
+    ctx.model.module.eval()
+    with torch.no_grad():
+        alone = torch.tensor(
+            [
+                [
+                    float(ctx.task.loss(ctx.model(clusters[i, j], d.x_train), d.y_train))
+                    for j in range(3)
+                ]
+                for i, d in enumerate(cohort.data)
+            ],
+            dtype=torch.float64,
+        )
+    assert pooled.shape == (len(engine.clients), 3)
+    torch.testing.assert_close(pooled, alone, rtol=1e-6, atol=1e-7)
 
 
 def test_cluster_ids_cross_a_lossy_uplink_exactly(small_cfg):

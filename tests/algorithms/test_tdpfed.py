@@ -24,6 +24,17 @@ def _engine(small_cfg, *overrides):
     return build_engine(small_cfg("algorithm=tdpfed", "algorithm.local_rounds=2", *overrides))
 
 
+def _assert_eval_stack_is_eval_params(engine):
+    """``eval_stack`` of clients in any order is ``eval_params`` row by row, bit for bit."""
+    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
+    clients = [3, 0, 4, 1]
+    stack = alg.eval_stack(ctx, server, states.rows(clients), clients)
+    assert stack.shape == (len(clients), engine.x0.numel())
+    assert not torch.equal(stack[0], stack[1])  # personal vectors: a mix-up would show
+    for row, n in zip(stack, clients, strict=True):
+        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
+
+
 def _fake_updates(e, scale=1.0):
     g = torch.Generator().manual_seed(7)
     a = e.server["a"]
@@ -195,6 +206,16 @@ def test_runs(small_cfg, overrides):
     assert len(result.per_client) == 5
 
 
+@pytest.mark.parametrize("all_train", ["true", "false"])
+def test_evaluates_every_clients_theta_at_once(small_cfg, all_train):
+    """θ_k of clients that trained (all of them, or the sampled ones) and of one that has
+    not (its initial θ = x0)."""
+    e = _engine(small_cfg, *MLP, "participation=0.6", f"algorithm.all_train={all_train}")
+    e.run_round()
+    e.run_round()
+    _assert_eval_stack_is_eval_params(e)
+
+
 def test_resume_is_exact_with_both_optimiser_states(small_cfg, tmp_path):
     cfg = small_cfg(
         "algorithm=tdpfed",
@@ -224,3 +245,16 @@ def test_fedavg_sar_sends_a_random_share_both_ways(small_cfg, keep):
     m = e.run_round()
     for d in ("up", "down"):
         assert 0 < m[f"bytes/{d}"] < m[f"bytes/{d}_dense"]
+
+
+def test_running_statistics_move_into_the_factor_vector(small_cfg):
+    """``dense_source`` gathers a model vector's dense entries into the factor vector's
+    places: what a zero-sweep decomposition started at the factors copies there."""
+    e = _engine(small_cfg, *MLP, "model.norm=batch")
+    cp = e.algorithm.cp(e.ctx)
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(e.x0.shape, generator=gen)
+    dense = cp.dense_mask()
+    assert cp.model_mask(e.ctx.model.buffer_mask).any()
+    copied = cp.decompose(theta, start=e.server["a"], sweeps=0)
+    assert torch.equal(theta[cp.dense_source()][dense], copied[dense])

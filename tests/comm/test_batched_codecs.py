@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedexp.comm.cer import CERTransform
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import Codec, DenseCodec, Payloads
 from fedexp.comm.entropy import EntropyCodec
@@ -157,7 +158,12 @@ def test_row_means_match_one_dimensional_means() -> None:
         got = masked_row_means(v, mask)
         for i in range(5):
             if mask[i].any():
-                assert torch.equal(_bits(got[i]), _bits(v[i][mask[i]].mean())), (c, i)
+                # a row's mean does not depend on the others: the row alone, as one vector
+                alone = torch.where(mask[i], v[i], 0).clone().sum() / mask[i].sum()
+                assert torch.equal(_bits(got[i]), _bits(alone)), (c, i)
+                assert torch.equal(_bits(masked_row_means(v[i : i + 1], mask[i : i + 1])[0]),
+                                   _bits(got[i])), (c, i)  # fmt: skip
+                torch.testing.assert_close(got[i], v[i][mask[i]].mean(), rtol=1e-6, atol=0)
         assert got[0] == 0
 
 
@@ -437,9 +443,28 @@ def test_send_many_equals_send_per_row_over_rounds(codec: Codec, error_feedback:
         assert torch.equal(received, expect)
 
 
-def test_send_many_refuses_transforms() -> None:
-    def double(x: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
-        return 2 * x, {}
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_send_many_with_transforms_equals_send_per_row(error_feedback: bool) -> None:
+    """A transform without a batched form runs row by row; CER's batched form is its own."""
 
-    with pytest.raises(ValueError, match="transforms"):
-        Channel(codec=STCCodec(q=0.1), transforms=[double]).send_many(torch.randn(2, 5), None)
+    def double(x: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+        return 2 * x, {"twice": float(x.abs().sum())}
+
+    cer = CERTransform(gamma=0.3, eta=0.1, scope="per_tensor", layout=[30, 0, 70, 100])
+    channel = Channel(STCCodec(q=0.1), transforms=[double, cer], error_feedback=error_feedback)
+    m, d = 5, 200
+    x = _block(m, d, seed=7)
+    residuals = _block(m, d, seed=8) if error_feedback else None
+    sent, new, metrics = channel.compress_many(x, residuals, None, scale=0.5)
+    payloads, again = channel.send_many(x, residuals, None, scale=0.5)
+    assert set(metrics) == {"twice", "cer/runs", "cer/sparsity"}
+    for i in range(m):
+        payload, res, row_metrics = channel.send(
+            x[i], None if residuals is None else residuals[i], None, 0.5
+        )
+        assert payloads[i] == payload == channel.codec.encode(sent[i]), i
+        assert row_metrics == {k: float(v[i]) for k, v in metrics.items()}, i
+        if error_feedback:
+            assert torch.equal(new[i], res) and torch.equal(again[i], res)
+        else:
+            assert res is None and new is None and again is None

@@ -163,6 +163,36 @@ class TrainPool:
         )
 
 
+def padded(rows: Sequence[PoolRows]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Clients' rows of one pool padded to ``[m, n_max, ...]`` by one index, and their lengths.
+
+    A split of each client (training, test or validation: :class:`PoolRows`) gathered at once:
+    a fixed number of ops for any m, where padding the clients' views costs ops per client.
+    Rows past a client's length repeat its last row (padding, which the batched metrics and
+    losses leave out by the lengths). None when the rows are not all non-empty rows of one
+    pool (the caller pads the clients' tensors instead).
+
+    Returns:
+        (inputs ``[m, n_max, ...]``, targets ``[m, n_max, ...]``, lengths int64 ``[m]``).
+    """
+    first = rows[0] if len(rows) else None
+    if first is None or not all(
+        type(r) is PoolRows and r.pool is first.pool and r.stop > r.start for r in rows
+    ):
+        return None
+    pool = first.pool
+    starts = torch.as_tensor([r.start for r in rows], dtype=torch.int64)
+    lengths = torch.as_tensor([r.stop - r.start for r in rows], dtype=torch.int64)
+    longest = max(r.stop - r.start for r in rows)
+    index = (starts[:, None] + torch.arange(longest).minimum(lengths[:, None] - 1)).to(
+        pool.x.device
+    )
+    flat = index.reshape(-1)
+    xs = pool.x.index_select(0, flat).reshape(*index.shape, *pool.x.shape[1:])
+    ys = pool.y.index_select(0, flat).reshape(*index.shape, *pool.y.shape[1:])
+    return xs, ys, lengths
+
+
 def _consecutive_views(parts: list[torch.Tensor]) -> torch.Tensor | None:
     """The tensor that ``parts`` tile, in order, as contiguous views of one buffer; else None."""
     base = parts[0]._base

@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
+import numpy as np
 import torch
 
 from fedexp.contract import CohortStates
-from fedexp.data.client import client_ids
 from fedexp.engine.clients import hugepages
 from fedexp.errors import ConfigError
 
@@ -69,8 +69,9 @@ class ClientStates(Sequence[State]):
         self.folder = None if folder is None else Path(folder)
         self._held = len(self.own())  # rows: the clients this process holds
         self._cols: dict[str, torch.Tensor] = {}
-        self._has: dict[str, torch.Tensor] = {}  # key -> bool per row: the client's row is set
-        self._written = torch.zeros(self._held, dtype=torch.bool)
+        # which rows are set: host bookkeeping (NumPy: no tensor op, never a device read)
+        self._has: dict[str, np.ndarray] = {}  # key -> bool per row: the client's row is set
+        self._written = np.zeros(self._held, dtype=bool)
         self._loose: dict[int, State] = {}  # values that do not fit their column
 
     def __len__(self) -> int:
@@ -107,18 +108,18 @@ class ClientStates(Sequence[State]):
         rank, procs = self.share or (0, 1)
         return range(rank, self._size, procs)
 
-    def _rows(self, clients: Sequence[int]) -> torch.Tensor:
-        """The rows of ``clients`` (int64).
+    def _rows(self, clients: Sequence[int]) -> np.ndarray:
+        """The rows of ``clients`` (int64, NumPy: host bookkeeping).
 
         Raises:
             RuntimeError: a client of another rank (reading it is a bug in the caller).
         """
-        ids = client_ids(list(clients))
+        ids = np.asarray(list(clients), dtype=np.int64)
         if self.share is None:
             return ids
         rank, procs = self.share
         foreign = ids % procs != rank
-        if bool(foreign.any()):
+        if foreign.any():
             n = int(ids[foreign][0])
             raise RuntimeError(
                 f"client {n}'s state is on rank {n % procs}: rank {rank} of {procs} holds "
@@ -140,7 +141,7 @@ class ClientStates(Sequence[State]):
             return CohortStates(0)
         ids = self._rows(clients)
         written = self._written[ids]
-        init = {} if self._loose else self._initial(clients, written)
+        init = {} if self._loose or written.all() else self._initial(clients, written)
         if self._loose or any(
             k in self._cols and v.shape[1:] != self._cols[k].shape[1:] for k, v in init.items()
         ):  # values kept aside, or an initial value of another shape than its column's
@@ -148,22 +149,23 @@ class ClientStates(Sequence[State]):
         stacks: dict[str, torch.Tensor] = {}
         present: dict[str, torch.Tensor] = {}
         dev = self.device
-        fresh = (~written).to(dev)
+        index = torch.from_numpy(ids)
         for key in dict.fromkeys([*self._cols, *init]):
             col, start = self._cols.get(key), init.get(key)
+            has = self._has[key][ids] if col is not None else np.zeros(m, dtype=bool)
+            if has.all():  # every row has it (known on the host): one gather
+                stacks[key] = col[index.to(col.device)].to(dev)  # type: ignore[index]
+                continue
             if col is None:  # no client has written it: the initial value, in unwritten rows
                 stacks[key] = start.expand(m, *start.shape[1:])  # type: ignore[union-attr]
-                present[key] = fresh
-                continue
-            has = self._has[key][ids].to(dev)
-            values = col[ids.to(col.device)].to(dev)
-            mask = has.view(m, *[1] * (values.dim() - 1))
-            if start is not None:
-                stacks[key] = torch.where(mask, values, start.to(values.dtype))
-                present[key] = has | fresh
             else:
-                stacks[key] = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
-                present[key] = has
+                values = col[index.to(col.device)].to(dev)
+                mask = torch.from_numpy(has).to(dev).view(m, *[1] * (values.dim() - 1))
+                fill = torch.zeros((), dtype=values.dtype) if start is None else start
+                stacks[key] = torch.where(mask, values, fill.to(values.dtype))
+            rows = has | ~written if start is not None else has
+            if not rows.all():
+                present[key] = torch.from_numpy(rows).to(dev)
         return CohortStates(m, stacks, present)
 
     def _initial(self, clients: Sequence[int], written: torch.Tensor) -> State:
@@ -176,7 +178,7 @@ class ClientStates(Sequence[State]):
             if self._start is None:
                 self._start = {k: v.to(self.device)[None] for k, v in self._init(0).items()}
             return self._start
-        fresh = (~written).nonzero().flatten().tolist()
+        fresh = np.flatnonzero(~written).tolist()
         if not fresh:
             return {}
         made = {i: self._init(int(clients[i])) for i in fresh}
@@ -203,7 +205,7 @@ class ClientStates(Sequence[State]):
             has = self._has[key][ids].tolist()  # (set only by a write, which marks written)
             if not any(has):
                 continue
-            values = col[ids.to(col.device)]
+            values = col[torch.from_numpy(ids).to(col.device)]
             if values.device != self.device:
                 values = values.to(self.device)
             for i, h in enumerate(has):
@@ -235,9 +237,7 @@ class ClientStates(Sequence[State]):
             self._write_each(clients, ids, states)
         self._written[ids] = True
 
-    def _write_stacks(
-        self, clients: Sequence[int], ids: torch.Tensor, states: CohortStates
-    ) -> None:
+    def _write_stacks(self, clients: Sequence[int], ids: np.ndarray, states: CohortStates) -> None:
         """:meth:`write` of stacked states: each key's rows scattered into its column at once."""
         for key, value in states.stacks.items():
             col = self._cols.get(key)
@@ -250,12 +250,10 @@ class ClientStates(Sequence[State]):
                     rows = [r if h else {} for r, h in zip(rows, mask.tolist(), strict=True)]
                 self._write_each(clients, ids, rows)
                 continue
-            col[ids.to(col.device)] = value.detach().to(col.device)
-            self._has[key][ids] = True if mask is None else mask.to(self._has[key].device)
+            col[torch.from_numpy(ids).to(col.device)] = value.detach().to(col.device)
+            self._has[key][ids] = True if mask is None else mask.cpu().numpy()
 
-    def _write_each(
-        self, clients: Sequence[int], ids: torch.Tensor, states: Sequence[State]
-    ) -> None:
+    def _write_each(self, clients: Sequence[int], ids: np.ndarray, states: Sequence[State]) -> None:
         """:meth:`write` of a list of per-client states."""
         keys = list(dict.fromkeys(k for s in states for k in s))
         for key in keys:
@@ -272,8 +270,9 @@ class ClientStates(Sequence[State]):
                     self._loose.setdefault(n, {})[key] = v.detach().to(self.device).clone()
             if fits:
                 col = self._cols[key]
-                where = ids[torch.as_tensor(fits, dtype=torch.int64)]
-                col[where.to(col.device)] = torch.stack(values).detach().to(col.device)
+                where = ids[np.asarray(fits, dtype=np.int64)]
+                index = torch.from_numpy(where).to(col.device)
+                col[index] = torch.stack(values).detach().to(col.device)
                 self._has[key][where] = True
 
     def _column(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -295,7 +294,7 @@ class ClientStates(Sequence[State]):
             flat = torch.from_file(str(path), shared=True, size=max(count, 1), dtype=dtype)
             col = flat[:count].view(shape)
         self._cols[key] = col
-        self._has[key] = torch.zeros(self._held, dtype=torch.bool)
+        self._has[key] = np.zeros(self._held, dtype=bool)
         return col
 
     # ------------------------------------------------------------------ saving and moving
@@ -305,16 +304,21 @@ class ClientStates(Sequence[State]):
         ``{"written": ids, "rows": {key: ids}, "values": {key: [m, ...]}, "loose": {n: state}}``
         (CPU tensors): what a checkpoint holds and what ranks exchange; :meth:`load` reads it.
         """
-        ids = client_ids(list(self.own() if clients is None else clients))
-        rows = self._rows(ids.tolist())
+        ids = np.asarray(list(self.own() if clients is None else clients), dtype=np.int64)
+        rows = self._rows(ids)
         kept = self._written[rows]
         ids, rows = ids[kept], rows[kept]
-        out: dict[str, Any] = {"written": ids.clone(), "rows": {}, "values": {}, "loose": {}}
+        out: dict[str, Any] = {
+            "written": torch.from_numpy(ids.copy()),
+            "rows": {},
+            "values": {},
+            "loose": {},
+        }
         for key, col in self._cols.items():
             has = self._has[key][rows]
-            if bool(has.any()):
-                out["rows"][key] = ids[has]
-                out["values"][key] = col[rows[has].to(col.device)].cpu()
+            if has.any():
+                out["rows"][key] = torch.from_numpy(ids[has].copy())
+                out["values"][key] = col[torch.from_numpy(rows[has]).to(col.device)].cpu()
         chosen = set(ids.tolist()) if self._loose else set()
         for n, state in self._loose.items():
             if n in chosen:

@@ -352,7 +352,7 @@ class Engine(Transport, Evaluation):
         updates: dict[int, Message] = {}
         if uploads is None or not sampled:
             return updates, sums
-        received = self._send_cohort("up", sampled, uploads)
+        received = self._send_cohort("up", sampled, uploads, sums)
         if isinstance(received, torch.Tensor):
             return StackedUpdates(sampled, received), sums
         if received is not None:  # named parts: a stack of each

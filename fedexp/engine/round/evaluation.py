@@ -19,6 +19,7 @@ from torch.func import vmap
 from fedexp.contract import Cohort, State
 from fedexp.data.client import ClientData, client_ids
 from fedexp.engine import rng
+from fedexp.engine.clients.pool import padded
 from fedexp.metrics import LOWER_IS_BETTER, aggregate
 
 if TYPE_CHECKING:
@@ -105,30 +106,37 @@ class Evaluation:
         for d, m in zip(data, rows, strict=True):
             m["num_test"] = float(d.num_test)
         val_who = [i for i, d in enumerate(data) if d.num_val]
-        val = self._evaluate_many(
-            [params[i] for i in val_who], [data[i].validation() for i in val_who]
-        )
+        if not val_who:
+            return rows, [], []
+        if params.stride(0) == 0:  # one vector for all
+            val_params = params[:1].expand(len(val_who), *params.shape[1:])
+        else:
+            val_params = params[torch.as_tensor(val_who, device=params.device)]
+        val = self._evaluate_many(val_params, [data[i].validation() for i in val_who])
         return rows, val, [local[i] for i in val_who]
 
-    def eval_vectors(self, who: list[int]) -> list[torch.Tensor]:
-        """The parameter vector each client of ``who`` is evaluated with.
+    def eval_vectors(self, who: list[int]) -> torch.Tensor:
+        """``[m, d]`` the parameter vectors the clients ``who`` are evaluated with.
 
-        The algorithm's ``eval_params``, or with ``eval_with_data`` its ``eval_models`` over
-        the clients in sub-cohorts drawing from their evaluation streams (``rng.EVAL``).
+        The algorithm's ``eval_stack`` (one vector for all comes expanded: stride 0 along
+        the clients), or with ``eval_with_data`` its ``eval_models`` over the clients in
+        sub-cohorts drawing from their evaluation streams (``rng.EVAL``).
         """
         algo, ctx = self.algorithm, self.ctx
         if not algo.eval_with_data:
             states = self.client_states.rows(who)
-            return [
-                algo.eval_params(ctx, self.server, s, n) for s, n in zip(states, who, strict=True)
-            ]
-        out: list[torch.Tensor] = [torch.empty(0)] * len(who)
-        for rows, cohort in self._cohorts(who, rng.EVAL):
+            return algo.eval_stack(ctx, self.server, states, who)
+        groups = self._cohorts(who, rng.EVAL)
+        parts = []
+        for _, cohort in groups:
             states = self.client_states.rows(cohort.clients)
-            vectors = algo.eval_models(ctx, self.server, states, cohort).detach()
-            for i, vector in zip(rows, vectors, strict=True):
-                out[i] = vector
-        return out
+            parts.append(algo.eval_models(ctx, self.server, states, cohort).detach())
+        if len(groups) == 1:
+            return parts[0]
+        order = torch.as_tensor([i for rows, _ in groups for i in rows])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(who))
+        return torch.cat(parts)[inverse.to(parts[0].device)]
 
     def every_eval_vector(self) -> torch.Tensor:
         """``[N, d]``: every client's :meth:`eval_vectors` (the outputs' plot of the models).
@@ -139,9 +147,9 @@ class Evaluation:
         who = list(range(len(self.clients)))
         ranks = self.ranks
         if ranks is None:
-            return torch.stack(self.eval_vectors(who))
+            return self.eval_vectors(who).contiguous()
         mine = ranks.mine(who)
-        parts = {"v": torch.stack(self.eval_vectors(mine))} if mine else {}
+        parts = {"v": self.eval_vectors(mine).contiguous()} if mine else {}
         return ranks.gather_rows(who, mine, parts)["v"]
 
     def _forward(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -149,13 +157,14 @@ class Evaluation:
 
     @torch.no_grad()
     def _evaluate_many(
-        self, params: list[torch.Tensor], data: list[ClientData]
+        self, params: torch.Tensor, data: list[ClientData]
     ) -> list[dict[str, float]]:
-        """Each client's metrics of ``params[i]`` on ``data[i]``'s test split.
+        """Each client's metrics of ``params[i]`` (``[m, d]``) on ``data[i]``'s test split.
 
-        Clients are evaluated together (issue 14): their test inputs padded into one batch,
-        one vmapped forward pass of the algorithm's ``predict`` over the stacked parameters
-        (one plain pass when all share one vector) and the task's batched metrics
+        Clients are evaluated together (issue 14): their test inputs padded into one batch
+        (gathered from their pool at once), one vmapped forward pass of the algorithm's
+        ``predict`` over the stacked parameters (one plain pass when all share one vector:
+        ``params`` expanded, stride 0) and the task's batched metrics
         (``evaluate_batch``), in chunks of about ``max(eval_batch_size, 8192)`` inputs.
         Equal to :meth:`Context.evaluate` client by client up to floating-point rounding
         (tested); segmentation tasks, and models vmap cannot run, go client by client.
@@ -189,13 +198,11 @@ class Evaluation:
         return out
 
     def _evaluate_chunk(
-        self, params: list[torch.Tensor], data: list[ClientData]
+        self, params: torch.Tensor, data: list[ClientData]
     ) -> list[dict[str, float]]:
-        xs = torch.nn.utils.rnn.pad_sequence([d.x_test for d in data], batch_first=True)
-        ys = torch.nn.utils.rnn.pad_sequence([d.y_test for d in data], batch_first=True)
-        lengths = torch.tensor([d.num_test for d in data], dtype=torch.int64)
+        xs, ys, lengths = _padded_tests(data)
         m, n = ys.shape[:2]
-        if all(p is params[0] for p in params):  # one vector for all: one plain pass
+        if params.stride(0) == 0:  # one vector for all: one plain pass
             flat = xs.reshape(m * n, *xs.shape[2:])
             # small inputs (tabular rows) go through in passes of up to 8,192
             per_input = max(1, flat[0].numel()) if flat.numel() else 1
@@ -203,7 +210,7 @@ class Evaluation:
             logits = torch.cat([self._forward(params[0], c) for c in torch.split(flat, size)])
             logits = logits.reshape(m, n, *logits.shape[1:])
         else:
-            logits = vmap(self._forward)(torch.stack(params), xs)
+            logits = vmap(self._forward)(params, xs)
         return self.ctx.task.evaluate_batch(logits, ys, lengths)
 
     def _update_best(
@@ -225,6 +232,21 @@ class Evaluation:
             if seen.numel():
                 out[f"{key}/best_mean"] = float(seen.mean())
         return out
+
+
+def _padded_tests(data: list[ClientData]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The clients' test inputs and targets padded to ``[m, n_max, ...]``, and their lengths.
+
+    Clients whose test split is rows of one pool (a :class:`ClientTable`'s) are gathered from
+    it with one index (rows past a client's length repeat its last row: padding, which the
+    batched metrics leave out by ``lengths``); others are padded with zeros one by one.
+    """
+    gathered = padded([d._x_test for d in data])  # noqa: SLF001 - the pool rows, no views
+    if gathered is not None:
+        return gathered
+    xs = torch.nn.utils.rnn.pad_sequence([d.x_test for d in data], batch_first=True)
+    ys = torch.nn.utils.rnn.pad_sequence([d.y_test for d in data], batch_first=True)
+    return xs, ys, torch.tensor([d.num_test for d in data], dtype=torch.int64)
 
 
 def _in_order(gathered: list, who: list[int]) -> list[dict[str, float]]:

@@ -6,19 +6,30 @@ messages: each part of a message through the channel of its direction by its kin
 (client, part), every payload counted in the byte ledger; a cohort's messages in one pass
 where the channel allows it, else message by message. What is counted: ``docs/design.md``,
 "Messages and bytes".
+
+A cohort's pass dispatches a fixed number of tensor ops and host reads for any cohort: the
+residuals, replicas and references are read and written as ``[m, d]`` stacks (one gather and
+one scatter each, :class:`PartMemory`), the transforms and the codec run batched
+(``Channel.compress_many``), a randomised codec draws from counter-based stream keys. On the
+CPU the payloads are written and decoded (honest bytes); elsewhere (:attr:`Transport.encode_on`)
+each message's exact length comes from its codec's length formula as a tensor ``[m]``
+(``Codec.sizes_many``) and the bit streams are written only for a codec without one (an
+entropy coder, message by message on the host).
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from fedexp.comm.channel import Channel
-from fedexp.comm.codec import DenseCodec
-from fedexp.contract import Message, State
+from fedexp.comm.codec import Codec, DenseCodec
+from fedexp.contract import Message, StackedUpdates, State
 from fedexp.engine import rng
 from fedexp.engine.clients.part_memory import PartKey, PartMemory
 from fedexp.engine.round.ledger import ByteLedger
@@ -29,6 +40,7 @@ if TYPE_CHECKING:
 
 # Stream purposes of the channels (beside rng.CLIENT etc.).
 _UPLINK, _DOWNLINK = 11, 12
+_MASK63 = (1 << 63) - 1
 
 
 def _part_key(name: str) -> tuple[int, ...]:
@@ -98,6 +110,11 @@ class Transport:
     replica: dict[str, PartMemory]
     reference: dict[str, PartMemory]
     _server0: State | None
+    #: the device types on which a cohort's payloads are written and decoded (honest bytes:
+    #: the receiver decodes what was sent); on others each message's length is its codec's
+    #: length formula (exact, checked against the payloads by the tests) and the receiver's
+    #: value is computed from the sent one on the device
+    encode_on: ClassVar[tuple[str, ...]] = ("cpu",)
 
     def _transmit(self, direction: str, n: int, name: str, kind: str, msg: torch.Tensor):
         """One message part between client n and the server; returns (received, metrics).
@@ -114,42 +131,23 @@ class Transport:
           it), so the part not yet transmitted is sent later: that gap is the error-feedback
           memory, and no separate residual is kept. Without it the reference is the sender's
           previous message, so the compression error is dropped.
+
+        A lossy part goes through :meth:`_transmit_cohort` as a cohort of one: a message sent
+        alone is the one it is in any cohort (its stream, residual and bytes).
         """
         channel = self.uplink if direction == "up" else self.downlink
-        purpose = _UPLINK if direction == "up" else _DOWNLINK
-        key = (n, name)
-        gen = None  # only a randomised codec (rand-k) draws: no seeding for the others
-        if channel.codec.randomised:
-            gen = rng.generator(self.seed, purpose, self.round, n, *_part_key(name))
         shape, flat = msg.shape, msg.detach().reshape(-1)
         numel, dev = flat.numel(), msg.device
-        metrics: dict[str, float] = {}
-        # CER's γ acts on the gradient scale whatever the algorithm sends (Algorithm.update_scale)
-        scale = self.ctx.lr if self.algorithm.update_scale == "step" else 1.0
         if kind == "exact" or (kind == "model" and _exact(channel)):
             codec = DenseCodec() if kind == "exact" else channel.codec
             payload = codec.encode(flat.to(torch.float32))
             received = codec.decode(payload, numel).to(dev)
-        elif kind == "update":
-            store = self.residual[direction]
-            payload, res, metrics = channel.send(flat, store.get(key), gen, scale)
-            if res is not None:
-                store[key] = res
-            received = channel.receive(payload, numel, dev)
-        else:
-            held = self.replica[direction].get(key)
-            if held is None:
-                held = self._initial_part(direction, n, name, flat)
-            ref = held
-            if not channel.error_feedback:
-                ref = self.reference[direction].get(key, held)
-            payload, _, metrics = channel.send(flat - ref, None, gen, scale)
-            received = held + channel.receive(payload, numel, dev)
-            self.replica[direction][key] = received
-            if not channel.error_feedback:
-                self.reference[direction][key] = flat.clone()
-        self.ledger.add(direction, payload, numel, part=name)
-        return received.reshape(shape).to(msg.dtype), metrics
+            self.ledger.add(direction, payload, numel, part=name)
+            return received.reshape(shape).to(msg.dtype), {}
+        values: dict[str, torch.Tensor] = {}
+        received = self._transmit_cohort(direction, [n], name, kind, channel, flat[None], values)
+        metrics = {k: float(v[0]) for k, v in values.items()}
+        return received[0].reshape(shape).to(msg.dtype), metrics
 
     def _initial_part(self, direction: str, n: int, name: str, like: torch.Tensor) -> torch.Tensor:
         """What the receiver holds of a "model" part before the first message.
@@ -166,6 +164,34 @@ class Transport:
             if isinstance(part, torch.Tensor) and part.numel() == like.numel():
                 return part.detach().reshape(-1).to(like)
         return self.x0 if like.shape == self.x0.shape else torch.zeros_like(like)
+
+    def _initial_rows(
+        self, direction: str, clients: list[int], name: str, flat: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`_initial_part` of every client of ``clients``, ``[f, numel]``.
+
+        The downlink's from the algorithm's messages of its initial server state made at once
+        (``Algorithm.downlinks``, stacked as the engine stacks a round's: one message for all
+        is expanded, not copied); the uplink's (the common model or zeros) expanded.
+        """
+        f, numel = len(clients), flat.shape[1]
+        if direction == "down":
+            if self._server0 is None:
+                self._server0 = self.algorithm.init_server(self.ctx, self.x0)
+            msgs = self.algorithm.downlinks(self.ctx, self._server0, clients)
+            if isinstance(msgs, StackedUpdates) and msgs.clients == clients:
+                stacked = msgs.stack
+            else:
+                stacked = _stack_parts([msgs[n] for n in clients])
+            if stacked is None:  # messages of several shapes: client by client
+                like = flat[0]
+                return torch.stack([self._initial_part(direction, n, name, like) for n in clients])
+            part = stacked if name == "" or not isinstance(stacked, dict) else stacked.get(name)
+            if isinstance(part, torch.Tensor) and math.prod(part.shape[1:]) == numel:
+                return part.detach().reshape(f, numel).to(flat)
+        if tuple(self.x0.shape) == (numel,):
+            return self.x0.expand(f, numel)
+        return torch.zeros((1, numel), dtype=flat.dtype, device=flat.device).expand(f, numel)
 
     def _send(self, direction: str, n: int, msg: Message) -> tuple[Message, dict[str, float]]:
         """Every part of a message (a tensor, or a dict of named parts) through its channel."""
@@ -184,20 +210,26 @@ class Transport:
         direction: str,
         clients: list[int],
         stacked: torch.Tensor | dict[str, torch.Tensor] | None,
+        metrics: dict[str, float] | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """Every client's message through its channel in one pass, part by part.
 
         ``stacked``: the clients' messages ``[m, ...]`` in client order, or for messages with
         named parts a dict of such stacks (:func:`_stack_parts`). Returns the decoded messages
-        in the same form, or None, with nothing sent, when some part cannot go in one pass:
-        the channel has transforms (they act message by message), a lossless codec other
-        than dense float32 sends a model itself, or a part is empty (the per-client
-        :meth:`_send` then runs). A part sent exactly as dense float32 is, on the CPU,
-        encoded and decoded as one block (each client's message is its 4·numel bytes of it);
-        on an accelerator its bytes are counted from the sizes (dense float32 has no header:
-        4 bytes an entry) and it stays on the device. Anything else goes through
-        :meth:`_transmit_cohort`. Parts of different names are independent (their own
-        residuals, replicas and streams), so part by part equals client by client.
+        in the same form, or None, with nothing sent, when some part cannot go in one pass
+        (the per-client :meth:`_send` then runs): a part is empty, or the channel's
+        transforms report metrics (CER's) on the uplink and no ``metrics`` dict is given to
+        add them to. ``metrics``: the transforms' metrics are added to it, summed over the
+        messages as the caller of :meth:`_send` sums them (a message's value of a metric is
+        that of its last part reporting it).
+
+        A part sent exactly as dense float32 is, on the CPU, encoded and decoded as one block
+        (each client's message is its 4·numel bytes of it); on an accelerator its bytes are
+        counted from the sizes (dense float32 has no header: 4 bytes an entry) and it stays on
+        the device. Anything else goes through :meth:`_transmit_cohort`, or, a model sent as
+        it is through a lossless codec, :meth:`_deliver`. Parts of different names are
+        independent (their own residuals, replicas and streams), so part by part equals
+        client by client.
         """
         if stacked is None or not clients:
             return None
@@ -209,15 +241,23 @@ class Transport:
         for name, stack in parts.items():
             kind = kinds.get(name, default)
             dense = kind == "exact" or (type(channel.codec) is DenseCodec and _exact(channel))
-            if stack[0].numel() == 0 or (
-                not dense and (channel.transforms or (kind == "model" and _exact(channel)))
-            ):
+            if math.prod(stack.shape[1:]) == 0:
                 return None
+            coded = not dense and not (kind == "model" and _exact(channel))
+            if coded and channel.transforms and direction == "up" and metrics is None:
+                return None  # the caller would lose the transforms' metrics
             plan[name] = (kind, dense)
-        out = {
-            name: self._send_part_cohort(direction, clients, name, *plan[name], stack.detach())
-            for name, stack in sorted(parts.items())
-        }
+        values: dict[str, torch.Tensor] = {}
+        out = {}
+        for name, stack in sorted(parts.items()):
+            part_values: dict[str, torch.Tensor] = {}
+            kind, dense = plan[name]
+            out[name] = self._send_part_cohort(
+                direction, clients, name, kind, dense, stack.detach(), part_values
+            )
+            values.update(part_values)
+        if metrics is not None and values:
+            _add_sums(metrics, values)
         return out[""] if isinstance(stacked, torch.Tensor) else out
 
     def _send_part_cohort(
@@ -228,26 +268,65 @@ class Transport:
         kind: str,
         dense: bool,
         stack: torch.Tensor,
+        metrics: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One part of every client's message in one pass (:meth:`_send_cohort`)."""
+        """One part of every client's message in one pass (:meth:`_send_cohort`).
+
+        ``metrics``: the transforms' per-message metrics go there (float64 ``[m]`` each).
+        """
         m, shape = len(clients), stack.shape[1:]
-        numel = stack[0].numel()
+        numel = math.prod(shape)
+        channel = self.uplink if direction == "up" else self.downlink
+        same = m > 1 and stack.stride(0) == 0  # one message for all (the global model)
+        if not dense and kind == "model" and _exact(channel):  # the model itself, lossless
+            rows = stack.reshape(m, numel)[: 1 if same else m].to(torch.float32)
+            received = self._deliver(direction, name, channel.codec, rows, numel, m)
+            return received.expand(m, numel).reshape(m, *shape).to(stack.dtype)
         if not dense:
-            channel = self.uplink if direction == "up" else self.downlink
             flat = stack.reshape(m, numel)
-            received = self._transmit_cohort(direction, clients, name, kind, channel, flat)
+            received = self._transmit_cohort(direction, clients, name, kind, channel, flat, metrics)
             return received.reshape(m, *shape).to(stack.dtype)
-        if stack.device.type == "cpu":
+        if stack.device.type in self.encode_on:
             codec = DenseCodec()
-            block = stack.reshape(-1).to(torch.float32)
-            if stack.stride(0) == 0:  # the same message: encode it once, count it m times
-                block = block[:numel]
-            payloads = codec.encode_many(block.view(-1, numel))  # the bytes on the wire
+            rows = stack.reshape(m, numel)
+            if same:  # the same message: encode it once, count it m times
+                rows = rows[:1]
+            payloads = codec.encode_many(rows.to(torch.float32))  # the bytes on the wire
             received = codec.decode_many(payloads, numel).reshape(-1, *shape)
             received = received.expand(m, *shape).to(stack.dtype)
         else:
             received = stack.to(torch.float32).to(stack.dtype)
         self.ledger.add_many(direction, m, 4 * numel, numel, part=name)
+        return received
+
+    def _deliver(
+        self, direction: str, name: str, codec: Codec, sent: torch.Tensor, numel: int, count: int
+    ) -> torch.Tensor:
+        """What the receivers decode of the coded messages ``sent`` ``[r, numel]``; bytes counted.
+
+        ``count`` messages cross the wire: one per row, or (``r`` = 1) the one row to all
+        ``count`` receivers. Where payloads are written (:attr:`encode_on`, or a codec without
+        a length formula) each message is counted at ``len(payload)``; elsewhere at its
+        codec's length formula (``Codec.sizes_many``, one read of the sizes) and the receivers'
+        value is ``Codec.received_many`` of ``sent``, on its device: no bit stream is written.
+        """
+        dev = sent.device
+        on_host = dev.type in self.encode_on
+        sizes = None if on_host else codec.sizes_many(sent)
+        if sizes is None:
+            payloads = codec.encode_many(sent)
+            counted = payloads.sizes.tolist()
+            if on_host:
+                received = codec.decode_many(payloads, numel).to(dev)
+            else:
+                received = codec.received_many(sent)
+        else:
+            counted = sizes.tolist()
+            received = codec.received_many(sent)
+        if sent.shape[0] == count:
+            self.ledger.add_sizes(direction, counted, numel, part=name)
+        else:
+            self.ledger.add_many(direction, count, int(counted[0]), numel, part=name)
         return received
 
     def _transmit_cohort(
@@ -258,49 +337,103 @@ class Transport:
         kind: str,
         channel: Channel,
         flat: torch.Tensor,
+        metrics: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """:meth:`_transmit` of every client's part ``name`` through a lossy channel at once.
 
         The same messages, residuals, replicas and bytes as client by client (``update``:
         error-feedback residuals stacked; ``model``: the change against each receiver's
-        reference), coded in one pass (``Channel.send_many``: one vectorised compression, one
-        encoding of every payload, each counted at its own size). Returns the
-        decoded messages ``[m, numel]``.
+        reference), the transforms and the codec in one pass (``Channel.compress_many``),
+        bytes and decoding by :meth:`_deliver`. A fixed number of tensor ops for any cohort:
+        each memory is one ``[m, numel]`` gather and one scatter (:class:`PartMemory`), who
+        holds one is known on the host, a randomised codec draws from the clients' stream
+        keys (:meth:`_stream_keys`). Returns the decoded messages ``[m, numel]``;
+        ``metrics`` gets the transforms' per-message metrics.
         """
-        purpose = _UPLINK if direction == "up" else _DOWNLINK
-        gens = None
+        m, numel = flat.shape
+        keys = None
         if channel.codec.randomised:
-            gens = [
-                rng.generator(self.seed, purpose, self.round, n, *_part_key(name)) for n in clients
-            ]
-        numel, dev = flat.shape[1], flat.device
+            keys = self._stream_keys(direction, clients, name, flat.device)
+        # CER's γ acts on the gradient scale whatever the algorithm sends (Algorithm.update_scale)
+        scale = self.ctx.lr if self.algorithm.update_scale == "step" else 1.0
         if kind == "update":
             store = self.residual[direction]
-            old = store.rows(clients, name)
             res = None
-            if channel.error_feedback and any(r is not None for r in old):
-                res = torch.stack([torch.zeros_like(flat[0]) if r is None else r for r in old])
-            payloads, new = channel.send_many(flat, res, gens)
+            if channel.error_feedback and store.has(clients, name).any():
+                res = store.stack(clients, name)
+            sent, new, values = channel.compress_many(flat, res, keys, scale)
             if new is not None:
-                store.write(clients, name, new.unbind(0))  # copied into the rows
-            received = channel.receive_many(payloads, numel, dev)
+                store.write_stack(clients, name, new)  # copied into the rows
+            received = self._deliver(direction, name, channel.codec, sent, numel, m)
         else:
-            held = torch.stack(
-                [
-                    h if h is not None else self._initial_part(direction, n, name, flat[i])
-                    for i, (n, h) in enumerate(
-                        zip(clients, self.replica[direction].rows(clients, name), strict=True)
-                    )
-                ]
-            )
+            held = self._held(direction, clients, name, flat)
             ref = held
             if not channel.error_feedback:
-                refs = self.reference[direction].rows(clients, name)
-                ref = torch.stack([held[i] if r is None else r for i, r in enumerate(refs)])
-            payloads, _ = channel.send_many(flat - ref, None, gens)
-            received = held + channel.receive_many(payloads, numel, dev)
-            self.replica[direction].write(clients, name, received.unbind(0))
+                ref = self._reference(direction, clients, name, held)
+            sent, _, values = channel.compress_many(flat - ref, None, keys, scale)
+            received = held + self._deliver(direction, name, channel.codec, sent, numel, m)
+            self.replica[direction].write_stack(clients, name, received)
             if not channel.error_feedback:
-                self.reference[direction].write(clients, name, flat.unbind(0))
-        self.ledger.add_sizes(direction, payloads.sizes, numel, part=name)
+                self.reference[direction].write_stack(clients, name, flat)
+        if metrics is not None:
+            metrics.update(values)
         return received
+
+    def _held(
+        self, direction: str, clients: list[int], name: str, flat: torch.Tensor
+    ) -> torch.Tensor:
+        """What the receivers hold of a "model" part ``[m, numel]``: replicas, else initial."""
+        memory = self.replica[direction]
+        has = memory.has(clients, name)
+        if has.all():
+            return memory.stack(clients, name)
+        fresh = np.flatnonzero(~has)
+        initial = self._initial_rows(direction, [clients[i] for i in fresh], name, flat)
+        if not has.any():
+            return initial
+        stack = memory.stack(clients, name)
+        index = torch.as_tensor(fresh, dtype=torch.int64, device=stack.device)
+        return stack.index_copy(0, index, initial.to(stack))
+
+    def _reference(
+        self, direction: str, clients: list[int], name: str, held: torch.Tensor
+    ) -> torch.Tensor:
+        """The senders' last messages of a "model" part (without error feedback), else ``held``."""
+        memory = self.reference[direction]
+        has = memory.has(clients, name)
+        if not has.any():
+            return held
+        stack = memory.stack(clients, name)
+        if has.all():
+            return stack
+        mask = torch.as_tensor(has, device=held.device)[:, None]
+        return torch.where(mask, stack, held)
+
+    def _stream_keys(
+        self, direction: str, clients: list[int], name: str, device: torch.device
+    ) -> torch.Tensor:
+        """The clients' (seed, channel, round, client[, part]) stream keys, int64 ``[m]``.
+
+        Counter-based (:func:`fedexp.engine.rng.stream_keys`): a client's draws are the same
+        whether its message goes alone or in any cohort, on any device.
+        """
+        purpose = _UPLINK if direction == "up" else _DOWNLINK
+        ids = torch.as_tensor(clients, dtype=torch.int64, device=device)
+        keys = rng.stream_keys(self.seed, purpose, self.round, ids)
+        for part in _part_key(name):
+            keys = rng.mix64(keys ^ part) & _MASK63
+        return keys
+
+
+def _add_sums(metrics: dict[str, float], values: dict[str, torch.Tensor]) -> None:
+    """Add each metric's per-message values (float64 ``[m]``) to ``metrics``, message by message.
+
+    One read of all of them; the sum in message order, as the per-message path adds them.
+    """
+    names = list(values)
+    rows = torch.stack([values[k].to(torch.float64) for k in names]).tolist()
+    for key, row in zip(names, rows, strict=True):
+        total = metrics.get(key, 0.0)
+        for v in row:
+            total += v
+        metrics[key] = total
