@@ -184,3 +184,22 @@ def without_hydra_logging(monkeypatch) -> None:  # noqa: ANN001 - pytest's Monke
     ):
         module = importlib.import_module(name)
         monkeypatch.setattr(module, "configure_log", lambda *a, **k: None)
+
+
+def assert_eval_stack_is_eval_params(engine, clients: list[int] | None = None, personal=True):
+    """``eval_stack`` of ``clients`` (default: every client, in reverse order) equals
+    ``eval_params`` client by client, bitwise; returns the stack.
+
+    ``personal``: the first two rows must differ too (a mix-up of clients would show).
+    """
+    import torch
+
+    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
+    who = list(range(len(engine.clients)))[::-1] if clients is None else clients
+    stack = alg.eval_stack(ctx, server, states.rows(who), who)
+    assert stack.dim() == 2 and stack.shape[0] == len(who)
+    if personal:
+        assert not torch.equal(stack[0], stack[1])
+    for row, n in zip(stack, who, strict=True):
+        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
+    return stack

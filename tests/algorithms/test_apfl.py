@@ -6,21 +6,10 @@ import pytest
 import torch
 
 from fedexp.engine.runner import build_engine
-from helpers import solo
+from helpers import assert_eval_stack_is_eval_params, solo
 
 #: few local steps keep the file fast; no property here depends on their number
 FAST = ("local_steps=2",)
-
-
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` of clients in any order is ``eval_params`` row by row, bit for bit."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    clients = [3, 0, 4, 1]
-    stack = alg.eval_stack(ctx, server, states.rows(clients), clients)
-    assert stack.shape == (len(clients), engine.x0.numel())
-    assert not torch.equal(stack[0], stack[1])  # personal vectors: a mix-up would show
-    for row, n in zip(stack, clients, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
 
 
 def _rounds(engine, n):
@@ -117,7 +106,7 @@ def test_runs_and_evaluates_the_mixture(small_cfg, overrides):
     out, per_client = e.evaluate()
     assert 0.0 <= out["acc/mean"] <= 1.0 and len(per_client) == 5
     assert 0.0 <= metrics["train/alpha"] <= 1.0
-    _assert_eval_stack_is_eval_params(e)
+    assert_eval_stack_is_eval_params(e, [3, 0, 4, 1])
     s = e.client_states[0]
     expected = float(s["alpha"]) * s["v"] + (1 - float(s["alpha"])) * e.server["x"]
     params = e.algorithm.eval_params(e.ctx, e.server, s, 0)

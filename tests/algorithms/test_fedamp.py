@@ -10,7 +10,7 @@ import torch
 from fedexp.algorithms.fedamp import FedAMP, attention
 from fedexp.engine.runner import build_engine, run
 from fedexp.tracking.base import NullTracker
-from helpers import assert_resume_exact
+from helpers import assert_eval_stack_is_eval_params, assert_resume_exact
 
 
 def _rounds(engine, n):
@@ -194,18 +194,6 @@ def test_refuses_an_alpha_k_that_lets_xi_ii_go_negative(small_cfg):
     build_engine(small_cfg("algorithm=fedamp", "algorithm.alpha_k=0.075")).setup()  # = 1: kept
 
 
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` (every client at once, in a shuffled order) equals ``eval_params``
-    client by client, bitwise."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    who = list(range(len(engine.clients)))[::-1]
-    stack = alg.eval_stack(ctx, server, states.rows(who), who)
-    assert stack.shape[0] == len(who)
-    for row, n in zip(stack, who, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
-    return stack
-
-
 def test_eval_stack_is_eval_params_client_by_client(small_cfg):
     engine, _ = _rounds(build_engine(small_cfg("algorithm=fedamp", "participation=0.6")), 2)
-    _assert_eval_stack_is_eval_params(engine)
+    assert_eval_stack_is_eval_params(engine, personal=False)

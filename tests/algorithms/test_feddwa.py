@@ -11,7 +11,7 @@ import torch
 from fedexp.algorithms.feddwa import FedDWA, dwa_weights
 from fedexp.contract import CohortStates
 from fedexp.engine.runner import build_engine
-from helpers import assert_resume_exact, refused, solo
+from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, refused, solo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,17 +27,6 @@ def _ctx(d: int, n: int):
 
 def _rounds(engine, n):
     return [engine.run_round() for _ in range(n)][-1]
-
-
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` of clients in any order is ``eval_params`` row by row, bit for bit."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    clients = [3, 0, 4, 1]
-    stack = alg.eval_stack(ctx, server, states.rows(clients), clients)
-    assert stack.shape == (len(clients), engine.x0.numel())
-    assert not torch.equal(stack[0], stack[1])  # personal vectors: a mix-up would show
-    for row, n in zip(stack, clients, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
 
 
 @pytest.mark.parametrize("k", [1, 3, 6, 10])
@@ -144,7 +133,7 @@ def test_runs(small_cfg, overrides):
     agg, per_client = engine.evaluate()
     assert math.isfinite(agg["acc/mean"]) and len(per_client) == 5
     assert bool(torch.isfinite(engine.server["personal"]).all())
-    _assert_eval_stack_is_eval_params(engine)
+    assert_eval_stack_is_eval_params(engine, [3, 0, 4, 1])
 
 
 def test_bad_arguments_are_refused():

@@ -22,6 +22,7 @@ from fedexp.engine.runner import build_engine
 from fedexp.engine.solver.objective import Objective
 from fedexp.errors import ConfigError
 from fedexp.models.task import SegmentationTask
+from helpers import assert_eval_stack_is_eval_params
 
 MLP = ("model=mlp", "model.hidden=8")
 
@@ -227,18 +228,6 @@ def test_copy_init_and_a_head_that_matches_nothing(small_cfg):
         FedRoD(personal_init="random")
 
 
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` (every client at once, in a shuffled order) equals ``eval_params``
-    client by client, bitwise."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    who = list(range(len(engine.clients)))[::-1]
-    stack = alg.eval_stack(ctx, server, states.rows(who), who)
-    assert stack.shape[0] == len(who)
-    for row, n in zip(stack, who, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
-    return stack
-
-
 @pytest.mark.parametrize("evaluate_with", ["personal", "generic"])
 def test_eval_stack_is_eval_params_client_by_client(small_cfg, evaluate_with):
     cfg = small_cfg(
@@ -246,5 +235,5 @@ def test_eval_stack_is_eval_params_client_by_client(small_cfg, evaluate_with):
     )
     engine = build_engine(cfg)
     _rounds(engine, 2)
-    stack = _assert_eval_stack_is_eval_params(engine)
+    stack = assert_eval_stack_is_eval_params(engine, personal=False)
     assert (stack.stride(0) == 0) == (evaluate_with == "generic")  # shared: one plain pass

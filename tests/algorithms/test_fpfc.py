@@ -16,7 +16,7 @@ from fedexp.graph.fusion import (
     prox_norm,
     prox_rows,
 )
-from helpers import assert_resume_exact
+from helpers import assert_eval_stack_is_eval_params, assert_resume_exact
 
 MLP = ("model=mlp", "model.hidden=8")
 LAM, RHO = 0.5, 1.5
@@ -243,19 +243,7 @@ def test_resume_is_exact(small_cfg, tmp_path):
     assert_resume_exact(small_cfg("algorithm=fpfc", "rounds=5", "checkpoint_every=2"), tmp_path)
 
 
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` (every client at once, in a shuffled order) equals ``eval_params``
-    client by client, bitwise."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    who = list(range(len(engine.clients)))[::-1]
-    stack = alg.eval_stack(ctx, server, states.rows(who), who)
-    assert stack.shape[0] == len(who)
-    for row, n in zip(stack, who, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
-    return stack
-
-
 def test_eval_stack_is_eval_params_client_by_client(small_cfg):
     engine = build_engine(small_cfg("algorithm=fpfc", "participation=0.6", *MLP))
     _rounds(engine, 2)
-    _assert_eval_stack_is_eval_params(engine)
+    assert_eval_stack_is_eval_params(engine, personal=False)

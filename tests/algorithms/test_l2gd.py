@@ -8,7 +8,7 @@ import torch
 from fedexp.algorithms.l2gd import L2GD
 from fedexp.engine.runner import build_engine
 from fedexp.errors import ConfigError
-from helpers import assert_resume_exact, refused
+from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, refused
 
 #: p = 0.5: two local steps a round on average keep the file fast
 FAST = ("algorithm=l2gd", "algorithm.p=0.5")
@@ -168,18 +168,6 @@ def test_bad_arguments_are_refused(small_cfg):
         build_engine(small_cfg("algorithm=l2gd", "algorithm.lam=100"))
 
 
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` (every client at once, in a shuffled order) equals ``eval_params``
-    client by client, bitwise."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    who = list(range(len(engine.clients)))[::-1]
-    stack = alg.eval_stack(ctx, server, states.rows(who), who)
-    assert stack.shape[0] == len(who)
-    for row, n in zip(stack, who, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
-    return stack
-
-
 def test_eval_stack_is_eval_params_client_by_client(small_cfg):
     engine, _ = _rounds(build_engine(small_cfg(*FAST, "participation=0.6")), 2)
-    _assert_eval_stack_is_eval_params(engine)
+    assert_eval_stack_is_eval_params(engine, personal=False)

@@ -6,24 +6,13 @@ import pytest
 import torch
 
 from fedexp.engine.runner import build_engine
-from helpers import assert_resume_exact, refused
+from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, refused
 
 
 def _rounds(engine, n):
     for _ in range(n):
         m = engine.run_round()
     return m
-
-
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` of clients in any order is ``eval_params`` row by row, bit for bit."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    clients = [3, 0, 4, 1]
-    stack = alg.eval_stack(ctx, server, states.rows(clients), clients)
-    assert stack.shape == (len(clients), engine.x0.numel())
-    assert not torch.equal(stack[0], stack[1])  # personal vectors: a mix-up would show
-    for row, n in zip(stack, clients, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
 
 
 def test_lambda_zero_decouples_clients_into_local_training(small_cfg):
@@ -69,7 +58,7 @@ def test_mlp_shared_body_personal_head(small_cfg):
     d = e.x0.numel()
     assert e.ctx.personal_idx.numel() == 9  # head: 8 weights + 1 bias
     assert m["bytes/up"] == 5 * 4 * d and m["pfednet/admm_iterations"] >= 1
-    _assert_eval_stack_is_eval_params(e)
+    assert_eval_stack_is_eval_params(e, [3, 0, 4, 1])
 
 
 def test_alternating_schedule_uploads_only_the_phase(small_cfg):

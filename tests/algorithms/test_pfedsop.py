@@ -9,7 +9,7 @@ import torch
 
 from fedexp.algorithms.pfedsop import PFedSOP, angle, gompertz, sop_direction
 from fedexp.engine.runner import build_engine
-from helpers import assert_resume_exact, cohort_of, refused
+from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, cohort_of, refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -202,18 +202,6 @@ def test_bad_arguments_are_refused():
         PFedSOP(weighting="x")
 
 
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` (every client at once, in a shuffled order) equals ``eval_params``
-    client by client, bitwise."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    who = list(range(len(engine.clients)))[::-1]
-    stack = alg.eval_stack(ctx, server, states.rows(who), who)
-    assert stack.shape[0] == len(who)
-    for row, n in zip(stack, who, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
-    return stack
-
-
 def test_eval_stack_is_eval_params_client_by_client(small_cfg):
     engine, _ = _rounds(_engine(small_cfg, "participation=0.6"), 2)
-    _assert_eval_stack_is_eval_params(engine)
+    assert_eval_stack_is_eval_params(engine, personal=False)

@@ -10,7 +10,7 @@ import torch
 
 from fedexp.algorithms.fedrep import FedRep
 from fedexp.engine.runner import build_engine
-from helpers import cohort_of, refused
+from helpers import assert_eval_stack_is_eval_params, cohort_of, refused
 
 MLP = ("model=mlp", "model.hidden=8")
 BN = (*MLP, "model.norm=batch")
@@ -212,22 +212,10 @@ def test_fedrep_defaults_are_the_papers_and_run_on_the_default_data(small_cfg):
     assert math.isfinite(engine.evaluate()[0]["acc/mean"])
 
 
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` (every client at once, in a shuffled order) equals ``eval_params``
-    client by client, bitwise."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    who = list(range(len(engine.clients)))[::-1]
-    stack = alg.eval_stack(ctx, server, states.rows(who), who)
-    assert stack.shape[0] == len(who)
-    for row, n in zip(stack, who, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
-    return stack
-
-
 @pytest.mark.parametrize(
     ("algorithm", "model"), [("fedper", MLP), ("fedrep", MLP), ("fedbn", BN), ("fedper", ())]
 )
 def test_eval_stack_is_eval_params_client_by_client(small_cfg, algorithm, model):
     engine = build_engine(small_cfg(f"algorithm={algorithm}", "participation=0.6", *model))
     _rounds(engine, 2)
-    _assert_eval_stack_is_eval_params(engine)
+    assert_eval_stack_is_eval_params(engine, personal=False)

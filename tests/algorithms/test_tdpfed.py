@@ -13,7 +13,7 @@ from fedexp.engine.runner import build_engine, run
 from fedexp.engine.solver.optim import SGD, Adam
 from fedexp.models.cp import compose
 from fedexp.tracking.base import NullTracker
-from helpers import assert_resume_exact, refused
+from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,17 +22,6 @@ MLP = ("model=mlp", "model.hidden=8")
 
 def _engine(small_cfg, *overrides):
     return build_engine(small_cfg("algorithm=tdpfed", "algorithm.local_rounds=2", *overrides))
-
-
-def _assert_eval_stack_is_eval_params(engine):
-    """``eval_stack`` of clients in any order is ``eval_params`` row by row, bit for bit."""
-    alg, ctx, server, states = engine.algorithm, engine.ctx, engine.server, engine.client_states
-    clients = [3, 0, 4, 1]
-    stack = alg.eval_stack(ctx, server, states.rows(clients), clients)
-    assert stack.shape == (len(clients), engine.x0.numel())
-    assert not torch.equal(stack[0], stack[1])  # personal vectors: a mix-up would show
-    for row, n in zip(stack, clients, strict=True):
-        assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
 
 
 def _fake_updates(e, scale=1.0):
@@ -213,7 +202,7 @@ def test_evaluates_every_clients_theta_at_once(small_cfg, all_train):
     e = _engine(small_cfg, *MLP, "participation=0.6", f"algorithm.all_train={all_train}")
     e.run_round()
     e.run_round()
-    _assert_eval_stack_is_eval_params(e)
+    assert_eval_stack_is_eval_params(e, [3, 0, 4, 1])
 
 
 def test_resume_is_exact_with_both_optimiser_states(small_cfg, tmp_path):

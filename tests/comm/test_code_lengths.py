@@ -128,8 +128,9 @@ def test_counting_by_formula_dispatches_as_many_ops_for_any_cohort(compressor, m
     from test_round_census import census
 
     monkeypatch.setattr(Transport, "encode_on", ())
-    small, large = (census(f"compressor={compressor}", n, [f"compressor={compressor}"])[0]
-                    for n in (10, 40))  # fmt: skip  (the training round's)
+    small, large = (
+        census(f"compressor={compressor}", n, [f"compressor={compressor}"])[0] for n in (10, 40)
+    )  # fmt: skip  (the training round's)
     assert large.total_ops == small.total_ops, large.summary()
     assert large.total_reads == small.total_reads, large.summary()
 
