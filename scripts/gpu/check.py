@@ -12,7 +12,8 @@ in its step) with its own time budget; ``--smallest`` runs them all in one child
 * ``cuda_tests``: every test that needs CUDA (``cuda_select.py``), JUnit outcomes;
 * ``golden``: golden cases (``tests/golden``) on the device against their CPU recording;
 * ``syncs``: host synchronisations in one round (``torch.cuda.set_sync_debug_mode``), at two
-  client counts: their difference over the clients' is the syncs per client;
+  client counts: their difference over the clients' is the syncs per client; and the next
+  round's dispatched ops and host reads (``fedexp.engine.round.census``), equal at both;
 * ``bench_cnn``, ``bench_lr``, ``bench_densenet``, ``bench_unet``: client updates/s of
   fedexp's round and of the plain per-client loop (``scripts/bench_engine.py``'s) on the same
   tensors, the measured step bound (``scripts/gpu_cnn_rate.py``'s: one SGD step of one model
@@ -616,9 +617,12 @@ def count_syncs(fn: Callable[[], object]) -> tuple[int | None, Counter]:
 
 
 def step_syncs(s: Step) -> None:
-    """Syncs in one round (after warm-up) at two client counts, CNN and LR workloads."""
+    """Syncs in one round (after warm-up) at two client counts, CNN and LR workloads; the
+    next round's dispatched ops and host reads (``fedexp.engine.round.census``)."""
     import bench_engine
     import gpu_cnn_rate
+
+    from fedexp.engine.round.census import Census
 
     dev = _device()
     lo, hi = s.sizes.sync_clients
@@ -636,7 +640,14 @@ def step_syncs(s: Step) -> None:
                 engine.run_round()
             _sync(dev)
             count, sites = count_syncs(engine.run_round)
-            row[str(n)] = {"syncs": count, "sites": dict(sites.most_common(12))}
+            with Census() as census:  # the same round's ops and host reads (issue 39)
+                engine.run_round()
+            row[str(n)] = {
+                "syncs": count,
+                "sites": dict(sites.most_common(12)),
+                "ops": census.total_ops,
+                "host_reads": census.total_reads,
+            }
             del engine
             _free(dev)
         a, b = row.get(str(lo), {}).get("syncs"), row.get(str(hi), {}).get("syncs")
@@ -645,7 +656,8 @@ def step_syncs(s: Step) -> None:
         s.save()
         s.say(
             f"{workload}: syncs a round {a} at {lo} clients, {b} at {hi} "
-            f"(per client {row['per_client']})"
+            f"(per client {row['per_client']}); ops a round "
+            f"{row.get(str(lo), {}).get('ops')} and {row.get(str(hi), {}).get('ops')}"
         )
 
 
@@ -1365,7 +1377,9 @@ def summary(doc: dict[str, Any]) -> str:
         for w in ("cnn", "lr"):
             row = sy.get(w, {})
             counts = ", ".join(
-                f"{n} clients: {v.get('syncs')}" for n, v in row.items() if isinstance(v, dict)
+                f"{n} clients: {v.get('syncs')} ({v.get('ops')} ops, {v.get('host_reads')} reads)"
+                for n, v in row.items()
+                if isinstance(v, dict)
             )
             lines.append(f"- {w}: {counts}; per client {_f(row.get('per_client'), '.2f')}")
             for n, v in row.items():
