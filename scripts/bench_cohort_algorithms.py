@@ -29,6 +29,7 @@ batch B, dense messages, one torch thread per worker.
     python scripts/bench_cohort_algorithms.py                       # 1,000 clients
     python scripts/bench_cohort_algorithms.py --clients 100 --algorithms ditto fedrep
     python scripts/bench_cohort_algorithms.py --baseline main~3 --algorithms fedavg
+    python scripts/bench_cohort_algorithms.py --baseline 0db6c30 --baseline-override  # after it
     echo 3 | python scripts/bench_cohort_algorithms.py --worker --algorithm fedavg  # one side
 
 An algorithm that fails on one side (build, import or a round) is an error row. The
@@ -298,7 +299,7 @@ def compare(name: str, trees: dict[str, Path], args: argparse.Namespace) -> str:
     """One algorithm's table row: both workers, their interleaved requests, the medians."""
     sub = argparse.Namespace(**{**vars(args), "algorithm": name})
     sides = [
-        Side("baseline", trees["baseline"], BASELINE_OVERRIDES, sub),
+        Side("baseline", trees["baseline"], args.baseline_override, sub),
         Side("current", trees["current"], [], sub),
     ]
     try:
@@ -326,6 +327,13 @@ def main() -> int:
     """Parse the options; run the worker, or the comparison."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="c973b3d", help="git revision to compare with")
+    parser.add_argument(
+        "--baseline-override",
+        nargs="*",
+        default=BASELINE_OVERRIDES,
+        help="overrides of the baseline side only (default: its lockstep backend; give none "
+        "for a baseline after the one path)",
+    )
     parser.add_argument("--clients", type=int, default=1000)
     parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per request")
@@ -355,7 +363,7 @@ def main() -> int:
         try:
             print(
                 f"baseline {rev[:7]} ({git('log', '-1', '--format=%s', rev)[:60]}) with "
-                f"{' '.join(BASELINE_OVERRIDES)}; current: working tree at {head}{dirty}"
+                f"{' '.join(args.baseline_override)}; current: working tree at {head}{dirty}"
             )
             print(
                 f"{args.clients} clients, E = {args.steps}, batch {args.batch}, "

@@ -16,7 +16,7 @@ splits gathered from the pool, one batched forward pass) is counted the same way
 
 What is left to do is listed in :data:`GROWING` and :data:`EVAL_GROWING` with the reason; a
 listed case must still grow (the test fails the day it stops, so that it leaves the list). The
-1,000-client cases are marked slow (a minute); 10 against 100 run in ``make test``.
+1,000-client cases are marked slow (a minute); 10 against 40 run in ``make test``.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _cases() -> list:
         pytest.param(
             name, extra, big, marks=[pytest.mark.slow] if big == 1000 else [], id=f"{name}-{big}"
         )
-        for big in (100, 1000)
+        for big in (40, 1000)
         for name, extra in cases
     ]
 
