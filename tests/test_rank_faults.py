@@ -56,6 +56,11 @@ GLOO_RESET = (
 )
 
 
+def _sigint_default() -> None:
+    """In the run's process before it starts: SIGINT's default (Python's KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _fault_run(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, Path]:
     """``fedexp run`` of :data:`RUN` in its own session, ``FEDEXP_TEST_SIGNAL=fault``."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -72,6 +77,9 @@ def _fault_run(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess,
         text=True,
         timeout=300,
         start_new_session=True,  # its own process group: ``:group`` signals only the run
+        # Ctrl-C as a terminal's, whatever this process inherited: a job started in the
+        # background (``cmd &``, a CI runner) ignores SIGINT, and Python keeps ignoring it
+        preexec_fn=_sigint_default,
     )
     return proc, store
 
