@@ -16,7 +16,7 @@ splits gathered from the pool, one batched forward pass) is counted the same way
 
 What is left to do is listed in :data:`GROWING` and :data:`EVAL_GROWING` with the reason; a
 listed case must still grow (the test fails the day it stops, so that it leaves the list). The
-1,000-client cases are marked slow (a minute); 10 against 40 run in ``make test``.
+1,000-client cases and the listed ones are marked slow; 10 against 40 run in ``make test``.
 """
 
 from __future__ import annotations
@@ -113,14 +113,17 @@ def census(case: str, clients: int, extra: list[str]) -> tuple[Census, Census]:
     return train, evaluation
 
 
+def _marks(case: str, big: int) -> list:
+    """Slow: the 1,000-client cases, and the growing ones (only that they still grow)."""
+    return [pytest.mark.slow] if big == 1000 or case in GROWING else []
+
+
 def _cases() -> list:
     cases = [(a, []) for a in ALGORITHMS]
     cases += [(f"compressor={c}", [f"compressor={c}"]) for c in CODECS]
     cases += [(f"privacy={p}", [f"privacy={p}", "privacy.noise_multiplier=1.0"]) for p in PRIVACY]
     return [
-        pytest.param(
-            name, extra, big, marks=[pytest.mark.slow] if big == 1000 else [], id=f"{name}-{big}"
-        )
+        pytest.param(name, extra, big, marks=_marks(name, big), id=f"{name}-{big}")
         for big in (40, 1000)
         for name, extra in cases
     ]

@@ -122,6 +122,7 @@ def test_an_engine_counting_by_formula_counts_the_bytes_it_would_write(small_cfg
             assert all(torch.equal(other[k], v) for k, v in one.items())
 
 
+@pytest.mark.slow  # (two runs each, as tests/test_round_census.py's)
 @pytest.mark.parametrize("compressor", ["stc", "topk_zlib", "randk"])
 def test_counting_by_formula_dispatches_as_many_ops_for_any_cohort(compressor, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -167,6 +168,7 @@ def test_cer_uploads_in_one_pass_equal_message_by_message(small_cfg, compressor,
         assert torch.equal(together.residual["up"][k], v)
 
 
+@pytest.mark.slow  # (two runs each, as tests/test_round_census.py's)
 @pytest.mark.parametrize("compressor", ["cer_runs", "cer_stc"])
 def test_cer_uploads_dispatch_as_many_ops_for_any_cohort(small_cfg, compressor):
     from fedexp.engine.round.census import Census
