@@ -174,18 +174,6 @@ class CohortStates(Sequence[State]):
         """
         return self.stacks[key]
 
-    def opt_state(self, persistent: bool, prefix: str = "opt") -> dict[str, torch.Tensor] | None:
-        """The stacked optimiser state saved under ``prefix`` (``<prefix>.<name>`` keys).
-
-        None when the optimiser keeps no state between rounds (``persistent`` false) or no
-        row has one yet; rows without one hold zeros: a fresh state.
-        """
-        if not persistent:
-            return None
-        head = prefix + "."
-        found = {k[len(head) :]: v for k, v in self.stacks.items() if k.startswith(head)}
-        return found or None
-
     def updated(
         self,
         opt_state: Mapping[str, torch.Tensor] | None = None,
@@ -211,14 +199,6 @@ class CohortStates(Sequence[State]):
             stacks[key] = value.detach()
             present.pop(key, None)
         return CohortStates(self.size, stacks, present)
-
-    def take(self, index: torch.Tensor) -> CohortStates:
-        """The rows ``index`` (int64 ``[k]``), in its order."""
-        return CohortStates(
-            int(index.shape[0]),
-            {k: v[index.to(v.device)] for k, v in self.stacks.items()},
-            {k: p[index.to(p.device)] for k, p in self.present.items()},
-        )
 
 
 @dataclass
