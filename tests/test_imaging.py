@@ -83,6 +83,43 @@ def test_segmentation_loss_is_lower_for_the_right_mask():
     assert torch.isfinite(good) and good < bad
 
 
+def test_segmentation_loss_is_monais_dice_ce():
+    """The task's loss is MONAI's DiceCELoss (softmax, one-hot targets) where nothing is
+    padded, whatever makes the one-hot targets."""
+    from monai.losses import DiceCELoss
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 3, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (5, 8, 8), generator=gen)
+    want = DiceCELoss(to_onehot_y=True, softmax=True)(logits, y[:, None])
+    torch.testing.assert_close(SegmentationTask(3).loss(logits, y), want, rtol=1e-12, atol=0)
+
+
+def test_a_cohorts_unet_gradients_are_vmapped_and_equal_each_clients():
+    """vmap runs the U-Net's loss over stacked clients (MONAI's one-hot scatters in place,
+    which vmap refuses: the cohort then went client by client), and each row equals the
+    client's own autograd gradient."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    net = unet((4, 16, 16), 2, channels=(4, 8), strides=(2,))
+    task = SegmentationTask(2)
+    names = [n for n, _ in net.named_parameters()]
+    stacked = {n: torch.stack([p.detach() + 0.01 * k for k in range(3)]) for n, p in
+               net.named_parameters()}  # fmt: skip
+    x = torch.randn(3, 2, 4, 16, 16)
+    y = torch.randint(0, 2, (3, 2, 16, 16))
+
+    def loss(params, xb, yb):  # noqa: ANN001, ANN202
+        return task.loss(functional_call(net, params, (xb,)), yb)
+
+    grads = vmap(grad(loss))(stacked, x, y)
+    for k in range(3):
+        one = grad(loss)({n: stacked[n][k] for n in names}, x[k], y[k])
+        for n in names:
+            torch.testing.assert_close(grads[n][k], one[n], rtol=1e-4, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- datasets
 def test_luna16_loads_the_prepared_arrays(prepared):
     data = luna16(str(prepared.luna))

@@ -136,7 +136,9 @@ class SegmentationTask:
         from monai.losses import DiceLoss
 
         self.num_classes = num_classes
-        self._dice = DiceLoss(to_onehot_y=True, softmax=True, reduction="none")
+        # one-hot targets made here by a comparison (MONAI's ``one_hot`` scatters in place,
+        # which vmap refuses: the cohort's gradients would go client by client)
+        self._dice = DiceLoss(softmax=True, reduction="none")
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Dice + cross-entropy of (n, C, H, W) logits against (n, H, W) class masks.
@@ -150,7 +152,9 @@ class SegmentationTask:
         n = y.shape[0]
         valid = (y.reshape(n, -1)[:, 0] != PADDING).to(logits.dtype)
         target = y.long().unsqueeze(1)
-        dice = self._dice(logits, target.clamp(min=0)).reshape(n, -1).mean(1)
+        classes = torch.arange(logits.shape[1], device=y.device).view(1, -1, *[1] * (y.dim() - 1))
+        onehot = (target.clamp(min=0) == classes).to(logits.dtype)
+        dice = self._dice(logits, onehot).reshape(n, -1).mean(1)
         dice = (dice * valid).sum() / valid.sum()
         return dice + F.cross_entropy(logits, target[:, 0], ignore_index=PADDING)
 
