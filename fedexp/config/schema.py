@@ -78,6 +78,10 @@ class RunConfig:
             quota) over the processes sharing them: parallel sweep jobs × the run's ranks (two
             jobs each using every core stall each other's small kernels on a 2-core
             machine); logged at the start (fedexp/engine/threads.py).
+        memory_budget: GiB a local step of the cohort may fill (its clients' activations,
+            estimated from one client's step); a cohort that needs more trains in slices of
+            clients, with the same results; 0 = auto: 80 % of the GPU's free memory, or half
+            of the RAM available, at the start. The round logs its peak (system/peak_memory_mib).
         store: where the clients' data and states live: "memory", or "disk" (files in
             ``store_dir`` mapped into memory, so the resident memory follows the round's
             clients, not the population; CPU runs; the files go when the run ends).
@@ -108,6 +112,7 @@ class RunConfig:
     progress: str = "auto"
     output_dir: str | None = None
     threads: int = 0
+    memory_budget: float = 0.0
     eval_participants: bool = False
     store: str = "memory"
     store_dir: str | None = None
@@ -173,6 +178,7 @@ def _range_errors(get: Any) -> list[str]:
     need("test_fraction", lambda v: 0 < v < 1, "a fraction in (0, 1)")
     need("val_fraction", lambda v: 0 <= v < 1, "a fraction in [0, 1) (0: no validation split)")
     need("threads", lambda v: v >= 0, "≥ 0 (0: PyTorch's default)", integer=True)
+    need("memory_budget", lambda v: v >= 0, "≥ 0 GiB (0: auto, from the free memory)")
     need("client_table_limit", lambda v: v >= 0, "≥ 0 (0: no per-client table)", integer=True)
     for key, choices in CHOICES.items():
         if get(key) not in choices:

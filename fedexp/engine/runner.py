@@ -32,6 +32,7 @@ from fedexp.engine.files import checkpoint
 from fedexp.engine.files.outputs import CLIENT_TABLE, _table_rows, _write_outputs
 from fedexp.engine.files.progress import RoundProgress
 from fedexp.engine.files.resume import _change_tags, _check_resume, _resume_changes, flatten_config
+from fedexp.engine.memory import resolve_budget
 from fedexp.engine.processes import launch
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.processes.shared_data import load_dataset
@@ -151,6 +152,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         shared_idx=torch.nonzero(shared_mask).flatten(),
         optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
         solver=train,
+        memory_budget=resolve_budget(float(cfg.get("memory_budget") or 0.0), device),
     )
     algorithm = instantiate_checked(cfg.algorithm, "algorithm")
     privacy = _privacy(cfg, algorithm)

@@ -37,6 +37,7 @@ from fedexp.engine.clients.part_memory import PartMemory, merge_memories
 from fedexp.engine.clients.pool import ClientTable, TrainPool
 from fedexp.engine.clients.states import ClientStates, merge_exports
 from fedexp.engine.files.checkpoint import flatten_state, unflatten_state
+from fedexp.engine.memory import peak_mib, reset_peak
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.round.evaluation import Evaluation
 from fedexp.engine.round.exchange import Alone, RankExchange
@@ -223,6 +224,7 @@ class Engine(Transport, Evaluation):
         then takes the same server step.
         """
         started = time.perf_counter()
+        reset_peak(self.ctx.device)
         t = self.ctx.round = self.round
         self.ledger.start_round()
         run_ledger, self.ledger = self.ledger, self.exchange.round_ledger(self.ledger)
@@ -274,6 +276,7 @@ class Engine(Transport, Evaluation):
         out.update(self.algorithm.server_metrics(self.ctx, self.server))
         out.update(self.ledger.metrics())
         out["time/round_s"] = time.perf_counter() - started
+        out["system/peak_memory_mib"] = peak_mib(self.ctx.device)
         return out
 
     def _downlink(self, sampled: list[int], msgs: list[Message | None]) -> Stacked | None:

@@ -55,6 +55,11 @@ class Context:
     shared_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     round: int = 0
     eval_batch_size: int = 256
+    #: bytes a local step of the cohort may fill (``memory_budget``, resolved); the solver
+    #: trains the cohort in slices of clients that fit it (0: slices by data size only)
+    memory_budget: int = 0
+    #: :func:`fedexp.engine.memory.client_step_bytes`' estimates, by minibatch shape
+    step_bytes: dict = field(default_factory=dict, repr=False)
     #: the run's local optimiser (``optimizer`` config group; plain SGD by default)
     optimizer: Optimizer = field(default_factory=SGD)
     #: False once the solver found the model or loss not vmappable (then row by row)

@@ -31,6 +31,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from fedexp.contract import Cohort, CohortStates
+from fedexp.engine.memory import client_step_bytes
 from fedexp.engine.rng import Stream, minibatch_indices, pass_valid
 from fedexp.engine.solver.objective import Objective
 from fedexp.engine.solver.optim import Optimizer, stack_states
@@ -285,10 +286,18 @@ def train_stacked(
 
 
 # ------------------------------------------------------------------ training
-def _slice_rows(pool, size: int) -> int:  # noqa: ANN001 - TrainPool
-    """Clients per slice: ``_STEP_BYTES`` of a step's gathered minibatches, in [1, _CHUNK]."""
+def _slice_rows(ctx: Context, pool, size: int) -> int:  # noqa: ANN001 - TrainPool
+    """Clients per slice, in [1, _CHUNK].
+
+    ``_STEP_BYTES`` of a step's gathered minibatches, and at most what fits
+    ``ctx.memory_budget`` (:func:`fedexp.engine.memory.client_step_bytes` a client) when set.
+    """
     row = pool.x.stride(0) * pool.x.element_size() + pool.y.stride(0) * pool.y.element_size()
-    return max(1, min(_CHUNK, _STEP_BYTES // max(1, size * row)))
+    rows = max(1, min(_CHUNK, _STEP_BYTES // max(1, size * row)))
+    if ctx.memory_budget > 0:
+        per_client = client_step_bytes(ctx, pool.x[:size], pool.y[:size])
+        rows = max(1, min(rows, ctx.memory_budget // per_client))
+    return rows
 
 
 def train(
@@ -385,7 +394,7 @@ def _train(
             xb, yb = draw_batch(ctx, cohort)  # then the noise, as a client alone draws it
             return xb, yb, noise(cohort, objective.noise, params.device)
 
-    chunk = _slice_rows(cohort.pool, size)
+    chunk = _slice_rows(ctx, cohort.pool, size)
     if m <= chunk or fixed:
         out, state, loss = train_stacked(
             ctx, objective, opt, steps, lr, params, aux, opt_state, draw, keep=keep,
