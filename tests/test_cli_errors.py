@@ -88,6 +88,7 @@ def test_bad_input_is_one_clear_line(tmp_path, args, needles):
     _assert_clean_error(proc, *needles)
 
 
+@pytest.mark.slow
 def test_csv_without_label_column(tmp_path, table):
     proc = run_cli(
         "run",
@@ -100,6 +101,7 @@ def test_csv_without_label_column(tmp_path, table):
     _assert_clean_error(proc, str(table), "TenYearCHD", "chd")
 
 
+@pytest.mark.slow
 def test_csv_with_non_numeric_feature(tmp_path):
     path = _csv(tmp_path, age=[50, 60, "old", 40] * 10, chd=[0, 1] * 20)
     proc = run_cli(
@@ -114,6 +116,7 @@ def test_csv_with_non_numeric_feature(tmp_path):
     _assert_clean_error(proc, "'age'", "not numeric", "'old'")
 
 
+@pytest.mark.slow
 def test_csv_dataset_runs_with_missing_values_and_sites(tmp_path, table):
     frame = pd.read_csv(table)
     frame.loc[::7, "chol"] = np.nan

@@ -157,6 +157,7 @@ def test_a_range_reads_as_words():
     assert not Range(ge=0).contains(math.nan) and Range(ge=0, inf=True).contains(math.inf)
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_before_anything_is_created(tmp_path: Path):
     """exit 2, one line naming key, value and range; no MLflow store, no run folder."""
     proc = run_cli(
@@ -171,6 +172,7 @@ def test_the_cli_refuses_before_anything_is_created(tmp_path: Path):
     assert not list((tmp_path / "out").glob("*.csv"))
 
 
+@pytest.mark.slow
 def test_a_mandatory_value_left_unset_is_named(tmp_path: Path):
     """``dataset=csv`` without ``dataset.label`` (was omegaconf's MissingMandatoryValue)."""
     csv = tmp_path / "good.csv"

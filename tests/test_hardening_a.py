@@ -262,6 +262,7 @@ def test_cli_says_corrupted_without_a_resume_hint():
 # --- 4. the tracker may change on resume ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_from_tracker_none_into_mlflow(small_cfg, tmp_path, store):
     run(_cfg(small_cfg, "rounds=2", "checkpoint_every=1", "tracker=none"))
     ckpts = str(tmp_path / "out" / "checkpoints")
@@ -273,6 +274,7 @@ def test_resume_from_tracker_none_into_mlflow(small_cfg, tmp_path, store):
     assert checkpoint.load(tmp_path / "out" / "checkpoints")[1]["run_id"] == res.run_id
 
 
+@pytest.mark.slow
 def test_resume_from_mlflow_with_tracker_none_and_back(small_cfg, tmp_path, store):
     first = run(_cfg(small_cfg, "rounds=2", "checkpoint_every=1", store=store))
     ckpts = str(tmp_path / "out" / "checkpoints")

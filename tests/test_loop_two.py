@@ -271,6 +271,7 @@ def test_the_ui_serves_the_store_prints_the_link_and_stops_on_ctrl_c(store, tmp_
         errors.close()
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_ui_starts_its_server_stops_it_quietly(tmp_path):
     """Ctrl-C as the server starts (it dies inside its imports): no traceback, exit 0.
 

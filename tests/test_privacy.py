@@ -450,11 +450,15 @@ def test_no_clip_bound_with_noise_is_refused_before_round_0(overrides):
         build_engine(cfg)
 
 
-def test_noise_that_drowns_every_update_is_refused_naming_its_cause(tmp_path):
+def test_noise_that_drowns_every_update_is_refused_naming_its_cause():
     # E = 10 uploads a round: z / E > 100
     with pytest.raises(ConfigError, match=r"privacy\.noise_multiplier=1500: the noise drowns"):
         check_groups(compose_config(*TINY, "privacy=central", "privacy.noise_multiplier=1500"))
     check_groups(compose_config(*TINY, "privacy=central", "privacy.target_epsilon=1e-9"))
+
+
+@pytest.mark.slow
+def test_the_cli_says_in_one_line_that_the_noise_drowns_every_update(tmp_path):
     out = run_cli(
         "run",
         *TINY,

@@ -10,6 +10,7 @@ import json
 import mmap
 
 import numpy as np
+import pytest
 
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset
@@ -17,6 +18,7 @@ from fedexp.engine.processes.shared_data import _open, _write, load_dataset, map
 from helpers import compose_config
 
 
+@pytest.mark.slow
 def test_two_ranks_map_one_copy_of_what_one_process_loads(tmp_path):
     from distributed_worker import shared_data, spawn_ranks
 

@@ -310,6 +310,7 @@ def test_csv_group_equal_to_label(tmp_path):
         csv_table(str(path), label="y", group="y")
 
 
+@pytest.mark.slow
 def test_csv_cli_reports_the_column(tmp_path):
     path = _write(tmp_path, "a,b,y\n" + ROWS * 3 + "1,inf,0\n")
     frame = pd.read_csv(path)  # pandas reads the value as inf: the loader must refuse it
