@@ -251,6 +251,45 @@ RUNS = {
 }
 
 
+@pytest.mark.parametrize("dataset", ["luna16", "brats"])
+def test_a_vmapped_imaging_rounds_work_is_constant_in_its_clients(
+    prepared, small_cfg, monkeypatch, dataset
+):
+    """Where the convolutions are vmapped (on CUDA; forced here on the CPU, which runs them
+    channels-last row by row), a round of DenseNet or the U-Net dispatches as many ops for 4
+    clients as for 2: nothing falls back client by client (the U-Net's loss once made vmap
+    refuse it, and the GPU ran it slower than a plain loop)."""
+    from fedexp.engine.round.census import Census
+
+    made = FlatModel.__init__
+
+    def vmapped(self, module, device, channels_last=None):  # noqa: ANN001, ANN202
+        made(self, module, device, channels_last=False)
+
+    monkeypatch.setattr(FlatModel, "__init__", vmapped)
+    ops = []
+    for n in (2, 4):
+        engine = build_engine(
+            small_cfg(
+                *RUNS[dataset][:-1],
+                "partition=iid",
+                f"dataset.path={getattr(prepared, dataset.replace('16', ''))}",
+                f"num_clients={n}",
+                "local_steps=2",
+                "batch_size=4",
+                "sampling=replacement",  # (no short last batches, which depend on the sizes)
+                "lr=0.05",
+            )
+        )
+        engine.setup()
+        engine.run_round()
+        with Census() as census:
+            engine.run_round()
+        assert engine.ctx.vmap_ok and not engine.ctx.model.channels_last
+        ops.append(census.ops)
+    assert ops[0] == ops[1], ops[1] - ops[0]
+
+
 @pytest.mark.parametrize("algorithm", ["fedavg", "local"])
 @pytest.mark.parametrize("dataset", ["luna16", "brats"])
 def test_end_to_end_on_synthetic_imaging(prepared, small_cfg, dataset, algorithm, capsys):
