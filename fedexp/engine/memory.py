@@ -11,6 +11,7 @@ client's step (:func:`client_step_bytes`); the slices' results equal the whole c
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 from typing import TYPE_CHECKING
@@ -29,6 +30,8 @@ OVERHEAD = 2.0
 #: ``auto`` budget takes
 CUDA_SHARE = 0.8
 CPU_SHARE = 0.5
+
+log = logging.getLogger("fedexp")
 
 
 def resolve_budget(gib: float, device: torch.device) -> int:
@@ -88,7 +91,24 @@ def client_step_bytes(ctx: Context, x: torch.Tensor, y: torch.Tensor) -> int:
     saved = sum(seen.values())
     out = int(saved * OVERHEAD) + 4 * params.numel() * params.element_size()
     ctx.step_bytes[key] = out
+    log.info(
+        "memory: a client's local step on %s inputs takes about %s; the budget of %s holds "
+        "%d clients a step",
+        "x".join(map(str, x.shape)),
+        _size(out),
+        _size(ctx.memory_budget),
+        ctx.memory_budget // max(1, out),
+    )
     return out
+
+
+def _size(n: float) -> str:
+    """``n`` bytes in the largest unit that keeps it ≥ 1."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
 
 
 def reset_peak(device: torch.device) -> None:
