@@ -7,14 +7,16 @@ The pFedNet paper (§VI, tabular tasks) fills missing values with 0 and scales e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
-import pandas as pd
 
 from fedexp.config.ranges import NonNegative, NonNegativeInt, PositiveInt, Range
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
+
+if TYPE_CHECKING:  # pandas loads when a CSV is read: half a second a start
+    import pandas as pd
 
 #: Classes of a synthetic classification table (one class would leave nothing to learn).
 NumClasses = Annotated[int, Range(ge=2, note="a classification needs two classes")]
@@ -107,6 +109,8 @@ def csv_table(path: str, label: str, group: str | None = None) -> ArrayDataset:
         raise DataError(f"dataset.path={file}: is a folder; expected a CSV file")
     if not file.is_file():
         raise DataError(f"dataset.path: CSV file not found: {file}")
+    import pandas as pd
+
     try:
         frame = pd.read_csv(file)
     except UnicodeDecodeError:

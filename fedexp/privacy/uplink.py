@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fedexp.contract import Message, Stacked, parts_updates, update_parts
 from fedexp.engine import rng
-from fedexp.privacy import accountant
 from fedexp.privacy.mechanisms import (
     adaptive_clip,
     add_gaussian_rows,
@@ -40,6 +39,9 @@ from fedexp.privacy.mechanisms import (
     update_noise_multiplier,
 )
 from fedexp.privacy.settings import Privacy
+
+if TYPE_CHECKING:  # dp-accounting (and SciPy) load when a run has privacy on: ~1 s
+    from fedexp.privacy import accountant
 
 _COUNT = 1 << 62  # the server stream's "client" slot of the adaptive clip count's noise
 
@@ -126,6 +128,8 @@ class PrivateUplink:
         z = settings.noise_multiplier
         if settings.target_epsilon is not None:
             plan = self.plan(1.0)
+            from fedexp.privacy import accountant
+
             z = accountant.calibrate_noise(plan, rounds, settings.target_epsilon)
             z *= self.sensitivity
         self.noise_multiplier = z
@@ -189,6 +193,8 @@ class PrivateUplink:
         """
         if z is None:
             z = self.noise_multiplier / self.sensitivity
+        from fedexp.privacy import accountant
+
         return accountant.PrivacyPlan(
             mode="central" if self.summed else "local",
             sampling=self.settings.sampling,
@@ -202,6 +208,8 @@ class PrivateUplink:
     def epsilon(self, rounds: int) -> float:
         """ε at the run's δ after ``rounds`` rounds."""
         most = int(self.participations.max()) if self.num_clients else 0
+        from fedexp.privacy import accountant
+
         return accountant.epsilon(self.plan(), rounds, None if self.summed else most)
 
     def sample(self, round_: int) -> list[int]:
