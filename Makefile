@@ -45,15 +45,17 @@ bench-peers: $(STAMP)
 	$(PY) scripts/bench_peers.py --setup
 
 # synthetic LUNA16/BraTS studies -> data_prep -> one short federated run per task (all under demo/)
-DEMO_RUN := $(VENV)/bin/fedexp run rounds=3 local_steps=2 batch_size=16 checkpoint_every=0 progress=log tracker.experiment=demo-imaging
+# LUNA16: the paper's class balance (dataset.delta=1: every nodule, as many random non-nodules)
+DEMO_RUN := $(VENV)/bin/fedexp run checkpoint_every=0 progress=log tracker.experiment=demo-imaging
 demo-imaging: $(STAMP)
-	test -d demo/raw/luna16 || $(PY) -m data_prep.synthetic luna16 --out demo/raw/luna16 --n-studies 24
+	test -d demo/raw/luna16-60 || $(PY) -m data_prep.synthetic luna16 --out demo/raw/luna16-60 --n-studies 60
 	test -d demo/raw/brats || $(PY) -m data_prep.synthetic brats --out demo/raw/brats --n-studies 12
-	$(PY) -m data_prep.luna16 --root demo/raw/luna16 --out demo/prepared/luna16 --quiet
+	$(PY) -m data_prep.luna16 --root demo/raw/luna16-60 --out demo/prepared/luna16-60 --quiet
 	$(PY) -m data_prep.brats --root demo/raw/brats --out demo/prepared/brats --quiet
-	$(DEMO_RUN) dataset=luna16 dataset.path=demo/prepared/luna16 model=densenet \
-		partition=label_imbalance lr=0.05 hydra.run.dir=demo/runs/luna16
-	$(DEMO_RUN) dataset=brats dataset.path=demo/prepared/brats model=unet \
+	$(DEMO_RUN) dataset=luna16 dataset.path=demo/prepared/luna16-60 dataset.delta=1 model=densenet \
+		partition=label_imbalance rounds=10 local_steps=10 batch_size=8 lr=0.02 \
+		hydra.run.dir=demo/runs/luna16
+	$(DEMO_RUN) rounds=3 local_steps=2 batch_size=16 dataset=brats dataset.path=demo/prepared/brats model=unet \
 		partition=missing_channel partition.channel=1 'partition.clients=[0,1]' lr=0.1 \
 		hydra.run.dir=demo/runs/brats
 
