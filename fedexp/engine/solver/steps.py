@@ -82,7 +82,54 @@ def noise(cohort: Cohort, k: int, device: torch.device) -> torch.Tensor:
     return torch.stack([torch.rand(k, generator=g) for g in cohort.streams]).to(device)
 
 
-def draw_batch(ctx: Context, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
+#: indices of draws made ahead at once (:class:`Ahead`) at most: 32 MiB of int64
+_AHEAD_ENTRIES = 1 << 22
+
+
+class Ahead:
+    """A cohort's next minibatch indices, drawn for several steps in one call.
+
+    :func:`fedexp.engine.rng.minibatch_indices` is counter-based, so the indices of draws
+    t..t+k-1 of every client come out of one call on ``[m·k]`` rows, equal to k calls of one
+    draw each: one pass permutation (and, on a GPU, its few host synchronisations) a block
+    of steps instead of one a step. Blocks keep at most ``_AHEAD_ENTRIES`` indices.
+
+    Args:
+        ctx: the run's context (batch size, sampling).
+        cohort: the cohort whose draws are made ahead (its ``draws`` counters as they are
+            now: :func:`draw_batch` advances them as it hands the blocks' rows out).
+        steps: the draws still to come.
+    """
+
+    def __init__(self, ctx: Context, cohort: Cohort, steps: int) -> None:
+        self.ctx, self.cohort, self.left = ctx, cohort, steps
+        self.idx: torch.Tensor | None = None
+        self.at = 0
+
+    def next(self) -> torch.Tensor:
+        """The indices ``[m, B]`` of every client's next draw (made ahead when needed)."""
+        if self.idx is None or self.at == self.idx.shape[1]:
+            self._block()
+        assert self.idx is not None
+        self.at += 1
+        self.left -= 1
+        return self.idx[:, self.at - 1]
+
+    def _block(self) -> None:
+        cohort, size = self.cohort, self.ctx.batch_size
+        m = len(cohort)
+        k = max(1, min(self.left, _AHEAD_ENTRIES // max(1, m * size)))
+        draws = cohort.draws
+        ahead = (draws[:, None] + torch.arange(k, device=draws.device)).reshape(-1)
+        num = cohort.pool.size[cohort.rows].repeat_interleave(k)
+        keys = cohort.keys.repeat_interleave(k)
+        idx = minibatch_indices(keys, ahead, size, num, self.ctx.sampling)
+        self.idx, self.at = idx.view(m, k, size), 0
+
+
+def draw_batch(
+    ctx: Context, cohort: Cohort, ahead: Ahead | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each client's next minibatch, stacked ``[m, B, ...]``: what ``ClientData.batch`` gives it.
 
     The indices of every client's stream at its draw counter (advanced by one), in shuffled
@@ -91,7 +138,8 @@ def draw_batch(ctx: Context, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor
     sub-cohorts), no draw. The short batch that ends a client's epoch (n mod B samples) keeps
     the cohort's ``[m, B]`` shape: its padding rows have the target
     :data:`fedexp.models.task.PADDING`, which the task's loss gives no weight, and the row-by-row
-    gradients of models with running statistics leave out (:func:`_rowwise`).
+    gradients of models with running statistics leave out (:func:`_rowwise`). ``ahead``:
+    the indices come from it (made for several steps at once), else from one call.
     """
     size = ctx.batch_size
     if size <= 0:
@@ -101,7 +149,10 @@ def draw_batch(ctx: Context, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor
         )
     num = cohort.pool.size[cohort.rows]
     draws = cohort.draws
-    idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling)
+    if ahead is None:
+        idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling)
+    else:
+        idx = ahead.next()
     cohort.draws = draws + 1
     x, y = cohort.pool.gather(cohort.rows, idx)
     if ctx.sampling != "shuffle" or cohort.pool.fills(size):
@@ -389,9 +440,10 @@ def _train(
             return xs, ys, noise(cohort, objective.noise, params.device)
 
     else:
+        ahead = Ahead(ctx, cohort, steps)
 
         def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            xb, yb = draw_batch(ctx, cohort)  # then the noise, as a client alone draws it
+            xb, yb = draw_batch(ctx, cohort, ahead)  # then the noise, as alone
             return xb, yb, noise(cohort, objective.noise, params.device)
 
     chunk = _slice_rows(ctx, cohort.pool, size)
