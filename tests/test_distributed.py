@@ -65,7 +65,7 @@ def _one_rank(overrides: list[str], vectors: dict | None = None) -> dict:
 def _differences(one: dict, two: dict) -> list[str]:
     bad = []
     for key, steps in one.items():
-        if key.startswith(("time/", "system/")):
+        if key.startswith(("time/", "system/", "memory/")):
             continue
         for step, a in steps.items():
             b = two.get(key, {}).get(step)

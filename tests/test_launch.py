@@ -64,7 +64,7 @@ def _env(**extra: str) -> dict[str, str]:
 def _table(path: Path) -> pd.DataFrame:
     """A run's CSV without its wall-clock columns."""
     frame = pd.read_csv(path)
-    return frame[[c for c in frame.columns if not c.startswith(("time/", "system/"))]]
+    return frame[[c for c in frame.columns if not c.startswith(("time/", "system/", "memory/"))]]
 
 
 def _same_files(one: Path, other: Path) -> None:

@@ -83,4 +83,4 @@ def test_a_negative_budget_is_refused_naming_the_key(small_cfg):
 
 def test_a_round_logs_its_peak_memory(small_cfg):
     _, history = _run(small_cfg, rounds=1)
-    assert history[0]["system/peak_memory_mib"] > 0
+    assert history[0]["memory/peak_mib"] > 0

@@ -81,7 +81,7 @@ class RunConfig:
         memory_budget: GiB a local step of the cohort may fill (its clients' activations,
             estimated from one client's step); a cohort that needs more trains in slices of
             clients, with the same results; 0 = auto: 80 % of the GPU's free memory, or half
-            of the RAM available, at the start. The round logs its peak (system/peak_memory_mib).
+            of the RAM available, at the start. The round logs its peak (memory/peak_mib).
         store: where the clients' data and states live: "memory", or "disk" (files in
             ``store_dir`` mapped into memory, so the resident memory follows the round's
             clients, not the population; CPU runs; the files go when the run ends).

@@ -76,7 +76,10 @@ def client_step_bytes(ctx: Context, x: torch.Tensor, y: torch.Tensor) -> int:
     cached = ctx.step_bytes.get(key)
     if cached is not None:
         return cached
-    params = ctx.model.initial().detach().requires_grad_(True)
+    params = ctx.model.initial().detach()
+    if x.is_floating_point():  # the data's precision (a float64 run's too)
+        params = params.to(x.dtype)
+    params.requires_grad_(True)
     held = {params.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}
     seen: dict[tuple[int, int], int] = {}
 

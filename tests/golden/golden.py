@@ -13,7 +13,7 @@ from golden.ties import DISCRETE, Allowance, recording_ties
 HERE = Path(__file__).resolve().parent
 ROUNDS = 3
 #: what a round's figures are compared on: not wall times
-_SKIP = ("time/", "system/")
+_SKIP = ("time/", "system/", "memory/")
 
 
 def state_path(name: str) -> Path:

@@ -276,7 +276,7 @@ class Engine(Transport, Evaluation):
         out.update(self.algorithm.server_metrics(self.ctx, self.server))
         out.update(self.ledger.metrics())
         out["time/round_s"] = time.perf_counter() - started
-        out["system/peak_memory_mib"] = peak_mib(self.ctx.device)
+        out["memory/peak_mib"] = peak_mib(self.ctx.device)
         return out
 
     def _downlink(self, sampled: list[int], msgs: list[Message | None]) -> Stacked | None:
