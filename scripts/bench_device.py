@@ -20,6 +20,7 @@ The workloads are the device check's (``scripts/gpu/check.py``: ``_workload``, i
     .venv/bin/python scripts/bench_device.py                          # CPU, LR and CNN
     .venv/bin/python scripts/bench_device.py --models lr,cnn,densenet,unet --clients 10,100,1000
     python3 scripts/bench_device.py --device cuda --json out.json     # on the device machine
+    .venv/bin/python scripts/bench_device.py --models lr --tensor-draws  # the GPU's draw path
 
 Figures and commands: docs/benchmarks.md ("A round on the device").
 """
@@ -120,8 +121,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--algorithm", default="fedavg")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--tensor-draws",
+        action="store_true",
+        help="draw the passes with the tensor ops a GPU run takes (rng.pass_indices_tensor), "
+        "not the CPU's compiled kernel: the GPU path's ops and host reads, counted here",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tensor_draws:
+        from fedexp.engine import rng
+
+        rng.pass_indices = rng.pass_indices_tensor
     rows = []
     header = "| model | clients | ops/round | host reads/round | updates/s | round s | peak MiB |"
     bound = args.device.startswith("cuda")
