@@ -1,9 +1,9 @@
 """Every config group's node checked whole, before any data is loaded or anything is tracked.
 
 The run settings are checked by :func:`fedexp.config.schema.validate`; the group nodes
-(``dataset``, ``partition``, ``model``, ``algorithm``, ``optimizer``, ``compressor``,
-``privacy``, ``tracker``) name a fedexp class or builder in ``_target_`` and are checked here
-against its signature: unknown keys, value types, non-finite floats and the ranges the
+(``dataset``, ``partition``, ``model``, ``algorithm``, ``optimizer``, ``augment``,
+``compressor``, ``privacy``, ``tracker``) name a fedexp class or builder in ``_target_`` and are
+checked here against its signature: unknown keys, value types, non-finite floats and the ranges the
 signature declares (:mod:`fedexp.config.ranges`). The CLI calls :func:`check_groups` right
 after compose, before the tracker is created and before the data are read, so a bad value
 costs nothing and leaves nothing behind (no MLflow run, no output files). The runner builds
@@ -27,7 +27,9 @@ MODEL_EXTRA = frozenset({"input_shape", "num_classes"})
 #: The keys of a ``compressor.uplink``/``downlink`` node.
 CHANNEL_KEYS = ("codec", "transforms", "error_feedback")
 #: The group nodes checked against their target's signature (the compressor's channels apart).
-PLAIN_GROUPS = ("dataset", "partition", "algorithm", "optimizer", "privacy", "tracker")
+PLAIN_GROUPS = (
+    "dataset", "partition", "algorithm", "optimizer", "augment", "privacy", "tracker",
+)  # fmt: skip
 
 
 def split_model_node(node: DictConfig) -> tuple[DictConfig, list[str]]:

@@ -24,6 +24,7 @@ from fedexp.comm.channel import Channel
 from fedexp.config.groups import check_channel_keys, check_groups
 from fedexp.config.instantiate import fresh_dir, instantiate_checked, resumed_run_dir
 from fedexp.config.schema import validate
+from fedexp.data.augment import FlipRotate, NoAugmentation
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import clients_for_batch, federate
 from fedexp.engine import rng
@@ -153,6 +154,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
         solver=train,
         memory_budget=resolve_budget(float(cfg.get("memory_budget") or 0.0), device),
+        augment=_augment(cfg, data),
     )
     algorithm = instantiate_checked(cfg.algorithm, "algorithm")
     privacy = _privacy(cfg, algorithm)
@@ -172,6 +174,20 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
     if store is not None:  # the files go with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, store, True)
     return engine, data
+
+
+def _augment(cfg: DictConfig, data: ArrayDataset) -> Any:
+    """The ``augment`` node's transform, refused on inputs it cannot transform."""
+    node = cfg.get("augment")
+    if not node:
+        return NoAugmentation()
+    augment = instantiate_checked(node, "augment")
+    if isinstance(augment, FlipRotate) and len(data.x.shape[1:]) != 3:
+        raise ConfigError(
+            f"augment=flip_rotate: dataset {data.name!r} has inputs of shape "
+            f"{tuple(data.x.shape[1:])}; expected images (C, H, W)"
+        )
+    return augment
 
 
 def _fewer_clients(cfg: DictConfig, data: ArrayDataset, partition: Any) -> str:

@@ -23,6 +23,7 @@ _RESUME_KEYS = (
     "algorithm",
     "compressor",
     "optimizer",
+    "augment",
     "seed",
     "num_clients",
     "participation",
@@ -33,7 +34,11 @@ _RESUME_KEYS = (
 )
 
 #: Defaults of resume keys added after checkpoints were first written (older ones lack them).
-_RESUME_DEFAULTS = {"val_fraction": 0.0, "sampling": "replacement"}
+_RESUME_DEFAULTS = {
+    "val_fraction": 0.0,
+    "sampling": "replacement",
+    "augment": {"_target_": "fedexp.data.augment.NoAugmentation"},
+}
 
 #: Keys whose change on resume is not recorded (they name where this attempt writes).
 _UNRECORDED = ("resume", "resume_unsealed", "output_dir")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fedexp.contract import Cohort
+from fedexp.data.augment import NoAugmentation
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.optim import SGD, Optimizer
@@ -60,6 +61,8 @@ class Context:
     memory_budget: int = 0
     #: :func:`fedexp.engine.memory.client_step_bytes`' estimates, by minibatch shape
     step_bytes: dict = field(default_factory=dict, repr=False)
+    #: the training batches' augmentation (``augment`` config group; none by default)
+    augment: Any = field(default_factory=NoAugmentation)
     #: the run's local optimiser (``optimizer`` config group; plain SGD by default)
     optimizer: Optimizer = field(default_factory=SGD)
     #: False once the solver found the model or loss not vmappable (then row by row)

@@ -139,7 +139,8 @@ def draw_batch(
     the cohort's ``[m, B]`` shape: its padding rows have the target
     :data:`fedexp.models.task.PADDING`, which the task's loss gives no weight, and the row-by-row
     gradients of models with running statistics leave out (:func:`_rowwise`). ``ahead``:
-    the indices come from it (made for several steps at once), else from one call.
+    the indices come from it (made for several steps at once), else from one call. The
+    batch is augmented by ``ctx.augment`` (:mod:`fedexp.data.augment`).
     """
     size = ctx.batch_size
     if size <= 0:
@@ -155,6 +156,8 @@ def draw_batch(
         idx = ahead.next()
     cohort.draws = draws + 1
     x, y = cohort.pool.gather(cohort.rows, idx)
+    if ctx.augment.active:  # per (stream key, draw, position): as the client alone draws it
+        x, y = ctx.augment(x, y, cohort.keys, draws)
     if ctx.sampling != "shuffle" or cohort.pool.fills(size):
         return x, y  # every batch of every client full
     valid = pass_valid(draws, size, num).to(y.device)
