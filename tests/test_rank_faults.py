@@ -31,7 +31,7 @@ from fedexp.engine.clients.states import (
     remove_scratch,
     scratch_folder,
 )
-from fedexp.engine.processes.launch import _exit_code, _how
+from fedexp.engine.processes.launch import _death, _exit_code, _how
 from fedexp.engine.processes.ranks import peer_left
 from fedexp.errors import RankDied
 from helpers import compose_config
@@ -163,3 +163,17 @@ def test_the_next_run_removes_the_scratch_folders_of_dead_runs(tmp_path):
     assert reap_scratch(tmp_path) == []  # the live ones again: kept
     remove_scratch()  # what a rank that ends by os._exit or a signal calls first
     assert not made.exists() and live.is_dir()
+
+
+def test_a_dying_rank_0s_signal_is_read_once_it_is_a_zombie():
+    """A rank ≥ 1 learns that rank 0 died when its pipe closes, which a dying process does
+    before it becomes a zombie: the signal is read once it is one (CI once printed "rank 0
+    died in round 3" without it). Here the process is still alive when asked."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal, time; time.sleep(0.3); os.kill(os.getpid(), 9)"]
+    )
+    try:
+        assert _death(child.pid) == " (signal 9, SIGKILL)"
+    finally:
+        child.wait()
+    assert _death(child.pid) == ""  # reaped: nothing to read

@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
@@ -56,6 +57,8 @@ _OVERRIDES = "# fedexp-overrides: "
 _END_WAIT_S = 10.0
 #: Seconds a rank ≥ 1 waits to learn whether rank 0 died (else rank 0 says why the run ended).
 _PARENT_WAIT_S = 2.0
+#: Seconds a rank ≥ 1 waits for a dead rank 0 to become a zombie (its exit status then reads).
+_ZOMBIE_WAIT_S = 2.0
 #: This process's rank when :func:`rank_main` started it, else None.
 _started_rank: int | None = None
 #: The socket pair SIGTERM wakes :func:`_watch` through (:func:`_end_on_sigterm`), once set.
@@ -212,14 +215,20 @@ def _death(pid: int) -> str:
 
     A rank ≥ 1 is not rank 0's parent and cannot wait for it; ``/proc/<pid>/stat`` still
     holds the exit status (its 52nd field) until rank 0's own parent (the shell) reaps it.
+    A dying process closes its files (the pipe this rank watches) before it becomes a
+    zombie, so its state is read again for up to :data:`_ZOMBIE_WAIT_S` until it is one.
     """
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        if fields[0] != "Z":
+    deadline = time.monotonic() + _ZOMBIE_WAIT_S
+    while True:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                return _how(_exit_code(int(fields[49])))
+        except (OSError, IndexError, ValueError):
+            return ""  # reaped already (or no /proc): the signal is not known here
+        if time.monotonic() > deadline:
             return ""
-        return _how(_exit_code(int(fields[49])))
-    except (OSError, IndexError, ValueError):
-        return ""
+        time.sleep(0.01)
 
 
 def _exit_code(status: int) -> int:
