@@ -267,8 +267,9 @@ def _say_if_rank_0_died(where: str, cfg: DictConfig, overrides: list[str]) -> No
     parent.join(_PARENT_WAIT_S)  # (its end closes the pipe: as soon as it died)
     if parent.is_alive():
         return
+    how = _death(int(parent.pid or 0))  # (once rank 0 is a zombie: then its folder is reaped)
     reap_scratch()
-    line = f"rank 0 died{_death(int(parent.pid or 0))} {where}".rstrip()
+    line = f"rank 0 died{how} {where}".rstrip()
     try:
         from fedexp.cli_output import describe_stop
 
