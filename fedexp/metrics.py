@@ -232,7 +232,8 @@ def dice_per_class(confusion: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, 2 * tp / total.clamp(min=1), torch.full_like(tp, math.nan))
 
 
-def _nanmean(v: torch.Tensor) -> float:
+def nanmean(v: torch.Tensor) -> float:
+    """The mean of the entries that are not NaN (NaN when every entry is)."""
     ok = ~torch.isnan(v)
     return float(v[ok].mean()) if bool(ok.any()) else math.nan
 
@@ -262,9 +263,9 @@ def segmentation_metrics(
     cm = confusion_matrix(pred, target, num_classes)
     iou = iou_per_class(cm)
     return {
-        "iou": _nanmean(iou),
-        "label_iou": _nanmean(iou[1:]),
-        "dice": _nanmean(dice_per_class(cm)[1:]),
+        "iou": nanmean(iou),
+        "label_iou": nanmean(iou[1:]),
+        "dice": nanmean(dice_per_class(cm)[1:]),
         "acc": float(cm.diag().sum()) / max(int(cm.sum()), 1),
     }
 

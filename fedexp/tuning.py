@@ -3,8 +3,8 @@
 The value of a run is its headline metric, mean over clients, at the last round: on the
 clients' validation splits (``val/<headline>/mean``) when ``val_fraction > 0``, else on their
 test splits, which leaks the test data into the choice of hyperparameters (a warning says so,
-once per process). The headline is the task's first metric: IoU for segmentation, accuracy for
-classification.
+once per process). The headline is the task's first metric: IoU for segmentation, Dice (the
+mean over the regions) for all BraTS regions at once, accuracy for classification.
 
 A failed job of a sweep returns NaN (the CLI's task function). The Optuna sweeper cannot take
 it (hydra-optuna-sweeper 1.3 passes the NaN on when it records the failure, and Optuna refuses:
@@ -42,8 +42,9 @@ from fedexp.errors import FedexpError
 log = logging.getLogger("fedexp")
 
 #: Headline metrics by precedence: a segmentation run has both IoU and pixel accuracy, and
-#: IoU is its headline; a classification run has accuracy.
-HEADLINES = ("iou", "acc")
+#: IoU is its headline; a run of all BraTS regions has Dice (their mean) and pixel accuracy,
+#: and Dice is its headline; a classification run has accuracy.
+HEADLINES = ("iou", "dice", "acc")
 
 #: Prefix of the validation split's metrics (``fedexp.engine.round.engine.Engine.evaluate``).
 VAL_PREFIX = "val/"
@@ -59,7 +60,7 @@ _warned = False
 
 
 def headline(metrics: Mapping[str, float]) -> str:
-    """The task's headline metric among ``metrics``: ``iou`` for segmentation, else ``acc``."""
+    """The headline metric among ``metrics``: ``iou``, else ``dice`` (all regions), else ``acc``."""
     for name in HEADLINES:
         if f"{name}/mean" in metrics or f"{VAL_PREFIX}{name}/mean" in metrics:
             return name

@@ -70,9 +70,12 @@ def prepared(tmp_path_factory) -> SimpleNamespace:
     luna_prep.convert(root / "luna_raw", root / "luna", LunaOptions(quiet=True))
     synthetic.write_brats(root / "brats_raw", "brats2017", n_studies=5, seed=0)
     brats_prep.convert(root / "brats_raw", root / "brats", BratsOptions(quiet=True))
+    regions = BratsOptions(quiet=True, labels="regions")
+    brats_prep.convert(root / "brats_raw", root / "brats_regions", regions)
     return SimpleNamespace(
         luna=root / "luna",
         brats=root / "brats",
+        brats_regions=root / "brats_regions",
         mnist=images.write_mnist(root / "mnist", n_train=100, n_test=40),
         cifar10=images.write_cifar10(root / "cifar10", per_file=20),
         cifar100=images.write_cifar100(root / "cifar100", n_train=300, n_test=100),

@@ -364,11 +364,19 @@ def _doc_metric_names() -> tuple[set[str], set[str], set[str]]:
 def test_every_metric_docs_imaging_names_is_one_a_run_logs(prepared, small_cfg):
     """Issue 43 item 10: the doc named metrics no run logged (``iou/weighted`` on the progress
     line, a "weighted" return value). The logged names are the engine's own: a round-0
-    evaluation of a BraTS run (segmentation) and of the default run (classification, as
-    LUNA16's), aggregates and per-client keys as the tracker and the tables get them."""
+    evaluation of a BraTS run (segmentation), of one with every region (regions) and of the
+    default run (classification, as LUNA16's), aggregates and per-client keys as the tracker
+    and the tables get them."""
     logged, per_client = set(), set()
     for cfg in (
         small_cfg("dataset=brats", f"dataset.path={prepared.brats}", *TINY["unet"], "batch_size=8"),
+        small_cfg(
+            "dataset=brats",
+            f"dataset.path={prepared.brats_regions}",
+            "dataset.region=all",
+            *TINY["unet"],
+            "batch_size=8",
+        ),
         small_cfg(),
     ):
         aggregates, rows = build_engine(cfg).evaluate()

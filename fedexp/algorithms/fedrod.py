@@ -180,6 +180,12 @@ class FedRoD(FedAvg):
         """The run's joint loss (one object for every client and round: built once)."""
         joint = self._losses.get(id(ctx))
         if joint is None:
+            if not getattr(ctx.task, "exclusive", True):
+                raise ConfigError(
+                    "algorithm=fedrod: its balanced softmax reweights exclusive classes by their "
+                    "priors; dataset.region=all trains overlapping regions (one sigmoid each); "
+                    "choose one region (dataset.region=whole, core or enhancing)"
+                )
             layout = ctx.model.layout
             if self.head is None:
                 idx = ctx.personal_idx

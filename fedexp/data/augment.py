@@ -83,7 +83,7 @@ class FlipRotate:
                 f"of shape {tuple(x.shape)}"
             )
         u = uniforms(keys, draws, x.shape[1], 4).to(x.device)
-        masks = y.dim() == 4 and tuple(y.shape[-2:]) == tuple(x.shape[-2:])
+        masks = y.dim() >= 4 and tuple(y.shape[-2:]) == tuple(x.shape[-2:])  # [m, B, (R,) H, W]
         for axis, col in ((-2, 0), (-1, 1)):
             flag = u[..., col] < self.flip
             x = _where(flag, x.flip(axis), x)

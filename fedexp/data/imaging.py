@@ -192,16 +192,20 @@ def brats(path: str, region: str = "whole", group: str = "auto") -> ArrayDataset
 
     Args:
         path: folder written by ``python -m data_prep.brats --root RAW --out PATH``.
-        region: the binary target: ``whole`` tumour (the default and the only one of
-            ``--labels whole`` masks), or ``core`` / ``enhancing`` from ``--labels regions``
-            masks.
+        region: the target: ``whole`` tumour (the default and the only one of ``--labels
+            whole`` masks), ``core`` or ``enhancing`` (binary, from ``--labels regions``
+            masks), or ``all``: the three regions at once as three target channels (the
+            BraTS challenges' scoring, ``--labels regions`` masks), trained with one sigmoid
+            channel each and scored by Dice per region (:class:`~fedexp.models.task.RegionsTask`).
         group: what ``partition=natural`` deals out: ``site`` (recorded by ``data_prep.brats
             --sites partitioning_1.csv``, FeTS's institutions), ``patient``, or ``auto``:
             ``site`` when the manifest has one, else ``patient``.
 
     Returns:
         Segmentation data: x float32 (n, 4, 64, 64), channels FLAIR, T1, T1ce, T2 (z-scored per
-        patient); y int64 (n, 64, 64) in {0, 1}; groups = the site or patient of each patch.
+        patient); y int64 (n, 64, 64) in {0, 1} (``region=all``: (n, 3, 64, 64), whole tumour,
+        tumour core, enhancing tumour; task ``regions``); groups = the site or patient of each
+        patch.
         Its ``labels`` (one per sample, for partitions and the stratified 80/20 split) say
         whether the patch holds tumour.
 
@@ -215,8 +219,10 @@ def brats(path: str, region: str = "whole", group: str = "auto") -> ArrayDataset
     masks = _load(folder, "masks.npy", command)
     _check_shape(folder, "images.npy", x, "(N, 4, H, W) float32", x.ndim == 4 and x.shape[1] == 4)
     _check_not_empty(folder, x, command)
-    if region not in BRATS_REGIONS:
-        raise DataError(f"dataset.region={region!r}: expected one of {', '.join(BRATS_REGIONS)}")
+    if region not in (*BRATS_REGIONS, "all"):
+        raise DataError(
+            f"dataset.region={region!r}: expected one of {', '.join(BRATS_REGIONS)} or all"
+        )
     if masks.ndim == 3 and region != "whole":
         raise DataError(
             f"dataset.region={region!r}: {folder / 'masks.npy'} holds whole-tumour masks only; "
@@ -228,12 +234,16 @@ def brats(path: str, region: str = "whole", group: str = "auto") -> ArrayDataset
     )
     _check_shape(folder, "masks.npy", masks, f"({len(x)}, H, W) or ({len(x)}, 3, H, W)", shape_ok)
     groups = _groups(folder, "brats", group, len(x), command)
-    y = masks if masks.ndim == 3 else masks[:, BRATS_REGIONS.index(region)]
+    if region == "all":
+        y, classes, task = masks, len(BRATS_REGIONS), "regions"
+    else:
+        y = masks if masks.ndim == 3 else masks[:, BRATS_REGIONS.index(region)]
+        classes, task = 2, "segmentation"
     return ArrayDataset(
         "brats",
         np.array(x, dtype=np.float32),
         (np.asarray(y) > 0).astype(np.int64),
-        2,
+        classes,
         groups,
-        task="segmentation",
+        task=task,
     )

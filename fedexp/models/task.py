@@ -1,11 +1,13 @@
 """What a model is trained for: its loss and its per-client evaluation.
 
 The task follows the data set's ``task`` attribute (:data:`TASKS`, :func:`task_for`):
-``classification`` (tabular data, LUNA16) or ``segmentation`` (BraTS).
+``classification`` (tabular data, LUNA16), ``segmentation`` (BraTS, one region) or
+``regions`` (BraTS, the whole tumour, tumour core and enhancing tumour in one run).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -18,6 +20,7 @@ from fedexp.metrics import (
     CLASSIFICATION_METRICS,
     classification_metrics,
     classification_table,
+    nanmean,
     segmentation_metrics,
 )
 
@@ -163,10 +166,89 @@ class SegmentationTask:
         return segmentation_metrics(logits, y, self.num_classes)
 
 
+#: The BraTS evaluation regions a :class:`RegionsTask` names, in its channels' order: whole
+#: tumour, tumour core, enhancing tumour (``dice_wt``, ``dice_tc``, ``dice_et``).
+REGION_NAMES = ("wt", "tc", "et")
+
+
+class RegionsTask:
+    """Overlapping binary regions, one sigmoid channel each (BraTS's WT, TC, ET in one run).
+
+    The BraTS challenges score three nested regions at once (Menze et al., "The Multimodal
+    Brain Tumor Image Segmentation Benchmark (BRATS)", IEEE TMI 2015); a region is not a class
+    (a tumour-core pixel is also whole tumour), so each has its own sigmoid channel, as in
+    MONAI's BraTS recipe (``ConvertToMultiChannelBasedOnBratsClasses``, ``DiceLoss(sigmoid=
+    True)``). The loss is, per channel, MONAI's :class:`~monai.losses.DiceCELoss` with
+    ``sigmoid=True`` on that one channel (soft Dice + binary cross-entropy), averaged over the
+    channels; evaluation is MONAI's :class:`~monai.metrics.DiceMetric` per region.
+
+    Args:
+        num_classes: the number of regions R (channels of the masks and of the model's output).
+    """
+
+    #: Regions overlap: no class-prior reweighting (FedRoD) applies.
+    exclusive = False
+
+    def __init__(self, num_classes: int) -> None:
+        from monai.losses import DiceLoss
+
+        self.num_classes = num_classes
+        self.names = (
+            REGION_NAMES
+            if num_classes == len(REGION_NAMES)
+            else tuple(str(c) for c in range(num_classes))
+        )
+        self._dice = DiceLoss(sigmoid=True, reduction="none")
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Soft Dice + binary cross-entropy of (n, R, H, W) logits against (n, R, H, W) masks.
+
+        The mean over the regions of MONAI's ``DiceCELoss(sigmoid=True)`` on each region's
+        channel: the Dice loss per image and region averaged over the images whose mask is not
+        :data:`PADDING`, plus the mean binary cross-entropy over their pixels.
+        """
+        n = y.shape[0]
+        valid = (y.reshape(n, -1)[:, 0] != PADDING).to(logits.dtype)
+        target = y.clamp(min=0).to(logits.dtype)
+        dice = self._dice(logits, target).reshape(n, -1).mean(1)
+        dice = (dice * valid).sum() / valid.sum()
+        bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        bce = (bce.reshape(n, -1).mean(1) * valid).sum() / valid.sum()
+        return dice + bce
+
+    def evaluate(self, logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """``dice`` (the mean over the regions), ``dice_<region>`` each, and ``acc``.
+
+        Each region's Dice is MONAI's :class:`~monai.metrics.DiceMetric` of the thresholded
+        prediction (logit > 0) per test image, averaged over the images whose truth holds that
+        region (``ignore_empty``: Dice is undefined on an empty truth, as MONAI's default);
+        a client whose test split never holds the region gets NaN for it, left out of the
+        across-client aggregates and of the mean. ``acc`` is the pixel accuracy over every
+        region's channel.
+        """
+        from monai.metrics import DiceMetric
+
+        pred = (logits > 0).to(logits.dtype)
+        per_image = DiceMetric(include_background=True, reduction="none", ignore_empty=True)(
+            pred, y.to(logits.dtype)
+        )
+        seen = ~torch.isnan(per_image)
+        counts = seen.sum(0)
+        total = torch.where(seen, per_image, 0.0).sum(0, dtype=torch.float64)
+        region = torch.where(counts > 0, total / counts.clamp(min=1), math.nan)
+        out = {"dice": nanmean(region)}
+        out.update(
+            {f"dice_{name}": float(v) for name, v in zip(self.names, region.tolist(), strict=True)}
+        )
+        out["acc"] = float((pred == y).double().mean())
+        return out
+
+
 #: ``ArrayDataset.task`` -> the task built for it (called with the number of classes).
 TASKS: dict[str, Callable[[int], Task]] = {
     "classification": ClassificationTask,
     "segmentation": SegmentationTask,
+    "regions": RegionsTask,
 }
 
 
@@ -187,6 +269,8 @@ def task_for(data: ArrayDataset) -> Task:
 
 def _expected_output(data: ArrayDataset) -> list[tuple[int, ...]]:
     """The per-sample output shapes the data set's task accepts (one logit for two classes)."""
+    if data.task == "regions":  # one channel per region, the masks' shape
+        return [tuple(data.y.shape[1:])]
     classes = {data.num_classes, 1} if data.num_classes == 2 else {data.num_classes}
     if data.task == "segmentation":
         spatial = tuple(data.y.shape[1:])

@@ -57,7 +57,7 @@ HEADER_NAMES = {
 KEY_VALUES = {"privacy.target_epsilon": {UNSET: "∞", "None": "none"}}
 
 #: Metrics that are fractions in [0, 1], reported in percent by default.
-FRACTIONS = ("acc", "bal_acc", "auc", "iou", "label_iou", "dice")
+FRACTIONS = ("acc", "bal_acc", "auc", "iou", "label_iou", "dice", "dice_wt", "dice_tc", "dice_et")
 
 
 def default_scale(metric: str) -> float:

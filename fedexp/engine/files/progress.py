@@ -42,6 +42,7 @@ log = logging.getLogger("fedexp")
 _SHOWN = (
     "acc/mean",
     "iou/mean",
+    "dice/mean",
     "train/train_loss",
     "pfednet/spread",
     "bytes/up_cum",
