@@ -1,5 +1,7 @@
 """Convert BraTS 2017-2023, FeTS 2022 or MSD Task01 releases into 64x64 axial tumour patches.
 
+With ``--dims 3`` it cuts one 3-D crop per patient instead; ``--patch N`` sets the side.
+
 pFedNet (§VI-A, "BraTS2017") segments gliomas from 4-channel 64x64 MRI patches with a U-Net
 (§VI-B2). This module reads every BraTS training release as downloaded (``--layout auto``
 finds which one ``--root`` holds):
@@ -29,6 +31,10 @@ With ``--sites CSV`` (FeTS's ``partitioning_1.csv`` or ``partitioning_2.csv``:
 * ``masks.npy``    uint8 ``(N, 64, 64)`` whole tumour, or ``(N, 3, 64, 64)`` with
   ``--labels regions`` (whole tumour, tumour core, enhancing tumour);
 * ``manifest.csv`` patient, slice, grade, row0, col0, has_tumour (and site with ``--sites``);
+* with ``--dims 3``: one ``P``³ crop per patient centred on the whole tumour's 3-D bounding
+  box (the brain's when there is no tumour), ``images.npy`` ``(N, 4, P, P, P)``, masks
+  ``(N, P, P, P)`` or ``(N, 3, P, P, P)``, axes X, Y, Z of the canonical arrays; the manifest's
+  ``row0``, ``col0``, ``slice`` are then the crop's first index along X, Y, Z;
 * ``summary.json`` counts, skipped files with reasons and the options used;
 * ``skipped.csv``  what was skipped and why (only when something was).
 
@@ -42,6 +48,7 @@ Usage::
     python -m data_prep.brats --root RAW --out OUT
         [--layout auto|brats2017|brats2018|brats2019|brats2020|brats2021|fets2022|brats2023|msd]
         [--sites partitioning_1.csv] [--labels whole|regions] [--negative-share 0.2] [--seed 0]
+        [--dims 2|3] [--patch 64]
 """
 
 from __future__ import annotations
@@ -68,13 +75,17 @@ from data_prep.common import (
     cleanup_partials,
     console_for,
     extract_patch,
+    extract_window,
     file_stamp,
+    geometry_params,
     id_problem,
     nothing_usable,
     one_line,
+    parse_patch,
     prepare_out,
     progress_bar,
     require_dir,
+    resolve_geometry,
     skip_line,
     write_csv,
     write_json,
@@ -84,7 +95,7 @@ from data_prep.common import (
 from fedexp.errors import DataError
 
 PATCH = 64
-"""Patch side length in voxels (paper §VI-A)."""
+"""Default patch side length in voxels (paper §VI-A), for 2-D patches and 3-D crops."""
 MODALITIES = ("flair", "t1", "t1ce", "t2")
 """Output channel order (the same for every release)."""
 MSD_NAMES = ("flair", "t1w", "t1gd", "t2w")
@@ -165,9 +176,12 @@ class BratsOptions:
         sites: FeTS partitioning CSV (``Subject_ID,Partition_ID``) giving each patient's site;
             a relative path is tried against the current folder, ``--root`` and the layout
             folder. ``None`` records no site.
-        negative_share: Target share of tumour-free patches among a patient's patches.
-        seed: Seed of the tumour-free slice draw.
+        negative_share: Target share of tumour-free patches among a patient's patches (2-D
+            only: a 3-D run cuts one crop per patient).
+        seed: Seed of the tumour-free slice draw (2-D only).
         quiet: Suppress the progress bar and messages.
+        dims: 2 for axial slice patches, 3 for one crop per patient.
+        patch: Side length in voxels (even, >= 8); ``None`` means :data:`PATCH`.
     """
 
     layout: str = "auto"
@@ -176,6 +190,8 @@ class BratsOptions:
     negative_share: float = 0.2
     seed: int = 0
     quiet: bool = True
+    dims: int = 2
+    patch: int | None = None
 
 
 # --------------------------------------------------------------------------- discovery
@@ -507,13 +523,27 @@ def _centre(mask2d: np.ndarray) -> tuple[int, int]:
     return (rows[0] + rows[-1] + 1) // 2, (cols[0] + cols[-1] + 1) // 2
 
 
+def bbox_centre(mask: np.ndarray) -> tuple[int, ...]:
+    """Centre of the bounding box of a non-empty N-D mask, one index per axis.
+
+    Per axis ``(first + last + 1) // 2`` of the indices holding a voxel of the mask, as
+    :func:`_centre` does per slice.
+    """
+    centre = []
+    for axis in range(mask.ndim):
+        others = tuple(a for a in range(mask.ndim) if a != axis)
+        hits = np.flatnonzero(mask.any(axis=others))
+        centre.append(int(hits[0] + hits[-1] + 1) // 2)
+    return tuple(centre)
+
+
 def n_negatives(n_tumour: int, share: float) -> int:
     """Number of tumour-free patches so that they are ``share`` of a patient's patches."""
     return int(round(n_tumour * share / (1.0 - share)))
 
 
 def choose_slices(
-    images: np.ndarray, regions: np.ndarray, share: float, seed: int
+    images: np.ndarray, regions: np.ndarray, share: float, seed: int, patch: int = PATCH
 ) -> list[tuple[int, int, int, bool]]:
     """Pick the axial slices and patch corners of one patient.
 
@@ -528,11 +558,12 @@ def choose_slices(
         regions: ``(3, X, Y, Z)``; channel 0 is the whole tumour.
         share: Target share of tumour-free patches, in [0, 1).
         seed: Random seed.
+        patch: Patch side length (the corner is the centre minus half of it).
 
     Returns:
         ``(slice, row0, col0, has_tumour)`` tuples sorted by slice.
     """
-    half = PATCH // 2
+    half = patch // 2
     whole = regions[0]
     picks = []
     for k in np.flatnonzero(whole.any(axis=(0, 1))):
@@ -550,28 +581,89 @@ def choose_slices(
 
 
 def patient_patches(
-    images: np.ndarray, labels: np.ndarray, share: float, seed: int
+    images: np.ndarray, labels: np.ndarray, share: float, seed: int, patch: int = PATCH
 ) -> dict[str, np.ndarray]:
-    """Cut the 64x64 patches of one patient (zero-padded where they leave the slice).
+    """Cut the 2-D slice patches of one patient (zero-padded where they leave the slice).
 
     Args:
         images: Canonical z-scored images ``(4, X, Y, Z)``.
         labels: Common-convention labels ``(X, Y, Z)``.
         share: Target share of tumour-free patches.
         seed: Random seed.
+        patch: Patch side length (default 64).
 
     Returns:
-        ``images`` float32 ``(n, 4, 64, 64)``, ``regions`` uint8 ``(n, 3, 64, 64)`` and the
-        int64 vectors ``slice``, ``row0``, ``col0``, ``has_tumour``.
+        ``images`` float32 ``(n, 4, patch, patch)``, ``regions`` uint8 ``(n, 3, patch, patch)``
+        and the int64 vectors ``slice``, ``row0``, ``col0``, ``has_tumour``.
     """
     regions = regions_from_labels(labels)
-    picks = choose_slices(images, regions, share, seed)
-    out_images = np.zeros((len(picks), 4, PATCH, PATCH), np.float32)
-    out_regions = np.zeros((len(picks), 3, PATCH, PATCH), np.uint8)
+    picks = choose_slices(images, regions, share, seed, patch)
+    out_images = np.zeros((len(picks), 4, patch, patch), np.float32)
+    out_regions = np.zeros((len(picks), 3, patch, patch), np.uint8)
     for n, (k, row0, col0, _) in enumerate(picks):
-        out_images[n] = extract_patch(images[:, :, :, k], row0, col0, PATCH, 0.0)
-        out_regions[n] = extract_patch(regions[:, :, :, k], row0, col0, PATCH, 0)
+        out_images[n] = extract_patch(images[:, :, :, k], row0, col0, patch, 0.0)
+        out_regions[n] = extract_patch(regions[:, :, :, k], row0, col0, patch, 0)
     table = np.array([p[:3] + (int(p[3]),) for p in picks], np.int64).reshape(-1, 4)
+    return {
+        "images": out_images,
+        "regions": out_regions,
+        "slice": table[:, 0],
+        "row0": table[:, 1],
+        "col0": table[:, 2],
+        "has_tumour": table[:, 3],
+    }
+
+
+def crop_start(images: np.ndarray, regions: np.ndarray, patch: int) -> tuple[tuple[int, ...], bool]:
+    """First voxel (along X, Y, Z) of a patient's 3-D crop, and whether it is tumour-centred.
+
+    The crop is centred on the centre of the 3-D bounding box of the whole tumour; a patient
+    without tumour is centred on the bounding box of the brain (non-zero voxels of any
+    channel).
+
+    Args:
+        images: ``(4, X, Y, Z)``.
+        regions: ``(3, X, Y, Z)``; channel 0 is the whole tumour.
+        patch: Crop side length.
+
+    Returns:
+        ``((x0, y0, z0), has_tumour)``; the corner is ``()`` when the patient has neither
+        tumour nor brain (no crop).
+    """
+    whole = regions[0] != 0
+    has_tumour = bool(whole.any())
+    mask = whole if has_tumour else (images != 0).any(axis=0)
+    if not mask.any():
+        return (), False
+    return tuple(c - patch // 2 for c in bbox_centre(mask)), has_tumour
+
+
+def patient_crop(
+    images: np.ndarray, labels: np.ndarray, patch: int = PATCH
+) -> dict[str, np.ndarray]:
+    """Cut the one 3-D crop of a patient (zero-padded where it leaves the volume).
+
+    Args:
+        images: Canonical z-scored images ``(4, X, Y, Z)``.
+        labels: Common-convention labels ``(X, Y, Z)``.
+        patch: Crop side length (default 64).
+
+    Returns:
+        ``images`` float32 ``(n, 4, patch, patch, patch)``, ``regions`` uint8
+        ``(n, 3, patch, patch, patch)`` (axes X, Y, Z) and the int64 vectors ``slice`` (first
+        Z index), ``row0`` (first X index), ``col0`` (first Y index) and ``has_tumour``, with
+        ``n`` = 1, or 0 for a volume without tumour and brain.
+    """
+    regions = regions_from_labels(labels)
+    start, has_tumour = crop_start(images, regions, patch)
+    n = 1 if start else 0
+    out_images = np.zeros((n, 4, patch, patch, patch), np.float32)
+    out_regions = np.zeros((n, 3, patch, patch, patch), np.uint8)
+    if n:
+        out_images[0] = extract_window(images, start, patch, 0.0)
+        out_regions[0] = extract_window(regions, start, patch, 0)
+    x0, y0, z0 = start if n else (0, 0, 0)
+    table = np.array([[z0, x0, y0, int(has_tumour)]][:n], np.int64).reshape(-1, 4)
     return {
         "images": out_images,
         "regions": out_regions,
@@ -685,8 +777,13 @@ def _process_cases(
     options: BratsOptions,
     log: RunLog,
     console: Console,
+    geometry: tuple[int, int] = (2, PATCH),
 ) -> list[tuple[Case, int]]:
-    """Convert (or reuse) every patient; return the usable ones with their patch counts."""
+    """Convert (or reuse) every patient; return the usable ones with their patch counts.
+
+    ``geometry`` is ``(dims, patch side)``: 2-D slice patches or one 3-D crop per patient.
+    """
+    dims, patch = geometry
     done: list[tuple[Case, int]] = []
     with progress_bar(console) as progress:
         task = progress.add_task("BraTS patients", total=len(cases))
@@ -700,7 +797,11 @@ def _process_cases(
             if result is None:
                 try:
                     images, labels = load_case(case, msd_order)
-                    result = patient_patches(images, labels, options.negative_share, options.seed)
+                    if dims == 3:
+                        result = patient_crop(images, labels, patch)
+                    else:
+                        share, seed = options.negative_share, options.seed
+                        result = patient_patches(images, labels, share, seed, patch)
                 except StudyError as exc:
                     log.skip(exc.path, exc.reason, console)
                 except Exception as exc:  # one bad patient must not stop the run
@@ -771,6 +872,7 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
         raise SystemExit(f"error: --negative-share {options.negative_share} not in [0, 1)")
     if options.labels not in ("whole", "regions"):
         raise SystemExit(f"error: --labels {options.labels!r} must be whole or regions")
+    dims, patch = resolve_geometry(options.dims, options.patch, PATCH)
     root = require_dir(Path(root), "raw BraTS folder")
     layout, base = detect_layout(root, options.layout)
     cases = find_cases(base, layout)
@@ -793,32 +895,43 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
             "negative_share": options.negative_share,
             "seed": options.seed,
             "msd_order": list(msd_order),
+            **geometry_params(dims, patch, PATCH),
         },
     )
-    done = _process_cases(cases, msd_order, cache, options, log, console)
+    done = _process_cases(cases, msd_order, cache, options, log, console, (dims, patch))
     if not done:
         raise nothing_usable(out, log, f"all {len(cases)} {layout} patients in {base} were skipped")
     manifest = _manifest(done, cache, sites)
     if manifest.empty:
         what = f"the {len(done)} usable patients in {base} have no tumour slice, so no patch"
+        if dims == 3:
+            what = f"the {len(done)} usable patients in {base} have no brain voxel, so no crop"
         raise nothing_usable(out, log, what)
-    _write_outputs(out, done, cache, manifest, options.labels)
-    summary = _summary(root, base, layout, options, cases, manifest, log)
+    _write_outputs(out, done, cache, manifest, options.labels, (dims, patch))
+    summary = _summary(root, base, layout, options, cases, manifest, log, (dims, patch))
     summary.update(_site_summary(sites_path, sites, manifest))
     summary["out"] = str(out)
     write_skipped(out, log)
     write_json(out / "summary.json", summary)
-    console.print(f"[green]wrote[/green] {len(manifest)} patches to {out}", highlight=False)
+    what = "crops" if dims == 3 else "patches"
+    console.print(f"[green]wrote[/green] {len(manifest)} {what} to {out}", highlight=False)
     return summary
 
 
 def _write_outputs(
-    out: Path, done: list[tuple[Case, int]], cache: StudyCache, manifest: pd.DataFrame, labels: str
+    out: Path,
+    done: list[tuple[Case, int]],
+    cache: StudyCache,
+    manifest: pd.DataFrame,
+    labels: str,
+    geometry: tuple[int, int] = (2, PATCH),
 ) -> None:
     n = len(manifest)
+    dims, patch = geometry
+    side = (patch,) * dims
     images = _stream(done, cache, "images", labels)
-    write_stacked(out / "images.npy", images, (n, 4, PATCH, PATCH), np.float32)
-    mask_shape = (n, PATCH, PATCH) if labels == "whole" else (n, 3, PATCH, PATCH)
+    write_stacked(out / "images.npy", images, (n, 4, *side), np.float32)
+    mask_shape = (n, *side) if labels == "whole" else (n, 3, *side)
     write_stacked(out / "masks.npy", _stream(done, cache, "regions", labels), mask_shape, np.uint8)
     write_csv(out / "manifest.csv", manifest)
 
@@ -846,21 +959,30 @@ def _summary(
     cases: list[Case],
     manifest: pd.DataFrame,
     log: RunLog,
+    geometry: tuple[int, int] = (2, PATCH),
 ) -> dict[str, Any]:
     n_tumour = int(manifest["has_tumour"].astype(int).sum())
+    dims, patch = geometry
+    orientation = "RAS (nibabel.as_closest_canonical); rows = R axis, cols = A axis"
+    if dims == 3:
+        orientation = (
+            "RAS (nibabel.as_closest_canonical); crop axes R, A, S; "
+            "row0/col0/slice = first R/A/S index"
+        )
     return {
         "dataset": "brats",
         "root": str(root),
         "layout": layout,
         "layout_folder": str(base),
-        "orientation": "RAS (nibabel.as_closest_canonical); rows = R axis, cols = A axis",
+        "orientation": orientation,
         "channels": list(MODALITIES),
         "normalisation": "per patient and modality: z-score over non-zero voxels, 0 outside",
         "label_convention": "BraTS: 0 bg, 1 necrotic/non-enhancing, 2 edema, 4 enhancing",
         "release_labels": {str(k): v for k, v in LABEL_TABLES[layout].items()},
         "labels": options.labels,
         "mask_channels": ["whole_tumour"] if options.labels == "whole" else list(REGIONS),
-        "patch_size": PATCH,
+        "dims": dims,
+        "patch_size": patch,
         "negative_share": options.negative_share,
         "seed": options.seed,
         "n_patients_found": len(cases),
@@ -881,7 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m data_prep.brats",
         description=(
             "BraTS 2017-2023 / FeTS 2022 / MSD Task01 release -> 64x64 tumour patches "
-            "(pFedNet §VI-A)."
+            "(pFedNet §VI-A), or one 3-D crop per patient."
         ),
     )
     parser.add_argument("--root", type=Path, required=True, help="raw release folder")
@@ -911,6 +1033,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of tumour-free patches among each patient's patches, in [0, 1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the tumour-free slice draw")
+    parser.add_argument(
+        "--dims",
+        type=int,
+        choices=[2, 3],
+        default=2,
+        help="2: axial slice patches (default); 3: one crop per patient centred on the tumour",
+    )
+    parser.add_argument(
+        "--patch",
+        default=None,
+        metavar="N",
+        help=f"patch side in voxels, even and >= 8 (default {PATCH})",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -918,6 +1053,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m data_prep.brats``."""
     args = build_parser().parse_args(argv)
+    patch = parse_patch(args.patch)
     options = BratsOptions(
         layout=args.layout,
         labels=args.labels,
@@ -925,6 +1061,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         negative_share=args.negative_share,
         seed=args.seed,
         quiet=args.quiet,
+        dims=args.dims,
+        patch=patch,
     )
     try:
         summary = convert(args.root, args.out, options)

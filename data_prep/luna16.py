@@ -1,10 +1,11 @@
-"""Convert the official LUNA16 release into 32x32 axial candidate patches.
+"""Convert the official LUNA16 release into 32x32 axial candidate patches (or 3-D cubes).
 
 pFedNet (§VI-A, "Luna16") classifies lung-nodule candidates from 32x32 patches and varies
 the dataset-level negative:positive ratio δ ∈ {1, 2, 4, 7} (§VI-B1). This module turns the raw
 release into arrays that the training code can load without SimpleITK:
 
-* ``images.npy``   float32 ``(N, 1, 32, 32)``, HU clipped to a window and scaled to [0, 1];
+* ``images.npy``   float32 ``(N, 1, 32, 32)``, HU clipped to a window and scaled to [0, 1]
+  (``--dims 3``: ``(N, 1, P, P, P)`` cubes, axes z, y, x; ``--patch P`` sets the side);
 * ``labels.npy``   int64 ``(N,)``, the candidate's ``class`` column;
 * ``manifest.csv`` one row per patch (series UID, world mm, voxel index, label, and the
   ``subset0``-``subset9`` folder of the volume: the release's ten folds, which
@@ -22,7 +23,7 @@ nothing usable remains. Headers are parsed here, strictly, before ITK sees them
 Usage::
 
     python -m data_prep.luna16 --root RAW --out OUT [--candidates candidates_V2.csv]
-        [--delta 1] [--seed 0] [--hu-window -1000 400]
+        [--delta 1] [--seed 0] [--hu-window -1000 400] [--dims 2|3] [--patch 32]
 
 It never partitions the data into clients: that is the job of ``fedexp.data``.
 """
@@ -50,13 +51,17 @@ from data_prep.common import (
     cleanup_partials,
     console_for,
     extract_patch,
+    extract_window,
     file_stamp,
+    geometry_params,
     id_problem,
     nothing_usable,
     one_line,
+    parse_patch,
     prepare_out,
     progress_bar,
     require_dir,
+    resolve_geometry,
     skip_line,
     write_csv,
     write_json,
@@ -67,7 +72,7 @@ from data_prep.mhd import mhd_problem
 from fedexp.errors import DataError
 
 PATCH = 32
-"""Patch side length in voxels (paper §VI-A)."""
+"""Default patch side length in voxels (paper §VI-A), for 2-D patches and 3-D cubes."""
 HU_WINDOW = (-1000.0, 400.0)
 """Default HU window: air (-1000) to just above soft tissue/nodule density."""
 ORIENTATION = "LPS"
@@ -103,6 +108,8 @@ class LunaOptions:
         seed: Seed of the negative subsampling.
         window: HU window ``(low, high)`` mapped to [0, 1].
         quiet: Suppress the progress bar and messages.
+        dims: 2 for axial patches, 3 for cubes centred on the candidate voxel.
+        patch: Side length in voxels (even, >= 8); ``None`` means :data:`PATCH`.
     """
 
     candidates: Path | None = None
@@ -110,6 +117,8 @@ class LunaOptions:
     seed: int = 0
     window: tuple[float, float] = HU_WINDOW
     quiet: bool = True
+    dims: int = 2
+    patch: int | None = None
 
 
 # --------------------------------------------------------------------------- discovery
@@ -332,34 +341,46 @@ def scale_hu(values: np.ndarray, window: tuple[float, float]) -> np.ndarray:
 
 
 def extract_candidates(
-    image: sitk.Image, points_mm: np.ndarray, window: tuple[float, float]
+    image: sitk.Image,
+    points_mm: np.ndarray,
+    window: tuple[float, float],
+    patch: int = PATCH,
+    dims: int = 2,
 ) -> dict[str, np.ndarray]:
-    """Cut one 32x32 axial patch per candidate, centred on its nearest voxel.
+    """Cut one axial patch (or cube) per candidate, centred on its nearest voxel.
 
-    The patch is taken from axial slice ``voxel_z``; rows run along y, columns along x, and the
-    candidate's voxel sits at pixel (16, 16). Parts outside the volume are padded with the
-    window minimum (0 after scaling).
+    2-D: the ``patch``x``patch`` patch is taken from axial slice ``voxel_z``; rows run along y,
+    columns along x, and the candidate's voxel sits at pixel (patch/2, patch/2), e.g. (16, 16).
+    3-D: the ``patch``³ cube of the (z, y, x) array starting at ``voxel - patch/2`` on every
+    axis, so the candidate's voxel sits at (patch/2, patch/2, patch/2). Parts outside the
+    volume are padded with the window minimum (0 after scaling).
 
     Args:
         image: LPS-oriented volume in HU.
         points_mm: Candidate world coordinates, shape ``(n, 3)``.
         window: HU window.
+        patch: Side length in voxels (even).
+        dims: 2 (axial patches) or 3 (cubes).
 
     Returns:
-        ``patches`` float32 ``(n, 32, 32)``, ``voxels`` int64 ``(n, 3)`` (x, y, z) and
-        ``inside`` bool ``(n,)`` (False: the centre voxel is outside the volume; its patch is
-        all zeros and is dropped later).
+        ``patches`` float32 ``(n, patch, patch)`` (3-D: ``(n, patch, patch, patch)``, axes z, y,
+        x), ``voxels`` int64 ``(n, 3)`` (x, y, z) and ``inside`` bool ``(n,)`` (False: the
+        centre voxel is outside the volume; its patch is all zeros and is dropped later).
     """
     volume = sitk.GetArrayViewFromImage(image)  # (z, y, x)
     voxels = np.floor(world_to_voxel(image, points_mm) + 0.5).astype(np.int64)
     size_xyz = np.asarray(image.GetSize())
     inside = np.all((voxels >= 0) & (voxels < size_xyz), axis=1)
-    patches = np.zeros((len(voxels), PATCH, PATCH), dtype=np.float32)
-    half = PATCH // 2
+    patches = np.zeros((len(voxels), *([patch] * dims)), dtype=np.float32)
+    half = patch // 2
     for i, (vx, vy, vz) in enumerate(voxels):
-        if inside[i]:
-            raw = extract_patch(volume[vz], vy - half, vx - half, PATCH, window[0])
-            patches[i] = scale_hu(raw, window)
+        if not inside[i]:
+            continue
+        if dims == 3:
+            raw = extract_window(volume, (vz - half, vy - half, vx - half), patch, window[0])
+        else:
+            raw = extract_patch(volume[vz], vy - half, vx - half, patch, window[0])
+        patches[i] = scale_hu(raw, window)
     return {"patches": patches, "voxels": voxels, "inside": inside}
 
 
@@ -371,15 +392,22 @@ def _study_tag(path: Path, rows: pd.DataFrame) -> str:
 
 
 def convert_study(
-    path: Path, rows: pd.DataFrame, window: tuple[float, float], root: Path | None = None
+    path: Path,
+    rows: pd.DataFrame,
+    window: tuple[float, float],
+    root: Path | None = None,
+    patch: int = PATCH,
+    dims: int = 2,
 ) -> dict[str, np.ndarray]:
-    """Read one volume and extract the patches of its candidate rows.
+    """Read one volume and extract the patches (or cubes) of its candidate rows.
 
     Args:
         path: ``.mhd`` header.
         rows: The study's candidate rows.
         window: HU window.
         root: The raw folder its files must lie under (``None``: the header's folder).
+        patch: Side length in voxels.
+        dims: 2 (axial patches) or 3 (cubes).
 
     Raises:
         StudyError: If the header/data check fails (see :func:`mhd_problem`).
@@ -389,7 +417,8 @@ def convert_study(
     if problem is not None:
         raise problem
     image = load_volume(path)
-    return extract_candidates(image, rows[["coordX", "coordY", "coordZ"]].to_numpy(), window)
+    points = rows[["coordX", "coordY", "coordZ"]].to_numpy()
+    return extract_candidates(image, points, window, patch, dims)
 
 
 # --------------------------------------------------------------------------- whole dataset
@@ -403,12 +432,15 @@ def _process_studies(
     log: RunLog,
     console: Console,
     root: Path,
+    geometry: tuple[int, int] = (2, PATCH),
 ) -> pd.DataFrame:
     """Convert (or reuse) each study; return the manifest rows of all usable candidates.
 
     Every study's files are checked first (:func:`data_prep.mhd.mhd_problem`), also those in the
     resume cache: a header that now points outside ``root`` is skipped, not served from the cache.
+    ``geometry`` is ``(dims, patch side)``.
     """
+    dims, patch = geometry
     kept: list[pd.DataFrame] = []
     with progress_bar(console) as progress:
         task = progress.add_task("LUNA16 volumes", total=len(groups))
@@ -422,7 +454,7 @@ def _process_studies(
             result = cache.load(uid, tag)
             if result is None:
                 try:
-                    result = convert_study(volumes[uid], rows, options.window, root)
+                    result = convert_study(volumes[uid], rows, options.window, root, patch, dims)
                 except StudyError as exc:
                     log.skip(exc.path, exc.reason, console)
                 except Exception as exc:  # one unreadable study must not stop the run
@@ -479,6 +511,7 @@ def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[s
         SystemExit: If ``root`` is missing or holds no LUNA16 layout.
     """
     options = options or LunaOptions()
+    dims, patch = resolve_geometry(options.dims, options.patch, PATCH)
     low, high = options.window
     if not high > low:
         raise SystemExit(f"error: HU window {options.window} must have low < high")
@@ -509,8 +542,9 @@ def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[s
         raise nothing_usable(out, log, what)
     wanted = subsample_negatives(candidates.loc[on_disk], options.delta, options.seed)
     groups = {uid: rows for uid, rows in wanted.groupby("seriesuid", sort=True)}
-    cache = StudyCache(out, {"dataset": "luna16", "window": list(options.window)})
-    rows = _process_studies(groups, volumes, cache, options, log, console, root)
+    params = {"dataset": "luna16", "window": list(options.window)}
+    cache = StudyCache(out, {**params, **geometry_params(dims, patch, PATCH)})
+    rows = _process_studies(groups, volumes, cache, options, log, console, root, (dims, patch))
     if rows.empty:
         raise nothing_usable(out, log, f"all {len(groups)} volumes with candidates were skipped")
 
@@ -520,17 +554,22 @@ def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[s
     final = subsample_negatives(inside, options.delta, options.seed)
     final = final.sort_values(["seriesuid", "candidate_index"], kind="stable")
     final = final.assign(subset=final["seriesuid"].map(lambda uid: subset_of(volumes[uid], root)))
-    _write_outputs(out, final, _patches(final, cache, groups, volumes))
-    summary = _summary(root, csv_path, options, candidates, on_disk, volumes, rows, final, log)
+    shape = (len(final), 1, *([patch] * dims))
+    _write_outputs(out, final, _patches(final, cache, groups, volumes), shape)
+    summary = _summary(
+        root, csv_path, options, candidates, on_disk, volumes, rows, final, log, (dims, patch)
+    )
     summary["out"] = str(out)
     write_skipped(out, log)
     write_json(out / "summary.json", summary)
-    console.print(f"[green]wrote[/green] {len(final)} patches to {out}", highlight=False)
+    what = "cubes" if dims == 3 else "patches"
+    console.print(f"[green]wrote[/green] {len(final)} {what} to {out}", highlight=False)
     return summary
 
 
-def _write_outputs(out: Path, final: pd.DataFrame, patches: Iterator[np.ndarray]) -> None:
-    shape = (len(final), 1, PATCH, PATCH)
+def _write_outputs(
+    out: Path, final: pd.DataFrame, patches: Iterator[np.ndarray], shape: tuple[int, ...]
+) -> None:
     write_stacked(out / "images.npy", patches, shape, np.float32)
     labels = final["class"].to_numpy(np.int64)
     write_stacked(out / "labels.npy", [labels], labels.shape, np.int64)
@@ -548,6 +587,7 @@ def _summary(
     rows: pd.DataFrame,
     final: pd.DataFrame,
     log: RunLog,
+    geometry: tuple[int, int] = (2, PATCH),
 ) -> dict[str, Any]:
     n_pos = int((final["class"] == 1).sum())
     n_neg = int((final["class"] == 0).sum())
@@ -559,7 +599,7 @@ def _summary(
         "hu_window": list(options.window),
         "scaling": "clip(HU, low, high) then (HU - low) / (high - low); padding = 0",
         "orientation": ORIENTATION,
-        "patch_size": PATCH,
+        **_geometry_summary(*geometry),
         "delta": options.delta,
         "seed": options.seed,
         "n_samples": len(final),
@@ -581,6 +621,11 @@ def _summary(
     }
 
 
+def _geometry_summary(dims: int, patch: int) -> dict[str, Any]:
+    """Summary fields of the patch geometry actually used."""
+    return {"dims": dims, "patch_size": patch, "patch_axes": ["z", "y", "x"][3 - dims :]}
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -588,7 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of ``python -m data_prep.luna16``."""
     parser = argparse.ArgumentParser(
         prog="python -m data_prep.luna16",
-        description="LUNA16 raw release -> 32x32 candidate patches (pFedNet §VI-A).",
+        description=(
+            "LUNA16 raw release -> 32x32 candidate patches (pFedNet §VI-A), or 3-D cubes."
+        ),
     )
     parser.add_argument("--root", type=Path, required=True, help="raw folder (subset*/ + CSVs)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
@@ -610,6 +657,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("LOW", "HIGH"),
         help="HU window mapped to [0, 1] (default -1000 400)",
     )
+    parser.add_argument(
+        "--dims",
+        type=int,
+        choices=[2, 3],
+        default=2,
+        help="2: axial patches (default); 3: cubes centred on the candidate voxel, axes z, y, x",
+    )
+    parser.add_argument(
+        "--patch",
+        default=None,
+        metavar="N",
+        help=f"patch side in voxels, even and >= 8 (default {PATCH})",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -623,12 +683,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: --seed {args.seed}: must be ≥ 0")
     if not all(math.isfinite(v) for v in args.hu_window):
         raise SystemExit(f"error: --hu-window {args.hu_window}: must be two finite HU values")
+    patch = parse_patch(args.patch)
     options = LunaOptions(
         candidates=args.candidates,
         delta=args.delta,
         seed=args.seed,
         window=(args.hu_window[0], args.hu_window[1]),
         quiet=args.quiet,
+        dims=args.dims,
+        patch=patch,
     )
     try:
         summary = convert(args.root, args.out, options)

@@ -3,7 +3,8 @@
 Image pFL baselines train on randomly flipped and rotated patches with jittered intensities
 (MONAI's ``RandFlip``, ``RandRotate90``, ``RandScaleIntensity``, ``RandShiftIntensity``). Those
 transforms take one image and a NumPy or torch generator of their own; fedexp draws a whole
-cohort's minibatch of a step as one ``[m, B, C, H, W]`` tensor (the local solver,
+cohort's minibatch of a step as one ``[m, B, C, H, W]`` tensor (``[m, B, C, D, H, W]`` for
+cubes; the local solver,
 :func:`fedexp.engine.solver.steps.draw_batch`), so the same transforms are written here as
 batched tensor operations, with every random choice a counter-based hash of (the client's
 stream key, its draw number, the sample's position in the batch). A client's augmented batch
@@ -20,6 +21,7 @@ import torch
 
 from fedexp.config.ranges import Fraction, NonNegative
 from fedexp.engine.rng import _GOLDEN, _s64, _srl, mix64
+from fedexp.errors import ConfigError
 
 #: tweak of augmentation's hashes (apart from the minibatch draws')
 _AUGMENT = _s64(0x2545F4914F6CDD1D)
@@ -48,6 +50,9 @@ class NoAugmentation:
         """``x`` and ``y`` unchanged."""
         return x, y
 
+    def check(self, dataset: str, sample: tuple[int, ...]) -> None:
+        """Any input: nothing to refuse."""
+
 
 def _where(flag: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a`` where the per-sample ``flag`` [m, B] holds, else ``b``."""
@@ -57,10 +62,11 @@ def _where(flag: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
 class FlipRotate:
     """Random flips along each spatial axis and rotations by multiples of 90 degrees.
 
-    As MONAI's ``RandFlip`` (each of the two spatial axes flipped with probability ``flip``)
-    followed by ``RandRotate90`` (with probability ``rotate``, a quarter, half or three-quarter
-    turn, each as likely; square images only), per sample. A segmentation mask moves with its
-    image.
+    As MONAI's ``RandFlip`` (each spatial axis, two of an image and three of a cube, flipped
+    with probability ``flip``) followed by ``RandRotate90`` (with probability ``rotate``, a
+    quarter, half or three-quarter turn, each as likely, in the plane of the last two axes:
+    the axial plane of LUNA16's cubes; square planes only), per sample. A segmentation mask
+    moves with its image.
 
     Args:
         flip: probability of flipping each spatial axis.
@@ -73,25 +79,43 @@ class FlipRotate:
         self.flip = float(flip)
         self.rotate = float(rotate)
 
+    def check(self, dataset: str, sample: tuple[int, ...]) -> None:
+        """Refuse a data set whose samples are not images ``(C, H, W)`` or cubes ``(C, D, H, W)``.
+
+        Raises:
+            ConfigError: one line naming the data set and its sample shape.
+        """
+        if len(sample) not in (3, 4):
+            raise ConfigError(
+                f"augment=flip_rotate: dataset {dataset!r} has inputs of shape {sample}; "
+                "expected images (C, H, W) or cubes (C, D, H, W)"
+            )
+
     def __call__(
         self, x: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, draws: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` [m, B, C, H, W] and its targets, each sample transformed."""
-        if x.dim() != 5:
+        """``x`` [m, B, C, *spatial] and its targets, each sample transformed.
+
+        Per sample, ``2 + len(spatial)`` uniforms: one a flip of each axis (from the first
+        spatial axis), then whether to turn and by how much.
+        """
+        dims = x.dim() - 3
+        if dims not in (2, 3):
             raise ValueError(
-                f"augment=flip_rotate: expected images [clients, batch, C, H, W], got inputs "
-                f"of shape {tuple(x.shape)}"
+                f"augment=flip_rotate: expected images [clients, batch, C, H, W] or cubes "
+                f"[clients, batch, C, D, H, W], got inputs of shape {tuple(x.shape)}"
             )
-        u = uniforms(keys, draws, x.shape[1], 4).to(x.device)
-        masks = y.dim() >= 4 and tuple(y.shape[-2:]) == tuple(x.shape[-2:])  # [m, B, (R,) H, W]
-        for axis, col in ((-2, 0), (-1, 1)):
+        u = uniforms(keys, draws, x.shape[1], dims + 2).to(x.device)
+        spatial = tuple(x.shape[-dims:])
+        masks = y.dim() >= 2 + dims and tuple(y.shape[-dims:]) == spatial  # [m, B, (R,) *spatial]
+        for col, axis in enumerate(range(-dims, 0)):
             flag = u[..., col] < self.flip
             x = _where(flag, x.flip(axis), x)
             if masks:
                 y = _where(flag, y.flip(axis), y)
         if self.rotate > 0 and x.shape[-1] == x.shape[-2]:
-            turn = u[..., 2] < self.rotate
-            quarter = 1 + (u[..., 3] * 3).long().clamp(max=2)  # 1, 2 or 3 quarter turns
+            turn = u[..., dims] < self.rotate
+            quarter = 1 + (u[..., dims + 1] * 3).long().clamp(max=2)  # 1, 2 or 3 quarter turns
             x0, y0 = x, y
             for k in (1, 2, 3):
                 flag = turn & (quarter == k)
@@ -117,6 +141,9 @@ class Intensity:
     def __init__(self, scale: NonNegative = 0.1, shift: NonNegative = 0.1) -> None:
         self.scale = float(scale)
         self.shift = float(shift)
+
+    def check(self, dataset: str, sample: tuple[int, ...]) -> None:
+        """Any input (a table's features are scaled and shifted alike): nothing to refuse."""
 
     def __call__(
         self, x: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, draws: torch.Tensor

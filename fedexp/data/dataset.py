@@ -16,11 +16,12 @@ class ArrayDataset:
     Attributes:
         name: short name for logs.
         x: inputs, shape (n, ...) float32.
-        y: integer class labels, shape (n,) (or segmentation masks, shape (n, H, W)).
+        y: integer class labels, shape (n,) (or segmentation masks, shape (n, H, W) or
+            (n, D, H, W); all regions: (n, R, H, W) or (n, R, D, H, W)).
         num_classes: number of classes.
         groups: optional natural site / patient id per sample, for natural partitions.
         feature_names: optional names of the input features (tabular data).
-        task: "classification" or "segmentation".
+        task: "classification", "segmentation" or "regions" (:data:`fedexp.models.task.TASKS`).
 
     Raises:
         DataError: ``x`` holds no sample (a loader must say which file was empty; this is the
@@ -56,4 +57,4 @@ class ArrayDataset:
     @property
     def in_channels(self) -> int:
         """Channels of image inputs (1 for tabular)."""
-        return int(self.x.shape[1]) if self.x.ndim == 4 else 1
+        return int(self.x.shape[1]) if self.x.ndim >= 4 else 1

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import pandas as pd
 
-from fedexp.config.ranges import NonNegativeInt, Positive
+from fedexp.config.ranges import NonNegativeInt, Positive, Range
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
 
@@ -118,6 +119,33 @@ def _check_shape(folder: Path, name: str, array: np.ndarray, expected: str, ok: 
         )
 
 
+#: ``dataset.dims`` values: 2-D patches (the papers') or 3-D cubes (``data_prep --dims 3``).
+DIMS = (2, 3)
+
+#: ``dataset.dims``: 2 or 3 spatial axes.
+Dims = Annotated[int, Range(ge=2, le=3, note="2: patches, 3: cubes")]
+
+
+def _check_dims(folder: Path, x: np.ndarray, dims: int, channels: str, command: str) -> None:
+    """``images.npy`` holds ``dims``-D patches (``(N, C, H, W)`` or ``(N, C, D, H, W)``).
+
+    Raises:
+        DataError: ``dims`` is not 2 or 3, or the prepared patches have the other number of
+            spatial axes (naming the ``data_prep`` command that writes the asked ones).
+    """
+    if dims not in DIMS:
+        raise DataError(f"dataset.dims={dims}: expected 2 (patches) or 3 (cubes)")
+    held = x.ndim - 2
+    if held != dims:
+        what = {2: "2-D patches", 3: "3-D cubes"}.get(held, f"{held}-D arrays")
+        flag = " --dims 3" if dims == 3 else ""
+        raise DataError(
+            f"dataset.dims={dims}: {folder / 'images.npy'} holds {what} (shape "
+            f"{list(x.shape)}, expected {channels}); prepare {dims}-D ones with "
+            f"`{command.format(out=folder)}{flag}` into another folder (see docs/data_prep.md)"
+        )
+
+
 def _check_not_empty(folder: Path, x: np.ndarray, command: str) -> None:
     """A prepared folder without patches is an empty data set: say so, naming the file."""
     if len(x) == 0:
@@ -128,7 +156,11 @@ def _check_not_empty(folder: Path, x: np.ndarray, command: str) -> None:
 
 
 def luna16(
-    path: str, delta: Positive | None = None, seed: NonNegativeInt = 0, group: str = "auto"
+    path: str,
+    delta: Positive | None = None,
+    seed: NonNegativeInt = 0,
+    group: str = "auto",
+    dims: Dims = 2,
 ) -> ArrayDataset:
     """LUNA16 nodule candidates as 32x32 patches (pFedNet §VI-A, lung nodule classification).
 
@@ -144,10 +176,13 @@ def luna16(
             ``subset0``-``subset9`` folder of the volume, ten sites), ``seriesuid`` (the CT
             series) or ``auto``: ``subset`` when the manifest records one for every patch
             (folders prepared before subsets were recorded have none), else ``seriesuid``.
+        dims: 2 (axial patches, the paper's) or 3 (cubes around the candidates, prepared with
+            ``data_prep.luna16 --dims 3``).
 
     Returns:
-        Classification data: x float32 (n, 1, 32, 32) in [0, 1], y int64 (n,) with 1 = nodule,
-        groups = the subset or CT series UID of each candidate.
+        Classification data: x float32 (n, 1, 32, 32) in [0, 1] ((n, 1, P, P, P) cubes with
+        ``dims=3``), y int64 (n,) with 1 = nodule, groups = the subset or CT series UID of each
+        candidate.
 
     Raises:
         DataError: the prepared arrays are missing, inconsistent or hold no patch, δ is not a
@@ -158,7 +193,9 @@ def luna16(
     folder = _folder(path, "LUNA16", command)
     x = _load(folder, "images.npy", command)
     y = _load(folder, "labels.npy", command)
-    _check_shape(folder, "images.npy", x, "(N, 1, H, W) float32", x.ndim == 4 and x.shape[1] == 1)
+    expected = "(N, 1, H, W)" if dims == 2 else "(N, 1, D, H, W)"
+    _check_dims(folder, x, dims, expected, command)
+    _check_shape(folder, "images.npy", x, f"{expected} float32", x.shape[1] == 1)
     _check_not_empty(folder, x, command)
     _check_shape(folder, "labels.npy", y, f"({len(x)},) integers", y.shape == (len(x),))
     groups = _groups(folder, "luna16", group, len(x), command)
@@ -187,7 +224,7 @@ def luna16(
     )
 
 
-def brats(path: str, region: str = "whole", group: str = "auto") -> ArrayDataset:
+def brats(path: str, region: str = "whole", group: str = "auto", dims: Dims = 2) -> ArrayDataset:
     """BraTS tumour patches, 64x64 with four MRI channels (pFedNet §VI-A, segmentation).
 
     Args:
@@ -200,12 +237,14 @@ def brats(path: str, region: str = "whole", group: str = "auto") -> ArrayDataset
         group: what ``partition=natural`` deals out: ``site`` (recorded by ``data_prep.brats
             --sites partitioning_1.csv``, FeTS's institutions), ``patient``, or ``auto``:
             ``site`` when the manifest has one, else ``patient``.
+        dims: 2 (axial slice patches, the paper's) or 3 (one crop around each patient's
+            tumour, prepared with ``data_prep.brats --dims 3``).
 
     Returns:
         Segmentation data: x float32 (n, 4, 64, 64), channels FLAIR, T1, T1ce, T2 (z-scored per
         patient); y int64 (n, 64, 64) in {0, 1} (``region=all``: (n, 3, 64, 64), whole tumour,
-        tumour core, enhancing tumour; task ``regions``); groups = the site or patient of each
-        patch.
+        tumour core, enhancing tumour; task ``regions``); with ``dims=3`` one more spatial axis
+        on x and y (cubes); groups = the site or patient of each patch.
         Its ``labels`` (one per sample, for partitions and the stratified 80/20 split) say
         whether the patch holds tumour.
 
@@ -217,27 +256,32 @@ def brats(path: str, region: str = "whole", group: str = "auto") -> ArrayDataset
     folder = _folder(path, "BraTS", command)
     x = _load(folder, "images.npy", command)
     masks = _load(folder, "masks.npy", command)
-    _check_shape(folder, "images.npy", x, "(N, 4, H, W) float32", x.ndim == 4 and x.shape[1] == 4)
+    expected = "(N, 4, H, W)" if dims == 2 else "(N, 4, D, H, W)"
+    _check_dims(folder, x, dims, expected, command)
+    _check_shape(folder, "images.npy", x, f"{expected} float32", x.shape[1] == 4)
     _check_not_empty(folder, x, command)
     if region not in (*BRATS_REGIONS, "all"):
         raise DataError(
             f"dataset.region={region!r}: expected one of {', '.join(BRATS_REGIONS)} or all"
         )
-    if masks.ndim == 3 and region != "whole":
+    whole_only = masks.ndim == x.ndim - 1  # (N, *spatial), not (N, 3, *spatial)
+    if whole_only and region != "whole":
         raise DataError(
             f"dataset.region={region!r}: {folder / 'masks.npy'} holds whole-tumour masks only; "
             f"prepare with `python -m data_prep.brats --root RAW --out {folder} --labels regions`"
         )
     shape_ok = masks.shape[0] == len(x) and (
-        (masks.ndim == 3 and masks.shape[1:] == x.shape[2:])
-        or (masks.ndim == 4 and masks.shape[1] == 3 and masks.shape[2:] == x.shape[2:])
+        (whole_only and masks.shape[1:] == x.shape[2:])
+        or (masks.ndim == x.ndim and masks.shape[1] == 3 and masks.shape[2:] == x.shape[2:])
     )
-    _check_shape(folder, "masks.npy", masks, f"({len(x)}, H, W) or ({len(x)}, 3, H, W)", shape_ok)
+    spatial = ", ".join(str(s) for s in x.shape[2:])
+    said = f"({len(x)}, {spatial}) or ({len(x)}, 3, {spatial})"
+    _check_shape(folder, "masks.npy", masks, said, shape_ok)
     groups = _groups(folder, "brats", group, len(x), command)
     if region == "all":
         y, classes, task = masks, len(BRATS_REGIONS), "regions"
     else:
-        y = masks if masks.ndim == 3 else masks[:, BRATS_REGIONS.index(region)]
+        y = masks if whole_only else masks[:, BRATS_REGIONS.index(region)]
         classes, task = 2, "segmentation"
     return ArrayDataset(
         "brats",

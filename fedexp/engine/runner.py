@@ -24,7 +24,7 @@ from fedexp.comm.channel import Channel
 from fedexp.config.groups import check_channel_keys, check_groups
 from fedexp.config.instantiate import fresh_dir, instantiate_checked, resumed_run_dir
 from fedexp.config.schema import validate
-from fedexp.data.augment import FlipRotate, NoAugmentation
+from fedexp.data.augment import NoAugmentation
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import clients_for_batch, federate
 from fedexp.engine import rng
@@ -182,11 +182,7 @@ def _augment(cfg: DictConfig, data: ArrayDataset) -> Any:
     if not node:
         return NoAugmentation()
     augment = instantiate_checked(node, "augment")
-    if isinstance(augment, FlipRotate) and len(data.x.shape[1:]) != 3:
-        raise ConfigError(
-            f"augment=flip_rotate: dataset {data.name!r} has inputs of shape "
-            f"{tuple(data.x.shape[1:])}; expected images (C, H, W)"
-        )
+    augment.check(data.name, tuple(data.x.shape[1:]))
     return augment
 
 

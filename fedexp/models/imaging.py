@@ -33,14 +33,16 @@ def _norm(norm: str | Sequence[Any]) -> str | tuple[Any, ...]:
     return norm if isinstance(norm, str) else tuple(norm)
 
 
-def _image_shape(input_shape: Sequence[int], model: str) -> tuple[int, int, int]:
-    if len(input_shape) != 3:
+def _image_shape(input_shape: Sequence[int], model: str) -> tuple[int, tuple[int, ...]]:
+    """(channels, spatial sizes) of 2-D ``(C, H, W)`` or 3-D ``(C, D, H, W)`` image inputs."""
+    if len(input_shape) not in (3, 4):
         raise ConfigError(
-            f"model={model} needs image inputs (channels, height, width); the dataset gives "
-            f"inputs of shape {list(input_shape)} (use dataset=luna16 or dataset=brats)"
+            f"model={model} needs image inputs (channels, height, width) or (channels, depth, "
+            f"height, width); the dataset gives inputs of shape {list(input_shape)} (use "
+            "dataset=luna16 or dataset=brats)"
         )
-    c, h, w = (int(s) for s in input_shape)
-    return c, h, w
+    c, *spatial = (int(s) for s in input_shape)
+    return c, tuple(spatial)
 
 
 def densenet(
@@ -57,10 +59,10 @@ def densenet(
 
     The authors' network: DenseNet-BC with growth rate 6 and three dense blocks of 16
     bottleneck layers, compression 0.5 at the transitions (Huang et al., 2017, CIFAR variant).
-    Built with :class:`monai.networks.nets.DenseNet` (``spatial_dims=2``); its ImageNet stem
-    (7x7 stride-2 convolution and max pooling, a 4x reduction meant for 224x224 inputs) is
-    replaced by the CIFAR stem, a 3x3 stride-1 convolution, so a 32x32 patch is seen at 32x32,
-    16x16 and 8x8 by the three blocks.
+    Built with :class:`monai.networks.nets.DenseNet` (``spatial_dims`` 2, or 3 for cubes:
+    taken from the inputs); its ImageNet stem (7x7 stride-2 convolution and max pooling, a 4x
+    reduction meant for 224x224 inputs) is replaced by the CIFAR stem, a 3x3 stride-1
+    convolution, so a 32x32 patch is seen at 32x32, 16x16 and 8x8 by the three blocks.
 
     Parameter names: ``features.*`` (stem, dense blocks, transitions) and
     ``class_layers.out.*``, the fully connected classifier that ``conf/model/densenet.yaml``
@@ -70,7 +72,8 @@ def densenet(
     paper's BatchNorm, whose running statistics are kept per client (see the module docstring).
 
     Args:
-        input_shape: (channels, height, width) of one input, e.g. (1, 32, 32).
+        input_shape: (channels, height, width) of one input, e.g. (1, 32, 32), or (channels,
+            depth, height, width) of a cube, e.g. (1, 32, 32, 32).
         num_classes: number of classes C (C logits; 2 for nodule / not).
         growth_rate: k ≥ 1, channels added by each dense layer.
         block_config: dense layers per block.
@@ -82,10 +85,10 @@ def densenet(
     Raises:
         ConfigError: inputs are not images.
     """
-    channels, _, _ = _image_shape(input_shape, "densenet")
+    channels, spatial = _image_shape(input_shape, "densenet")
     init = 2 * growth_rate if init_features is None else init_features
     net = DenseNet(
-        spatial_dims=2,
+        spatial_dims=len(spatial),
         in_channels=channels,
         out_channels=num_classes,
         init_features=init,
@@ -95,7 +98,8 @@ def densenet(
         norm=_norm(norm),
         dropout_prob=dropout_prob,
     )
-    stem = nn.Conv2d(channels, init, kernel_size=3, padding=1, bias=False)
+    conv = nn.Conv2d if len(spatial) == 2 else nn.Conv3d
+    stem = conv(channels, init, kernel_size=3, padding=1, bias=False)
     nn.init.kaiming_normal_(stem.weight)
     net.features.conv0 = stem
     net.features.pool0 = nn.Identity()
@@ -112,10 +116,11 @@ def unet(
     act: str | Sequence[Any] = "PRELU",
     dropout: OpenFraction = 0.0,
 ) -> nn.Module:
-    """2-D U-Net (pFedNet §VI: BraTS2017 64x64 four-channel patches, tumour segmentation).
+    """U-Net (pFedNet §VI: BraTS2017 64x64 four-channel patches, tumour segmentation).
 
-    Built with :class:`monai.networks.nets.UNet` (``spatial_dims=2``, ``in_channels`` from the
-    data: 4 MRI channels, ``out_channels = num_classes``: 2 for background / whole tumour). The
+    Built with :class:`monai.networks.nets.UNet` (``spatial_dims`` 2, or 3 for cubes: taken
+    from the inputs; ``in_channels`` from the data: 4 MRI channels, ``out_channels =
+    num_classes``: 2 for background / whole tumour, 3 for all regions). The
     default widths (16 to 128) are smaller than the original U-Net's (64 to 1024) so that a
     federated round on a CPU takes seconds; set ``model.channels`` for the full size.
 
@@ -128,7 +133,8 @@ def unet(
     BatchNorm, whose running statistics are kept per client (see the module docstring).
 
     Args:
-        input_shape: (channels, height, width) of one input, e.g. (4, 64, 64).
+        input_shape: (channels, height, width) of one input, e.g. (4, 64, 64), or (channels,
+            depth, height, width) of a cube.
         num_classes: output channels (classes, background included).
         channels: feature channels of each level, from the top.
         strides: down-sampling stride between levels (``len(channels) - 1`` of them).
@@ -140,20 +146,21 @@ def unet(
     Raises:
         ConfigError: inputs are not images, or the levels do not fit the patch size.
     """
-    in_channels, height, width = _image_shape(input_shape, "unet")
+    in_channels, spatial = _image_shape(input_shape, "unet")
     if len(strides) != len(channels) - 1:
         raise ConfigError(
             f"model.strides={list(strides)}: expected len(model.channels) - 1 = "
             f"{len(channels) - 1} strides"
         )
     scale = math.prod(strides)
-    if height % scale or width % scale:
+    if any(side % scale for side in spatial):
+        size = "x".join(str(side) for side in spatial)
         raise ConfigError(
-            f"model.strides={list(strides)}: the patch size {height}x{width} must be divisible "
+            f"model.strides={list(strides)}: the patch size {size} must be divisible "
             f"by their product {scale}"
         )
     net = UNet(
-        spatial_dims=2,
+        spatial_dims=len(spatial),
         in_channels=in_channels,
         out_channels=num_classes,
         channels=tuple(channels),
