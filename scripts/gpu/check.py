@@ -14,7 +14,9 @@ in its step) with its own time budget; ``--smallest`` runs them all in one child
 * ``syncs``: host synchronisations in one round (``torch.cuda.set_sync_debug_mode``), at two
   client counts: their difference over the clients' is the syncs per client; and the next
   round's dispatched ops and host reads (``fedexp.engine.round.census``), equal at both;
-* ``bench_cnn``, ``bench_lr``, ``bench_densenet``, ``bench_unet``: client updates/s of
+* ``bench_cnn``, ``bench_lr``, ``bench_densenet``, ``bench_unet`` and the 3-D
+  ``bench_densenet3d`` (LUNA16-shaped 32³ cubes) and ``bench_unet3d`` (BraTS-shaped 4×64³
+  crops), at fewer clients (``clients_3d``): client updates/s of
   fedexp's round and of the plain per-client loop (``scripts/bench_engine.py``'s) on the same
   tensors, the measured step bound (``scripts/gpu_cnn_rate.py``'s: one SGD step of one model
   on every client's minibatch at once), the FLOP bound (train FLOPs per sample × samples per
@@ -81,6 +83,8 @@ STEPS = (
     "bench_lr",
     "bench_densenet",
     "bench_unet",
+    "bench_densenet3d",
+    "bench_unet3d",
     "profile",
     "sweep",
 )
@@ -113,6 +117,7 @@ class Sizes:
         inline: every step in one child process (the smallest form, quick to start).
         threads: torch CPU threads (0: torch's default).
         clients: client counts of the benchmark.
+        clients_3d: client counts of the 3-D workloads (a cube is 32-64 slices).
         warmup: rounds before the timed ones.
         rounds: timed rounds at most (fewer when the cell's time runs out).
         plain_s: seconds of the plain loop's timing a cell.
@@ -134,6 +139,7 @@ class Sizes:
     inline: bool
     threads: int
     clients: tuple[int, ...]
+    clients_3d: tuple[int, ...]
     warmup: int
     rounds: int
     plain_s: float
@@ -161,10 +167,11 @@ def _budgets(*seconds: float) -> dict[str, float]:
 SIZES: dict[str, Sizes] = {
     "gpu": Sizes(
         total_s=450,
-        budgets=_budgets(25, 40, 30, 30, 50, 35, 90, 60, 20, 60),
+        budgets=_budgets(25, 40, 30, 30, 45, 30, 70, 45, 40, 40, 15, 40),
         inline=False,
         threads=0,
         clients=(100, 1000),
+        clients_3d=(10, 100),
         warmup=2,
         rounds=10,
         plain_s=6.0,
@@ -187,10 +194,11 @@ SIZES: dict[str, Sizes] = {
     ),
     "cpu": Sizes(
         total_s=290,
-        budgets=_budgets(15, 40, 30, 20, 25, 25, 55, 30, 15, 30),
+        budgets=_budgets(15, 35, 25, 20, 20, 20, 45, 25, 20, 20, 15, 30),
         inline=False,
         threads=1,
         clients=(4, 8),
+        clients_3d=(2, 4),
         warmup=1,
         rounds=2,
         plain_s=1.0,
@@ -203,14 +211,20 @@ SIZES: dict[str, Sizes] = {
         sweep_algorithms=("fedavg", "local"),
         sweep_rounds=2,
         sweep_cpu=1,
-        workloads={"densenet": (10, 1, 2), "unet": (10, 1, 4)},
+        workloads={
+            "densenet": (10, 1, 2),
+            "unet": (10, 1, 4),
+            "densenet3d": (10, 1, 2),
+            "unet3d": (10, 1, 2),
+        },
     ),
     "smallest": Sizes(
         total_s=100,
-        budgets=_budgets(10, 30, 15, 10, 10, 10, 10, 10, 10, 30),
+        budgets=_budgets(10, 30, 15, 10, 10, 10, 10, 10, 10, 10, 10, 30),
         inline=True,
         threads=1,
         clients=(2,),
+        clients_3d=(2,),
         warmup=1,
         rounds=1,
         plain_s=0.2,
@@ -223,7 +237,12 @@ SIZES: dict[str, Sizes] = {
         sweep_algorithms=("fedavg",),
         sweep_rounds=1,
         sweep_cpu=0,
-        workloads={"densenet": (5, 1, 2), "unet": (5, 1, 2)},
+        workloads={
+            "densenet": (5, 1, 2),
+            "unet": (5, 1, 2),
+            "densenet3d": (5, 1, 2),
+            "unet3d": (5, 1, 2),
+        },
     ),
 }
 
@@ -234,7 +253,15 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
     "cnn": (64, 2, 16),
     "densenet": (40, 2, 16),  # LUNA16-shaped 1x32x32 patches, conf/model/densenet.yaml
     "unet": (20, 2, 8),  # BraTS-shaped 4x64x64 patches and masks, conf/model/unet.yaml
+    # the 3-D ones (dataset.dims=3): LUNA16-shaped 1x32x32x32 cubes with a thinner DenseNet
+    # (block_config [4,4,4]: 1 GiB a client's step against 7 GiB for the 2-D one's 16-16-16),
+    # BraTS-shaped 4x64x64x64 crops with the U-Net (118 MiB a client's step at batch 2)
+    "densenet3d": (20, 2, 8),
+    "unet3d": (10, 2, 2),
 }
+
+#: Overrides of the 3-D workloads' models (see :data:`WORKLOADS`).
+MODEL_3D = {"densenet3d": ("model.block_config=[4,4,4]",), "unet3d": ()}
 
 
 # ====================================================================== child-side helpers
@@ -656,22 +683,25 @@ def step_syncs(s: Step) -> None:
 
 
 # ====================================================================== step: bench
-def _imaging_folder(kind: str, clients: int, per_client: int, root: Path) -> Path:
-    """A prepared LUNA16 or BraTS folder (``data_prep``'s layout) of random patches."""
+def _imaging_folder(kind: str, clients: int, per_client: int, root: Path, dims: int = 2) -> Path:
+    """A prepared LUNA16 or BraTS folder (``data_prep``'s layout) of random patches (cubes
+    with ``dims=3``)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     n = clients * per_client
-    folder = root / f"{kind}-{clients}"
+    folder = root / f"{kind}-{dims}d-{clients}"
     folder.mkdir(parents=True, exist_ok=True)
     block = min(n, 509)  # random patches, repeated: only their shapes matter (and it is quick)
     if kind == "luna16":
-        x = np.resize(rng.random((block, 1, 32, 32), dtype=np.float32), (n, 1, 32, 32))
+        side = (32,) * dims
+        x = np.resize(rng.random((block, 1, *side), dtype=np.float32), (n, 1, *side))
         np.save(folder / "labels.npy", rng.integers(0, 2, n).astype(np.int64))
         column, groups = "seriesuid", [f"s{i % 997}" for i in range(n)]
     else:
-        x = np.resize(rng.random((block, 4, 64, 64), dtype=np.float32), (n, 4, 64, 64))
-        masks = np.resize(rng.random((block, 64, 64)) < 0.2, (n, 64, 64))
+        side = (64,) * dims
+        x = np.resize(rng.random((block, 4, *side), dtype=np.float32), (n, 4, *side))
+        masks = np.resize(rng.random((block, *side)) < 0.2, (n, *side))
         np.save(folder / "masks.npy", masks.astype(np.uint8))
         column, groups = "patient", [f"p{i % 997}" for i in range(n)]
     np.save(folder / "images.npy", x)
@@ -699,12 +729,15 @@ def _workload(
     if model == "lr":
         engine = bench_engine.build(n, steps, batch, dev.type)
         return engine, None, None, 0.1, tuple(engine.clients[0].x_train.shape[1:])
-    kind = "luna16" if model == "densenet" else "brats"
-    folder = _imaging_folder(kind, n, samples, tmp)
+    kind = "luna16" if model.startswith("densenet") else "brats"
+    dims = 3 if model.endswith("3d") else 2
+    folder = _imaging_folder(kind, n, samples, tmp, dims)
     cfg = compose_config(
         f"dataset={kind}",
         f"dataset.path={folder}",
-        f"model={model}",
+        f"dataset.dims={dims}",
+        f"model={model.removesuffix('3d')}",
+        *MODEL_3D.get(model, ()),
         "partition=iid",
         f"num_clients={n}",
         f"local_steps={steps}",
@@ -727,7 +760,7 @@ def _example_batch(
     x = torch.randn(size, *shape, device=dev)
     if model == "lr":
         return x, torch.randint(0, 2, (size,), device=dev).float()
-    if model == "unet":
+    if model.startswith("unet"):
         return x, torch.randint(0, 2, (size, *shape[1:]), device=dev)
     return x, torch.randint(0, 2, (size,), device=dev)
 
@@ -772,8 +805,9 @@ def bench(s: Step, model: str) -> None:
     )
     tmp = Path(tempfile.mkdtemp(prefix=f"{model}-", dir=s.work))  # (the check removes it too)
     try:
-        for i, n in enumerate(z.clients):
-            cell_end = time.monotonic() + s.left() / (len(z.clients) - i)
+        counts = z.clients_3d if model.endswith("3d") else z.clients
+        for i, n in enumerate(counts):
+            cell_end = time.monotonic() + s.left() / (len(counts) - i)
             cell: dict[str, Any] = {"clients": n}
             s.result["cells"][str(n)] = cell
             try:
@@ -1114,6 +1148,8 @@ STEP_FUNCTIONS: dict[str, Callable[[Step], None]] = {
     "bench_lr": lambda s: bench(s, "lr"),
     "bench_densenet": lambda s: bench(s, "densenet"),
     "bench_unet": lambda s: bench(s, "unet"),
+    "bench_densenet3d": lambda s: bench(s, "densenet3d"),
+    "bench_unet3d": lambda s: bench(s, "unet3d"),
     "profile": step_profile,
     "sweep": step_sweep,
 }
@@ -1337,7 +1373,7 @@ def summary(doc: dict[str, Any]) -> str:
             + ".",
         ]
     rows, errors = [], []
-    for model in ("cnn", "lr", "densenet", "unet"):
+    for model in ("cnn", "lr", "densenet", "unet", "densenet3d", "unet3d"):
         r = steps.get(f"bench_{model}", {})
         for n, c in r.get("cells", {}).items():
             errors += [f"- {model}, {n} clients, {k}: {v}" for k, v in c.items() if "error" in k]

@@ -50,6 +50,10 @@ log = logging.getLogger("fedexp")
 #: (batch 16 of 1x32x32). The round's transient memory then stays flat in N (issue 14's
 #: 100,000-client run, docs/benchmarks.md), with no loss of speed in our trials.
 _STEP_BYTES = 8 * 2**20
+#: clients of a slice at least, whatever their minibatches weigh (when the memory budget holds
+#: them): a BraTS-shaped 3-D crop's minibatch (2 of 4x64x64x64) is 8 MiB alone, and slices of
+#: one client ran the 3-D U-Net at half the plain loop's speed on an H200 (docs/benchmarks.md)
+_MIN_SLICE = 64
 #: clients of a slice at most (the gathered index and per-client rows stay small too)
 _CHUNK = 16384
 
@@ -343,11 +347,12 @@ def train_stacked(
 def _slice_rows(ctx: Context, pool, size: int) -> int:  # noqa: ANN001 - TrainPool
     """Clients per slice, in [1, _CHUNK].
 
-    ``_STEP_BYTES`` of a step's gathered minibatches, and at most what fits
-    ``ctx.memory_budget`` (:func:`fedexp.engine.memory.client_step_bytes` a client) when set.
+    ``_STEP_BYTES`` of a step's gathered minibatches but at least ``_MIN_SLICE`` clients, and
+    at most what fits ``ctx.memory_budget`` (:func:`fedexp.engine.memory.client_step_bytes` a
+    client) when set.
     """
     row = pool.x.stride(0) * pool.x.element_size() + pool.y.stride(0) * pool.y.element_size()
-    rows = max(1, min(_CHUNK, _STEP_BYTES // max(1, size * row)))
+    rows = min(_CHUNK, max(_MIN_SLICE, _STEP_BYTES // max(1, size * row)))
     if ctx.memory_budget > 0:
         per_client = client_step_bytes(ctx, pool.x[:size], pool.y[:size])
         rows = max(1, min(rows, ctx.memory_budget // per_client))
