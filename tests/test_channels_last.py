@@ -1,6 +1,6 @@
-"""Channels-last convolutions on the CPU (issue 14): FlatModel hands 2-D convolution weights
-over in NHWC strides, with the same outputs and gradients as NCHW; stacked training then
-computes gradients client by client, equal to the vmapped computation."""
+"""Channels-last convolutions on the CPU (issue 14): FlatModel hands 2-D (and 3-D)
+convolution weights over in NHWC (NDHWC) strides, with the same outputs and gradients as NCHW;
+stacked training then computes gradients client by client, equal to the vmapped computation."""
 
 from __future__ import annotations
 
@@ -92,3 +92,31 @@ def test_rowwise_gradients_equal_vmapped_ones():
     torch.testing.assert_close(v_row, v_vm)
     torch.testing.assert_close(post_row, post_vm)
     assert _rowwise(ctx, Objective(loss), posts=False)(params, x, y, aux, u)[1][1] is None
+
+
+def test_3d_convolutions_get_channels_last_3d_weights_and_the_ncdhw_results():
+    """The same for Conv3d (cubes, ``dataset.dims=3``): weights in channels-last-3d strides,
+    outputs and gradients those of NCDHW; such a model then also goes row by row."""
+    torch.manual_seed(1)
+    net = nn.Sequential(
+        nn.Conv3d(2, 4, 3), nn.ReLU(), nn.Conv3d(4, 3, 2), nn.Flatten(), nn.Linear(3 * 27, 2)
+    )
+    for shape in ((4, 2, 3, 3, 3), (3, 1, 2, 3, 4)):
+        w = torch.randn(shape)
+        v = _nhwc(w)
+        assert torch.equal(v, w) and v.is_contiguous(memory_format=torch.channels_last_3d)
+    seen = []
+    net[0].register_forward_pre_hook(
+        lambda m, _: seen.append(m.weight.is_contiguous(memory_format=torch.channels_last_3d))
+    )
+    last, plain = FlatModel(net, CPU), FlatModel(net, CPU, channels_last=False)
+    assert last.channels_last and not plain.channels_last
+    flat = last.initial().requires_grad_(True)
+    x = torch.randn(3, 2, 6, 6, 6)
+    out = last(flat, x)
+    (g_last,) = torch.autograd.grad(out.square().sum(), flat)
+    ref = plain(flat, x)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), flat)
+    assert seen == [True, False]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_last, g_ref, rtol=1e-4, atol=1e-6)

@@ -194,7 +194,7 @@ SIZES: dict[str, Sizes] = {
     ),
     "cpu": Sizes(
         total_s=290,
-        budgets=_budgets(15, 35, 25, 20, 20, 20, 45, 25, 20, 20, 15, 30),
+        budgets=_budgets(15, 35, 25, 20, 20, 20, 40, 25, 25, 20, 15, 30),
         inline=False,
         threads=1,
         clients=(4, 8),
@@ -214,7 +214,7 @@ SIZES: dict[str, Sizes] = {
         workloads={
             "densenet": (10, 1, 2),
             "unet": (10, 1, 4),
-            "densenet3d": (10, 1, 2),
+            "densenet3d": (5, 1, 2),
             "unet3d": (10, 1, 2),
         },
     ),
