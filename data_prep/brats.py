@@ -604,9 +604,19 @@ def patient_patches(
         out_images[n] = extract_patch(images[:, :, :, k], row0, col0, patch, 0.0)
         out_regions[n] = extract_patch(regions[:, :, :, k], row0, col0, patch, 0)
     table = np.array([p[:3] + (int(p[3]),) for p in picks], np.int64).reshape(-1, 4)
+    return _patient_record(out_images, out_regions, table)
+
+
+def _patient_record(
+    images: np.ndarray, regions: np.ndarray, table: np.ndarray
+) -> dict[str, np.ndarray]:
+    """A patient's cache entry: patches, regions and the manifest's int64 vectors.
+
+    ``table`` rows are ``(slice, row0, col0, has_tumour)``, one per patch.
+    """
     return {
-        "images": out_images,
-        "regions": out_regions,
+        "images": images,
+        "regions": regions,
         "slice": table[:, 0],
         "row0": table[:, 1],
         "col0": table[:, 2],
@@ -664,14 +674,7 @@ def patient_crop(
         out_regions[0] = extract_window(regions, start, patch, 0)
     x0, y0, z0 = start if n else (0, 0, 0)
     table = np.array([[z0, x0, y0, int(has_tumour)]][:n], np.int64).reshape(-1, 4)
-    return {
-        "images": out_images,
-        "regions": out_regions,
-        "slice": table[:, 0],
-        "row0": table[:, 1],
-        "col0": table[:, 2],
-        "has_tumour": table[:, 3],
-    }
+    return _patient_record(out_images, out_regions, table)
 
 
 # --------------------------------------------------------------------------- sites

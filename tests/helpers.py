@@ -204,3 +204,33 @@ def assert_eval_stack_is_eval_params(engine, clients: list[int] | None = None, p
     for row, n in zip(stack, who, strict=True):
         assert torch.equal(row, alg.eval_params(ctx, server, states[n], n))
     return stack
+
+
+def vmapped_round_ops(monkeypatch, cfgs) -> list[int]:  # noqa: ANN001 - pytest's MonkeyPatch
+    """Ops dispatched by the second round of each config's engine, convolutions vmapped.
+
+    On the CPU a convolutional model's gradients go channels-last row by row; on CUDA they are
+    vmapped over the cohort. This forces the CUDA way on the CPU (``channels_last=False``), so
+    that an op count at two cohort sizes shows whether anything still works client by client
+    (``fedexp.engine.round.census``).
+    """
+    from fedexp.engine.round.census import Census
+    from fedexp.engine.runner import build_engine
+    from fedexp.models.flat import FlatModel
+
+    made = FlatModel.__init__
+
+    def vmapped(self, module, device, channels_last=None):  # noqa: ANN001, ANN202
+        made(self, module, device, channels_last=False)
+
+    monkeypatch.setattr(FlatModel, "__init__", vmapped)
+    ops = []
+    for cfg in cfgs:
+        engine = build_engine(cfg)
+        engine.setup()
+        engine.run_round()
+        with Census() as census:
+            engine.run_round()
+        assert engine.ctx.vmap_ok and not engine.ctx.model.channels_last
+        ops.append(census.ops)
+    return ops

@@ -21,6 +21,7 @@ from fedexp.engine.runner import build_engine, run
 from fedexp.errors import ConfigError, DataError
 from fedexp.models.imaging import densenet, unet
 from fedexp.tracking.base import NullTracker
+from helpers import vmapped_round_ops
 
 SIDE = 8
 DENSENET = ["model=densenet", "model.growth_rate=2", "model.block_config=[1,1]"]
@@ -156,35 +157,20 @@ def test_a_3d_run_learns_past_its_start(cubes, small_cfg, task):
 def test_a_vmapped_3d_round_is_constant_in_its_clients(cubes, small_cfg, monkeypatch):
     """Where 3-D convolutions are vmapped (on CUDA; forced here on the CPU, which runs them
     channels-last row by row), a round dispatches as many ops for 4 clients as for 2."""
-    from fedexp.engine.round.census import Census
-    from fedexp.models.flat import FlatModel
-
-    made = FlatModel.__init__
-
-    def vmapped(self, module, device, channels_last=None):  # noqa: ANN001, ANN202
-        made(self, module, device, channels_last=False)
-
-    monkeypatch.setattr(FlatModel, "__init__", vmapped)
     _, crops = cubes
-    ops = []
-    for n in (2, 4):
-        engine = build_engine(
-            small_cfg(
-                "dataset=brats",
-                f"dataset.path={crops}",
-                "dataset.dims=3",
-                *UNET,
-                f"num_clients={n}",
-                "local_steps=2",
-                "batch_size=2",
-                "sampling=replacement",
-                "partition=iid",
-            )
+    cfgs = [
+        small_cfg(
+            "dataset=brats",
+            f"dataset.path={crops}",
+            "dataset.dims=3",
+            *UNET,
+            f"num_clients={n}",
+            "local_steps=2",
+            "batch_size=2",
+            "sampling=replacement",
+            "partition=iid",
         )
-        engine.setup()
-        engine.run_round()
-        with Census() as census:
-            engine.run_round()
-        assert engine.ctx.vmap_ok and not engine.ctx.model.channels_last
-        ops.append(census.ops)
+        for n in (2, 4)
+    ]
+    ops = vmapped_round_ops(monkeypatch, cfgs)
     assert ops[0] == ops[1], ops[1] - ops[0]

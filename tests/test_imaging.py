@@ -26,7 +26,7 @@ from fedexp.models.imaging import densenet, unet
 from fedexp.models.task import SegmentationTask
 from fedexp.tracking.base import NullTracker
 from fedexp.tuning import objective_key
-from helpers import compose_config
+from helpers import compose_config, vmapped_round_ops
 
 TINY = {
     "densenet": ["model=densenet", "model.growth_rate=4", "model.block_config=[2,2]"],
@@ -259,34 +259,20 @@ def test_a_vmapped_imaging_rounds_work_is_constant_in_its_clients(
     channels-last row by row), a round of DenseNet or the U-Net dispatches as many ops for 4
     clients as for 2: nothing falls back client by client (the U-Net's loss once made vmap
     refuse it, and the GPU ran it slower than a plain loop)."""
-    from fedexp.engine.round.census import Census
-
-    made = FlatModel.__init__
-
-    def vmapped(self, module, device, channels_last=None):  # noqa: ANN001, ANN202
-        made(self, module, device, channels_last=False)
-
-    monkeypatch.setattr(FlatModel, "__init__", vmapped)
-    ops = []
-    for n in (2, 4):
-        engine = build_engine(
-            small_cfg(
-                *RUNS[dataset][:-1],
-                "partition=iid",
-                f"dataset.path={getattr(prepared, dataset.replace('16', ''))}",
-                f"num_clients={n}",
-                "local_steps=2",
-                "batch_size=4",
-                "sampling=replacement",  # (no short last batches, which depend on the sizes)
-                "lr=0.05",
-            )
+    cfgs = [
+        small_cfg(
+            *RUNS[dataset][:-1],
+            "partition=iid",
+            f"dataset.path={getattr(prepared, dataset.replace('16', ''))}",
+            f"num_clients={n}",
+            "local_steps=2",
+            "batch_size=4",
+            "sampling=replacement",  # (no short last batches, which depend on the sizes)
+            "lr=0.05",
         )
-        engine.setup()
-        engine.run_round()
-        with Census() as census:
-            engine.run_round()
-        assert engine.ctx.vmap_ok and not engine.ctx.model.channels_last
-        ops.append(census.ops)
+        for n in (2, 4)
+    ]
+    ops = vmapped_round_ops(monkeypatch, cfgs)
     assert ops[0] == ops[1], ops[1] - ops[0]
 
 

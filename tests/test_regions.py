@@ -16,6 +16,7 @@ from fedexp.engine.runner import build_engine, run
 from fedexp.errors import ConfigError, DataError
 from fedexp.models.task import PADDING, RegionsTask
 from fedexp.tracking.base import NullTracker
+from helpers import vmapped_round_ops
 
 UNET = ["model=unet", "model.channels=[8,16]", "model.strides=[2]"]
 
@@ -156,31 +157,7 @@ def test_a_vmapped_round_of_all_regions_is_constant_in_its_clients(
 ):
     """The regions' loss runs under vmap (no in-place op): with the convolutions vmapped (as
     on CUDA; forced here), a round dispatches as many ops for 4 clients as for 2."""
-    from fedexp.engine.round.census import Census
-    from fedexp.models.flat import FlatModel
-
-    made = FlatModel.__init__
-
-    def vmapped(self, module, device, channels_last=None):  # noqa: ANN001, ANN202
-        made(self, module, device, channels_last=False)
-
-    monkeypatch.setattr(FlatModel, "__init__", vmapped)
-    ops = []
-    for n in (2, 4):
-        engine = build_engine(
-            _cfg(
-                small_cfg,
-                prepared,
-                f"num_clients={n}",
-                "batch_size=4",
-                "sampling=replacement",
-                "partition=iid",
-            )  # fmt: skip
-        )
-        engine.setup()
-        engine.run_round()
-        with Census() as census:
-            engine.run_round()
-        assert engine.ctx.vmap_ok and not engine.ctx.model.channels_last
-        ops.append(census.ops)
+    sizes = ("batch_size=4", "sampling=replacement", "partition=iid")
+    cfgs = [_cfg(small_cfg, prepared, f"num_clients={n}", *sizes) for n in (2, 4)]
+    ops = vmapped_round_ops(monkeypatch, cfgs)
     assert ops[0] == ops[1], ops[1] - ops[0]
