@@ -162,10 +162,10 @@ def test_the_cpu_kernel_is_the_tensor_arithmetic():
 )
 def test_a_cohort_of_unequal_clients_trains_as_each_alone_in_plain_epochs(small_cfg, model):
     """30 steps of a cohort of clients whose epochs differ in length and in n mod B (short
-    batches padded at different steps; one vmapped step, BatchNorm's row by row) equal, client
-    by client, a plain loop: the epochs of a shuffling DataLoader, batches of B and a short
-    last one, a plain SGD step on the mean loss of each batch (autograd on the module;
-    BatchNorm's statistics of the batch's samples)."""
+    batches padded at different steps; one vmapped step, BatchNorm's too, its statistics over
+    the rows that are not padding) equal, client by client, a plain loop: the epochs of a
+    shuffling DataLoader, batches of B and a short last one, a plain SGD step on the mean loss
+    of each batch (autograd on the module; BatchNorm's statistics of the batch's samples)."""
     engine = build_engine(small_cfg(*model, "local_steps=30", "batch_size=8", "lr=0.1"))
     ctx = engine.ctx
     clients = list(range(len(engine.clients)))

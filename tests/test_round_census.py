@@ -76,9 +76,7 @@ PRIVACY = ["central", "local", "adaptive"]
 
 #: not yet over stacks: case -> why it grows (a strict xfail: it must leave when it stops)
 #: what is left to do: case -> why its training round grows (each must still grow)
-GROWING: dict[str, str] = {
-    "fedbn": "the solver runs models with running statistics (BatchNorm) row by row",
-}
+GROWING: dict[str, str] = {}
 #: case -> why its evaluation grows
 EVAL_GROWING: dict[str, str] = {}
 

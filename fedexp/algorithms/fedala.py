@@ -75,7 +75,7 @@ from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.steps import stacked_gradients, unstack_states
-from fedexp.models.task import PADDING
+from fedexp.models.task import PADDING, valid_rows
 
 #: stream purpose of the ALA data slice (beside ``fedexp.engine.rng``'s)
 ALA_STREAM = 41
@@ -192,7 +192,8 @@ class FedALA(FedAvg):
         u: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """L(Θ̂(W); x, y) of one client, ``aux``: its Θ and Θ_i (statistics updates dropped)."""
-        logits, _ = ctx.model.forward_train(self.mix(ctx, aux["glob"], aux["local"], w), x)
+        mixed = self.mix(ctx, aux["glob"], aux["local"], w)
+        logits, _ = ctx.model.forward_train(mixed, x, valid_rows(y))
         return ctx.task.loss(logits, y), w.detach()
 
     def slices(
@@ -235,8 +236,8 @@ class FedALA(FedAvg):
 
     def ala_objective(self, ctx: Context, glob: torch.Tensor, local: torch.Tensor) -> Objective:
         """L(Θ̂(W)) of the rows ``glob``, ``local`` ([m, d]) as a function of their W."""
-        frozen = None  # W has no frozen coordinate; with running statistics in the model a
-        if ctx.model.has_buffers:  # mask sends it row by row (each client's batch statistics)
+        frozen = None  # W has no frozen coordinate; with running statistics the model cannot
+        if ctx.model.has_buffers:  # compute by a function of the batch, a mask sends it row by row
             lo, hi = self.top_range(ctx)
             frozen = torch.zeros(hi - lo, dtype=torch.bool, device=glob.device)
         aux = {"glob": glob.detach(), "local": local.detach()}

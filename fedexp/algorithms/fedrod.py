@@ -68,6 +68,7 @@ from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
+from fedexp.models.task import valid_rows
 
 
 def class_counts(y: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -133,7 +134,7 @@ class _JointLoss:
         """The generic BSM loss of g(z) plus the task loss of g(z).detach() + p(z.detach())."""
         model, task = self.ctx.model, self.ctx.task
         theta, p = w[: self.d], w[self.d :]
-        logits_g, buffers = model.forward_train(theta, x)
+        logits_g, buffers = model.forward_train(theta, x, valid_rows(y))
         logits_p = model(self.personal(theta, p), x)
         generic = task.loss(prior_adjusted(logits_g, aux["log_prior"]), y)
         personal = task.loss(logits_g.detach() + logits_p, y)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedexp.errors import ConfigError
+from fedexp.models.norms import functional_norms, momentum, tracked_norms, updated
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,16 @@ class FlatModel:
         mask[self.layout.num_params :] = True
         #: True at the buffer coordinates (no gradient; set by the training forward pass)
         self.buffer_mask = mask
+        self._norms = tracked_norms(self.module)
+        buffer_names = self.layout.names[len(self._param_names()) :]
+        #: every float buffer is a BatchNorm's running statistic, updated by a pure function
+        #: of the valid rows (:mod:`fedexp.models.norms`): such a model's cohort gradients and
+        #: statistics can be vmapped, padded rows left out
+        self.functional_stats = bool(buffer_names) and all(
+            name.rpartition(".")[0] in self._norms
+            and name.rpartition(".")[2] in ("running_mean", "running_var")
+            for name in buffer_names
+        )
 
     def _param_names(self) -> list[str]:
         return [n for n, p in self.module.named_parameters() if p.requires_grad]
@@ -228,18 +239,37 @@ class FlatModel:
         return views, buffers
 
     def forward_train(
-        self, flat: torch.Tensor, x: torch.Tensor
+        self, flat: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and the running statistics the forward pass produced (None: no buffers).
 
-        In training mode BatchNorm updates its running statistics in place: here they are
-        updated in a copy, returned as the buffer part of the flat vector.
+        In training mode BatchNorm updates its running statistics in place; here, with
+        :attr:`functional_stats`, they are computed as a function of the batch statistics
+        of the valid ``rows`` (a [B] bool mask; None: every row) and returned as the buffer
+        part of the flat vector, which also holds under :func:`torch.func.vmap`. Other
+        buffers are updated in a copy.
         """
         views, buffers = self._tensors(flat)
-        out = functional_call(self.module, views, (x,))
         if not self.has_buffers:
-            return out, None
-        return out, buffers
+            return functional_call(self.module, views, (x,)), None
+        if not self.functional_stats:
+            return functional_call(self.module, views, (x,)), buffers
+        with functional_norms(self._norms, rows) as stats:
+            out = functional_call(self.module, views, (x,))
+        if not stats:  # evaluation mode: the running statistics as they were
+            return out, buffers
+        n, pieces = self.layout.num_params, []
+        for name, shape, off in zip(
+            self.layout.names, self.layout.shapes, self.layout.offsets, strict=True
+        ):
+            if off < n:
+                continue
+            old = buffers[off - n : off - n + int(torch.Size(shape).numel())]
+            norm, _, attr = name.rpartition(".")
+            mean, var = stats[norm]
+            stat = (mean if attr == "running_mean" else var).detach().reshape(-1)
+            pieces.append(updated(old, stat.to(old.dtype), momentum(self._norms[norm])))
+        return out, torch.cat(pieces)
 
     def with_buffers(self, flat: torch.Tensor, buffers: torch.Tensor | None) -> torch.Tensor:
         """``flat`` with its buffer part replaced by ``buffers`` (unchanged if None)."""

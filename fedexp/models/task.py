@@ -30,6 +30,11 @@ from fedexp.metrics import (
 PADDING = -100
 
 
+def valid_rows(y: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows of a batch's targets ``y`` [B, ...] that are not :data:`PADDING`."""
+    return y.reshape(y.shape[0], -1)[:, 0] != PADDING
+
+
 class Task(Protocol):
     """Loss and evaluation of one kind of prediction."""
 

@@ -10,8 +10,9 @@ Settings, for each of the 22 algorithm configs:
   algorithm's options: momentum, Adam, masks, named parts, noise, full batches, a CNN);
 * ``<alg>-stc-partial``: the first of those with a lossy error-feedback channel both ways
   (STC) and 60 % participation;
-* ``<alg>-batchnorm``: an MLP with BatchNorm (running statistics in the parameters, which
-  vmap cannot update: the local solver goes client by client);
+* ``<alg>-batchnorm``: an MLP with BatchNorm (running statistics in the parameters, computed
+  as a function of each client's batch: ``fedexp.models.norms``; recorded when the local
+  solver still went client by client, and reproduced vmapped);
 * a few runs whose clients differ in their step counts within a round (``local_epochs`` on
   unequal splits, full batches of unequal sizes): sub-cohorts.
 """
@@ -138,12 +139,13 @@ for _alg in ALGORITHMS:
         "participation=0.6",
         "compressor=stc",
     )
-    # pFedSOP with Adam on a BatchNorm model: the bias before a BatchNorm layer has a true
-    # gradient of 0, and Adam turns its rounding noise into full steps, so those figures would
-    # depend on summation order; its BatchNorm case takes the default SGD
-    _bn_base = _strip_model(_base)
-    if _alg == "pfedsop":
-        _bn_base = tuple(o for o in _bn_base if not o.startswith("optimizer"))
+    # Adam on a BatchNorm model: the bias before a BatchNorm layer has a true gradient of 0,
+    # and Adam turns its rounding noise into full steps, so those figures would depend on
+    # summation order (the BatchNorm cases of pFedSOP, Ditto, local, SuPerFed and TDPFed moved
+    # by whole units when BatchNorm went vmapped); every BatchNorm case takes the default SGD.
+    # TDPFed's own Adam on its factors does the same (the paper's; no setting turns it off):
+    # its BatchNorm case was recorded again on the vmapped path, the only one that was
+    _bn_base = tuple(o for o in _strip_model(_base) if not o.startswith("optimizer"))
     CASES[f"{_alg}-batchnorm"] = (
         *_bn_base,
         "model=mlp",

@@ -16,7 +16,7 @@ from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.optim import SGD, Optimizer
 from fedexp.errors import DivergenceError
 from fedexp.models.flat import FlatModel
-from fedexp.models.task import Task
+from fedexp.models.task import Task, valid_rows
 
 
 @dataclass
@@ -92,8 +92,11 @@ class Context:
         aux: Aux,
         u: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The task's loss of the model at ``params``; its updated running statistics."""
-        logits, buffers = self.model.forward_train(params, x)
+        """The task's loss of the model at ``params``; its updated running statistics.
+
+        The statistics are those of the batch's rows that are not padding.
+        """
+        logits, buffers = self.model.forward_train(params, x, valid_rows(y))
         return self.task.loss(logits, y), self.model.with_buffers(params.detach(), buffers)
 
     def proximal_loss(

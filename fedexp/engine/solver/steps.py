@@ -7,9 +7,11 @@ runs each step for the whole cohort:
 * vmapped: :func:`torch.func.vmap` of the objective's gradient over the stacked ``[m, d]``
   parameters, ``aux`` tensors and optimiser states (the default);
 * row by row (:func:`_rowwise`): each client's gradient by plain autograd while draws, gathers,
-  optimiser steps and messages stay stacked: for models with running statistics (vmap loses
-  BatchNorm's in-place update), models vmap refuses (found at the first step: the cohort is
-  rerun row by row with the same draws, and the run stays row by row), and convolutions that
+  optimiser steps and messages stay stacked: for models with running statistics other than
+  BatchNorm's (vmap loses an in-place update; BatchNorm's are a function of the batch's
+  valid rows, :mod:`fedexp.models.norms`, and go vmapped), models vmap refuses (found at
+  the first step: the cohort is rerun row by row with the same draws, and the run stays row
+  by row), and convolutions that
   run channels-last on the CPU (vmap would make them grouped convolutions, 1.3-1.9x slower a
   step on issue 14's CNN).
 
@@ -262,9 +264,13 @@ def _rowwise(ctx: Context, obj: Objective, posts: bool) -> Callable:
 
 
 def rowwise(ctx: Context, obj: Objective) -> bool:
-    """Whether the cohort's gradients go row by row (see the module's docstring)."""
+    """Whether the cohort's gradients go row by row (see the module's docstring).
+
+    Running statistics (``obj.frozen``) go vmapped where the model computes them as a function
+    of the batch (``FlatModel.functional_stats``: BatchNorm's), else row by row.
+    """
     return (
-        obj.frozen is not None
+        (obj.frozen is not None and not getattr(ctx.model, "functional_stats", False))
         or not ctx.vmap_ok
         or bool(getattr(ctx.model, "channels_last", False))
     )
