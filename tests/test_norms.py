@@ -100,3 +100,34 @@ def test_other_buffers_keep_the_row_by_row_path():
     net.register_buffer("scale", torch.ones(3))
     assert not FlatModel(net, CPU).functional_stats
     assert not FlatModel(nn.Linear(3, 2), CPU).functional_stats
+
+
+def test_fedrods_two_forward_passes_leave_the_padding_out(small_cfg):
+    """FedRoD's joint loss runs the model twice (generic and personal head): a padded batch
+    gives the loss, gradient and statistics of its samples alone in both."""
+    import torch.nn.functional as F
+
+    from fedexp.engine.runner import build_engine
+
+    engine = build_engine(
+        small_cfg("algorithm=fedrod", "model=mlp", "model.hidden=8", "model.norm=batch")
+    )
+    ctx = engine.ctx
+    ctx.model.module.train()
+    joint = engine.algorithm._joint(ctx)
+    torch.manual_seed(0)
+    w = torch.cat([engine.x0, 0.1 * torch.randn(len(joint.head))]).requires_grad_(True)
+    data = engine.clients[0]
+    x, y = data.x_train[:6], data.y_train[:6]
+    padded_x = torch.cat([x, 5 * torch.randn_like(x[:2])])
+    padded_y = torch.cat([y, torch.full_like(y[:2], PADDING)])
+    aux = {"log_prior": F.log_softmax(torch.randn(2), 0)}
+    u = torch.zeros(0)
+    (value, post), (padded_value, padded_post) = (
+        joint.loss(w, a, b, aux, u) for a, b in ((x, y), (padded_x, padded_y))
+    )
+    (grad,) = torch.autograd.grad(value, w)
+    (padded_grad,) = torch.autograd.grad(padded_value, w)
+    torch.testing.assert_close(padded_value, value)
+    torch.testing.assert_close(padded_grad, grad)
+    torch.testing.assert_close(padded_post, post)

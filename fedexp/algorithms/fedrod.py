@@ -134,8 +134,9 @@ class _JointLoss:
         """The generic BSM loss of g(z) plus the task loss of g(z).detach() + p(z.detach())."""
         model, task = self.ctx.model, self.ctx.task
         theta, p = w[: self.d], w[self.d :]
-        logits_g, buffers = model.forward_train(theta, x, valid_rows(y))
-        logits_p = model(self.personal(theta, p), x)
+        rows = valid_rows(y)
+        logits_g, buffers = model.forward_train(theta, x, rows)
+        logits_p = model.forward_train(self.personal(theta, p), x, rows)[0]
         generic = task.loss(prior_adjusted(logits_g, aux["log_prior"]), y)
         personal = task.loss(logits_g.detach() + logits_p, y)
         post = w.detach()  # a tensor even without statistics: vmap returns no None

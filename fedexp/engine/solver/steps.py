@@ -11,9 +11,8 @@ runs each step for the whole cohort:
   BatchNorm's (vmap loses an in-place update; BatchNorm's are a function of the batch's
   valid rows, :mod:`fedexp.models.norms`, and go vmapped), models vmap refuses (found at
   the first step: the cohort is rerun row by row with the same draws, and the run stays row
-  by row), and convolutions that
-  run channels-last on the CPU (vmap would make them grouped convolutions, 1.3-1.9x slower a
-  step on issue 14's CNN).
+  by row), and convolutions that run channels-last on the CPU (vmap would make them grouped
+  convolutions, 1.3-1.9x slower a step on issue 14's CNN).
 
 What makes it cheap: the minibatch indices of every client and step come from one
 counter-based expression (:func:`fedexp.engine.rng.minibatch_indices`: the draws a client's
