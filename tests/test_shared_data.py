@@ -81,3 +81,29 @@ def test_mapped_sees_through_views(tmp_path):
     assert not mapped(np.array(a))
     buf = mmap.mmap(-1, 80)
     assert mapped(np.frombuffer(buf, dtype=np.float64))
+
+
+def test_a_killed_rank_0s_data_folder_is_reaped_by_the_next_run(tmp_path, monkeypatch):
+    """Rank 0's folder names its owner like a ``store=disk`` folder: when rank 0 is killed
+    before it removes it (between writing and every rank mapping), the next run that makes a
+    scratch folder there removes it; a live owner's is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from fedexp.engine.clients import states
+
+    data = ArrayDataset("t", np.zeros((4, 2), np.float32), np.arange(4) % 2, 2)
+    live, _ = _write(data, str(tmp_path))
+    assert live.name.startswith(f"{states.SCRATCH_PREFIX}{os.getpid()}-")
+    assert json.loads((live / states.OWNER_FILE).read_text())["pid"] == os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    monkeypatch.setattr(os, "getpid", lambda: child.pid)  # a rank 0 that has died since
+    dead, _ = _write(data, str(tmp_path))
+    monkeypatch.undo()
+    states._MADE.remove(dead)  # (its process would not be this one)
+    assert states.reap_scratch(tmp_path) == [dead]
+    assert live.is_dir() and not dead.exists()
+    states.release_scratch(live)
+    assert not live.exists() and live not in states._MADE

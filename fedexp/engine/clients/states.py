@@ -377,7 +377,8 @@ def merge_exports(exports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-#: The name of a ``store=disk`` scratch folder: ``fedexp-store-<owner pid>-<random>``.
+#: The name of a scratch folder (``store=disk``'s, or rank 0's shared data set's):
+#: ``fedexp-store-<owner pid>-<random>``.
 SCRATCH_PREFIX = "fedexp-store-"
 #: The file in a scratch folder naming its owner: ``{"host", "pid", "started"}`` (JSON).
 OWNER_FILE = "owner.json"
@@ -493,22 +494,45 @@ def scratch_folder(store: str, store_dir: str | None, device: torch.device) -> P
             f"store=disk: the clients' files are memory-mapped CPU tensors, but device={device} "
             "keeps the clients on the accelerator; use store=memory there"
         )
-    import json
-    import os
-    import socket
-
     try:
-        if store_dir:
-            Path(store_dir).mkdir(parents=True, exist_ok=True)
-        reap_scratch(store_dir or tempfile.gettempdir())
-        pid = os.getpid()
-        folder = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{pid}-", dir=store_dir or None))
-        owner = {"host": socket.gethostname(), "pid": pid, "started": _started(pid)}
-        (folder / OWNER_FILE).write_text(json.dumps(owner))
+        return owned_folder(store_dir)
     except OSError as exc:
         raise ConfigError(
             f"store_dir={store_dir}: cannot make a folder there ({exc.strerror or exc}); "
             "expected a writable folder"
         ) from None
+
+
+def owned_folder(where: str | None) -> Path:
+    """A new scratch folder in ``where`` (None: the temp folder) that names its owner.
+
+    ``fedexp-store-<pid>-…`` with an :data:`OWNER_FILE` (host, pid, the pid's start time),
+    so that a later run can tell it from a live run's; the folders of dead runs in the same
+    place are removed first (:func:`reap_scratch`), and this process's own at its exit, even
+    by a signal (:func:`remove_scratch`).
+
+    Raises:
+        OSError: the folder cannot be made or written.
+    """
+    import json
+    import os
+    import socket
+
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+    reap_scratch(where or tempfile.gettempdir())
+    pid = os.getpid()
+    folder = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{pid}-", dir=where or None))
     _MADE.append(folder)
+    owner = {"host": socket.gethostname(), "pid": pid, "started": _started(pid)}
+    (folder / OWNER_FILE).write_text(json.dumps(owner))
     return folder
+
+
+def release_scratch(folder: Path) -> None:
+    """Remove one of this process's scratch folders (:func:`owned_folder`) now."""
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    if folder in _MADE:
+        _MADE.remove(folder)

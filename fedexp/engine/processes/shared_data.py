@@ -8,7 +8,9 @@ P ranks on one machine held P copies of the whole table while their clients' tab
 
 Now rank 0 alone loads it and writes its arrays as ``.npy`` files (NumPy's own format, read
 back with ``allow_pickle=False``: nothing is unpickled) to a fresh folder, with its other
-fields and a random token in ``meta.json``. Each rank that finds that folder with the token
+fields and a random token in ``meta.json`` (a scratch folder that names its owner, so that a
+rank 0 killed before it removes the folder leaves it to the next run's reaper,
+:func:`fedexp.engine.clients.states.owned_folder`). Each rank that finds that folder with the token
 (every rank on rank 0's machine, or all of them when ``store_dir`` is on a file system they
 share) memory-maps the arrays; one that does not (another node) loads the data set itself, as
 before. Rank 0 maps the files too and drops its own copy. Once every rank has said which it
@@ -26,8 +28,6 @@ import dataclasses
 import json
 import mmap
 import secrets
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 from fedexp import errors
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset
+from fedexp.engine.clients.states import owned_folder, release_scratch
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.errors import DataError, FedexpError
 
@@ -80,7 +81,7 @@ def _lead(node: DictConfig, ranks: Ranks, folder: str | None) -> ArrayDataset:
         shared = _open(where, token)
         ranks.gather_json(shared is not None)  # every rank has mapped the files, or loaded
     finally:
-        shutil.rmtree(where, ignore_errors=True)
+        release_scratch(where)
     return data if shared is None else shared
 
 
@@ -129,16 +130,14 @@ def _write(data: ArrayDataset, folder: str | None) -> tuple[Path, str] | None:
             fields[f.name] = value
     where, token = None, secrets.token_hex(16)
     try:
-        if folder:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-        where = Path(tempfile.mkdtemp(prefix="fedexp-data-", dir=folder))
+        where = owned_folder(folder)  # (a rank 0 killed before it removes it: reaped later)
         for name, value in arrays.items():
             np.save(where / f"{name}.npy", value, allow_pickle=False)
         meta = {"token": token, "fields": fields, "arrays": sorted(arrays)}
         (where / META).write_text(json.dumps(meta))  # last: a folder without it is not read
     except (OSError, TypeError, ValueError):
         if where is not None:
-            shutil.rmtree(where, ignore_errors=True)
+            release_scratch(where)
         return None
     return where, token
 
