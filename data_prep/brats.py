@@ -72,6 +72,7 @@ from data_prep.common import (
     RunLog,
     StudyCache,
     StudyError,
+    add_geometry_options,
     cleanup_partials,
     console_for,
     extract_patch,
@@ -1036,19 +1037,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of tumour-free patches among each patient's patches, in [0, 1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the tumour-free slice draw")
-    parser.add_argument(
-        "--dims",
-        type=int,
-        choices=[2, 3],
-        default=2,
-        help="2: axial slice patches (default); 3: one crop per patient centred on the tumour",
-    )
-    parser.add_argument(
-        "--patch",
-        default=None,
-        metavar="N",
-        help=f"patch side in voxels, even and >= 8 (default {PATCH})",
-    )
+    add_geometry_options(parser, "one crop per patient centred on the tumour", PATCH)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 

@@ -14,6 +14,7 @@ nothing usable remains does a converter stop, with one ``error: ...`` line and e
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -484,6 +485,29 @@ def parse_patch(text: str | None) -> int | None:
     if value is None or not is_patch_size(value):
         raise _patch_error(text)
     return value
+
+
+def add_geometry_options(parser: argparse.ArgumentParser, cubes: str, default: int) -> None:
+    """Add ``--dims {2,3}`` and ``--patch N`` (read with :func:`parse_patch`) to a converter.
+
+    Args:
+        parser: the converter's parser.
+        cubes: what ``--dims 3`` cuts, for the help text.
+        default: the converter's default patch side.
+    """
+    parser.add_argument(
+        "--dims",
+        type=int,
+        choices=list(DIMS),
+        default=2,
+        help=f"2: axial slice patches (default); 3: {cubes}",
+    )
+    parser.add_argument(
+        "--patch",
+        default=None,
+        metavar="N",
+        help=f"patch side in voxels, even and >= {MIN_PATCH} (default {default})",
+    )
 
 
 def resolve_geometry(dims: object, patch: object, default: int) -> tuple[int, int]:

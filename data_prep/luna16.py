@@ -48,6 +48,7 @@ from data_prep.common import (
     RunLog,
     StudyCache,
     StudyError,
+    add_geometry_options,
     cleanup_partials,
     console_for,
     extract_patch,
@@ -657,19 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("LOW", "HIGH"),
         help="HU window mapped to [0, 1] (default -1000 400)",
     )
-    parser.add_argument(
-        "--dims",
-        type=int,
-        choices=[2, 3],
-        default=2,
-        help="2: axial patches (default); 3: cubes centred on the candidate voxel, axes z, y, x",
-    )
-    parser.add_argument(
-        "--patch",
-        default=None,
-        metavar="N",
-        help=f"patch side in voxels, even and >= 8 (default {PATCH})",
-    )
+    add_geometry_options(parser, "cubes centred on the candidate voxel, axes z, y, x", PATCH)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 

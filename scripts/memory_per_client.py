@@ -19,11 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts" / "gpu")]
 
 #: (dataset, side, batch, overrides) of the table in docs/imaging.md.
 TABLE = (
@@ -36,37 +33,17 @@ TABLE = (
 )
 
 
-def _folder(root: Path, dataset: str, side: int, dims: int, n: int = 40) -> Path:
-    folder = root / f"{dataset}{side}"
-    if folder.exists():
-        return folder
-    folder.mkdir()
-    spatial = (side,) * dims
-    rng = np.random.default_rng(0)
-    if dataset == "luna16":
-        np.save(folder / "images.npy", rng.random((n, 1, *spatial), dtype=np.float32))
-        np.save(folder / "labels.npy", np.arange(n) % 2)
-        pd.DataFrame({"seriesuid": [str(i % 4) for i in range(n)]}).to_csv(
-            folder / "manifest.csv", index=False
-        )
-    else:
-        np.save(folder / "images.npy", rng.random((n, 4, *spatial), dtype=np.float32))
-        np.save(folder / "masks.npy", (rng.random((n, 3, *spatial)) < 0.1).astype(np.uint8))
-        pd.DataFrame({"patient": [str(i % 4) for i in range(n)]}).to_csv(
-            folder / "manifest.csv", index=False
-        )
-    return folder
-
-
 def estimate(
     root: Path, dataset: str, side: int, batch: int, overrides: tuple[str, ...], dims: int = 3
 ) -> tuple[float, int]:
     """(MiB of one client's step, the model's parameters) of one setting."""
+    from check import imaging_folder
+
     from fedexp.engine.memory import client_step_bytes
     from fedexp.engine.runner import build_engine
     from helpers import compose_config
 
-    folder = _folder(root, dataset, side, dims)
+    folder = imaging_folder(dataset, 40, 1, root, dims, side, regions=dataset == "brats")
     model = "model=densenet" if dataset == "luna16" else "model=unet"
     extra = ["dataset.region=all"] if dataset == "brats" else []
     cfg = compose_config(

@@ -255,7 +255,7 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
     "unet": (20, 2, 8),  # BraTS-shaped 4x64x64 patches and masks, conf/model/unet.yaml
     # the 3-D ones (dataset.dims=3): LUNA16-shaped 1x32x32x32 cubes with a thinner DenseNet
     # (block_config [4,4,4]: 1 GiB a client's step against 7 GiB for the 2-D one's 16-16-16),
-    # BraTS-shaped 4x64x64x64 crops with the U-Net (118 MiB a client's step at batch 2)
+    # BraTS-shaped 4x64x64x64 crops with the U-Net (about 120 MiB a client's step at batch 2)
     "densenet3d": (20, 2, 8),
     "unet3d": (10, 2, 2),
 }
@@ -683,25 +683,39 @@ def step_syncs(s: Step) -> None:
 
 
 # ====================================================================== step: bench
-def _imaging_folder(kind: str, clients: int, per_client: int, root: Path, dims: int = 2) -> Path:
-    """A prepared LUNA16 or BraTS folder (``data_prep``'s layout) of random patches (cubes
-    with ``dims=3``)."""
+def imaging_folder(
+    kind: str,
+    clients: int,
+    per_client: int,
+    root: Path,
+    dims: int = 2,
+    side: int | None = None,
+    regions: bool = False,
+) -> Path:
+    """A prepared LUNA16 or BraTS folder (``data_prep``'s layout) of random patches.
+
+    Cubes with ``dims=3``; ``side`` voxels a side (default the converters': 32 and 64);
+    BraTS masks of the three regions with ``regions`` (``--labels regions``), else whole
+    tumour. Only their shapes matter (benchmarks, memory estimates).
+    """
     import numpy as np
 
     rng = np.random.default_rng(0)
     n = clients * per_client
-    folder = root / f"{kind}-{dims}d-{clients}"
+    side = side or (32 if kind == "luna16" else 64)
+    folder = root / f"{kind}-{dims}d-{side}-{'r' if regions else 'w'}-{clients}"
     folder.mkdir(parents=True, exist_ok=True)
     block = min(n, 509)  # random patches, repeated: only their shapes matter (and it is quick)
+    spatial = (side,) * dims
     if kind == "luna16":
-        side = (32,) * dims
-        x = np.resize(rng.random((block, 1, *side), dtype=np.float32), (n, 1, *side))
+        x = np.resize(rng.random((block, 1, *spatial), dtype=np.float32), (n, 1, *spatial))
         np.save(folder / "labels.npy", rng.integers(0, 2, n).astype(np.int64))
         column, groups = "seriesuid", [f"s{i % 997}" for i in range(n)]
     else:
-        side = (64,) * dims
-        x = np.resize(rng.random((block, 4, *side), dtype=np.float32), (n, 4, *side))
-        masks = np.resize(rng.random((block, *side)) < 0.2, (n, *side))
+        x = np.resize(rng.random((block, 4, *spatial), dtype=np.float32), (n, 4, *spatial))
+        channels = (3,) if regions else ()
+        shape = (*channels, *spatial)
+        masks = np.resize(rng.random((block, *shape)) < 0.2, (n, *shape))
         np.save(folder / "masks.npy", masks.astype(np.uint8))
         column, groups = "patient", [f"p{i % 997}" for i in range(n)]
     np.save(folder / "images.npy", x)
@@ -731,7 +745,7 @@ def _workload(
         return engine, None, None, 0.1, tuple(engine.clients[0].x_train.shape[1:])
     kind = "luna16" if model.startswith("densenet") else "brats"
     dims = 3 if model.endswith("3d") else 2
-    folder = _imaging_folder(kind, n, samples, tmp, dims)
+    folder = imaging_folder(kind, n, samples, tmp, dims)
     cfg = compose_config(
         f"dataset={kind}",
         f"dataset.path={folder}",
