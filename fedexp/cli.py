@@ -265,6 +265,7 @@ def _sweep_job(cfg: DictConfig, hc: DictConfig) -> float:
     """
     from fedexp.engine.files.progress import job_label
     from fedexp.sweep import JobStatus, SweepInfo, write_status
+    from fedexp.sweep.stacked import job_hydra
 
     info = SweepInfo.read(hc.sweep.dir)
     status = JobStatus(
@@ -277,7 +278,15 @@ def _sweep_job(cfg: DictConfig, hc: DictConfig) -> float:
     job_dir = Path(hc.runtime.output_dir)
     parallel = not str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
     live = bool(info and info.live)
-    with job_label(f"job {hc.job.num}", parallel=parallel, quiet=True, folder=job_dir, live=live):
+    stacked = job_hydra.get() is not None  # one of a stacked group's threads
+    with job_label(
+        f"job {hc.job.num}",
+        parallel=parallel,
+        quiet=True,
+        folder=job_dir,
+        live=live,
+        own_thread=stacked,
+    ):
         try:
             return _sweep_job_run(cfg, hc, info, status)
         finally:
@@ -362,8 +371,9 @@ def _hydra_run(cfg: DictConfig) -> float:
     from hydra.types import RunMode
 
     from fedexp.cli_distributed import group_job
+    from fedexp.sweep.stacked import job_hydra
 
-    hc = HydraConfig.get()
+    hc = job_hydra.get() or HydraConfig.get()  # a stacked sweep's job: a thread's own
     job = _sweep_job if hc.mode == RunMode.MULTIRUN else _single_run
     return group_job(cfg, hc, job, _checked)  # torchrun, a SLURM job's tasks: one group
 

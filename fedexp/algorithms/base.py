@@ -87,6 +87,12 @@ class Algorithm(ABC):
     #: id); False (the default): every client starts alike, so the engine makes the initial
     #: state once for the whole population (``tests/test_round_census.py`` holds this).
     init_per_client: bool = False
+    #: :meth:`client_update` reads nothing of its run beyond its arguments and the context's
+    #: model, task and solver settings, so that the cohorts of several runs may be trained in
+    #: one call (stacked runs, ``fedexp.engine.round.stacking``); False where it reads the
+    #: run's seed (FedALA's slices, L2GD's coins): its runs' work is then called run by run.
+    #: ``tests/test_stacking.py`` holds every algorithm to it.
+    stacks: bool = True
 
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
         """Server state before round 0 (default: the global model ``x``)."""

@@ -170,6 +170,7 @@ class FedALA(FedAvg):
 
     # ------------------------------------------------------------------ state
     init_per_client = True  # the state keeps the client's id
+    stacks = False  # the ALA slices' starts come from the run's seed (slices)
 
     def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
         """Θ_i = x0, W_i = 1, start phase pending."""

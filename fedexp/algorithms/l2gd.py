@@ -82,6 +82,7 @@ class L2GD(Algorithm):
     server_reads = "mean"  # the server step reads Σ ω_n u_n only (central DP noises it)
 
     weighting = "uniform"
+    stacks = False  # the round's coin flips come from the run's seed (schedule)
 
     def __init__(
         self,

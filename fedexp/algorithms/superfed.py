@@ -233,8 +233,7 @@ def reinit(ctx: Context, client: int) -> torch.Tensor:
     forked global generator: the run's other streams are untouched.
     """
     module = copy.deepcopy(ctx.model.module).to("cpu")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(rng.derive_seed(ctx.seed, rng.INIT, 1, client))
+    with rng.seeded_global(rng.derive_seed(ctx.seed, rng.INIT, 1, client)):
         for m in module.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()

@@ -9,6 +9,10 @@ round.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -28,6 +32,24 @@ def derive_seed(*key: int) -> int:
 def generator(*key: int) -> torch.Generator:
     """A CPU torch generator seeded from ``key``."""
     return torch.Generator().manual_seed(derive_seed(*key))
+
+
+#: Held while torch's global generator is seeded and drawn from: the stacked runs of a sweep
+#: are threads of one process (``fedexp.engine.round.stacking``), and one run's model
+#: initialisation must not draw from a generator another run has just seeded.
+_GLOBAL = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded_global(seed: int) -> Iterator[None]:
+    """Torch's global CPU generator seeded with ``seed`` inside the block, as it was after.
+
+    For code that draws from the global generator only (layers' ``reset_parameters``); one
+    thread at a time.
+    """
+    with _GLOBAL, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def sample_clients(seed: int, round_: int, num_clients: int, fraction: float) -> list[int]:

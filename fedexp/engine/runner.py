@@ -37,6 +37,7 @@ from fedexp.engine.memory import resolve_budget
 from fedexp.engine.processes import launch
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.processes.shared_data import load_dataset
+from fedexp.engine.round import stacking
 from fedexp.engine.round.engine import Engine, RoundCallback
 from fedexp.engine.round.ledger import ByteLedger
 from fedexp.engine.solver.context import Context
@@ -369,8 +370,10 @@ def run(
         place, procs = launch.start(cfg, str(out_dir), _rank_entry)
     failed = True
     engine: Engine | None = None
+    member = stacking.current.get()  # a run of a stacked sweep (hydra/launcher=stacked)
     try:
         engine, data = _build(cfg, place)
+        engine.stack = member
         dataset = None  # what rank 0 logs of the data set
         if place is None or place.leader:
             dataset = describe_dataset(data, OmegaConf.to_container(cfg.dataset, resolve=True))
@@ -385,6 +388,8 @@ def run(
             raise
         raise ended from None
     finally:
+        if member is not None:  # the stack's other runs go on without this one
+            member.leave()
         if procs:  # the other ranks: waited for, or ended when this one failed
             launch.stop(procs, failed=failed)
 

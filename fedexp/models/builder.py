@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from omegaconf import DictConfig
 from torch import nn
 
 from fedexp.config.groups import split_model_node
 from fedexp.config.instantiate import instantiate_checked
+from fedexp.engine import rng
 
 
 def build_model(
@@ -21,8 +21,7 @@ def build_model(
     builder argument: it is returned for the shared/personal split.
     """
     node, personal = split_model_node(node)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with rng.seeded_global(seed):
         module = instantiate_checked(
             node, "model", input_shape=list(input_shape), num_classes=num_classes
         )

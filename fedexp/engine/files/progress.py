@@ -9,7 +9,8 @@ the lines of parallel jobs can be told apart. A sweep's job keeps its per-round 
 terminal (``quiet``: its console handlers pass warnings and errors only) and in its own log file
 (Hydra's ``<job dir>/<job name>.log``), and records its round in ``<job dir>/fedexp_progress.json``
 (:data:`PROGRESS_FILE`), which the sweep's live display reads (:mod:`fedexp.sweep`): a sweep
-prints one line per job, whatever the launcher.
+prints one line per job, whatever the launcher. The job's settings are per thread: the runs of
+a stacked sweep (``hydra/launcher=stacked``) are threads of one process, each a job.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,14 +51,21 @@ _SHOWN = (
     "bytes/down_cum",
 )
 
-#: The current job's label ("job 3") inside a sweep job, else None (see :func:`job_label`).
-_label: str | None = None
-#: Whether the current job runs beside others (a parallel launcher): no bar then.
-_parallel = False
-#: The current sweep job's folder (its progress file goes there), else None.
-_folder: Path | None = None
-#: Whether the sweep's launcher draws a live display of its own (then no bar from a job).
-_live = False
+
+class _Job(threading.local):
+    """This thread's sweep job (:func:`job_label`); the class's values outside a job."""
+
+    #: the current job's label ("job 3") inside a sweep job, else None
+    label: str | None = None
+    #: whether the current job runs beside others (a parallel launcher): no bar then
+    parallel = False
+    #: the current sweep job's folder (its progress file goes there), else None
+    folder: Path | None = None
+    #: whether the sweep's launcher draws a live display of its own (then no bar from a job)
+    live = False
+
+
+_job = _Job()
 #: A sweep job's round, for the sweep's live display: ``{"round": 3, "total": 50, ...}``.
 PROGRESS_FILE = "fedexp_progress.json"
 #: Seconds between two writes of the progress file (the last round is always written).
@@ -73,9 +82,19 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 
 class _Quiet(logging.Filter):
-    """Lets warnings and errors through a console handler, not the info lines (rounds)."""
+    """Lets warnings and errors through a console handler, not the info lines (rounds).
+
+    Args:
+        thread: hush this thread's records only (a stacked sweep's job); None: every record.
+    """
+
+    def __init__(self, thread: int | None = None) -> None:
+        super().__init__()
+        self.thread = thread
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.thread is not None and record.thread != self.thread:
+            return True
         return record.levelno >= logging.WARNING
 
 
@@ -87,13 +106,20 @@ def _console(handler: logging.Handler) -> bool:
 
 
 class _JobPrefix(logging.Filter):
-    """Puts ``[job N] `` before the message of every record a handler emits (once a record)."""
+    """Puts ``[job N] `` before the message of every record a handler emits (once a record).
 
-    def __init__(self, prefix: str) -> None:
+    Args:
+        prefix: ``"[job N] "``.
+        thread: mark this thread's records only (a stacked sweep's job); None: every record.
+    """
+
+    def __init__(self, prefix: str, thread: int | None = None) -> None:
         super().__init__()
-        self.prefix = prefix
+        self.prefix, self.thread = prefix, thread
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.thread is not None and record.thread != self.thread:
+            return True
         if not getattr(record, "fedexp_job", False):
             record.msg = f"{self.prefix}{record.msg}"
             record.fedexp_job = True
@@ -102,7 +128,7 @@ class _JobPrefix(logging.Filter):
 
 def job_prefix() -> str:
     """``"[job 3] "`` inside a sweep job (:func:`job_label`), else ``""``: for printed lines."""
-    return f"[{_label}] " if _label else ""
+    return f"[{_job.label}] " if _job.label else ""
 
 
 @contextmanager
@@ -113,6 +139,7 @@ def job_label(
     quiet: bool = False,
     folder: str | Path | None = None,
     live: bool = False,
+    own_thread: bool = False,
 ) -> Iterator[None]:
     """Mark every log line of the job run inside the block with ``[label]``.
 
@@ -128,19 +155,22 @@ def job_label(
             a sweep's job writes its per-round lines to its log file, not to the terminal.
         folder: the job's folder: each round is recorded in its :data:`PROGRESS_FILE`.
         live: the sweep's launcher draws a live display: no bar from the job, even if asked.
+        own_thread: the job is a thread beside the sweep's other jobs (a stacked sweep): the
+            mark and the quiet apply to this thread's records only.
     """
-    global _label, _parallel, _folder, _live
-    before = _label, _parallel, _folder, _live
-    _label, _parallel, _live = label, parallel, live
-    _folder = Path(folder) if folder is not None else None
-    marker = _JobPrefix(f"[{label}] ")
+    job = _job
+    before = job.label, job.parallel, job.folder, job.live
+    job.label, job.parallel, job.live = label, parallel, live
+    job.folder = Path(folder) if folder is not None else None
+    thread = threading.get_ident() if own_thread else None
+    marker = _JobPrefix(f"[{label}] ", thread)
     loggers = [logging.getLogger()]
     loggers += [
         lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
     ]
     handlers = list(dict.fromkeys(h for lg in loggers for h in lg.handlers))
     quieted = [h for h in handlers if _console(h)] if quiet else []
-    hush = _Quiet()
+    hush = _Quiet(thread)
     for handler in handlers:
         handler.addFilter(marker)
     for handler in quieted:
@@ -152,7 +182,7 @@ def job_label(
             handler.removeFilter(marker)
         for handler in quieted:
             handler.removeFilter(hush)
-        _label, _parallel, _folder, _live = before
+        job.label, job.parallel, job.folder, job.live = before
 
 
 def read_progress(folder: str | Path) -> dict | None:
@@ -193,8 +223,8 @@ class RoundProgress:
             raise ValueError(f"progress={mode!r}: expected auto, bar, log or none")
         console = console or Console(file=sys.stderr)
         if mode == "auto":
-            mode = "bar" if console.is_terminal and _label is None else "log"
-        elif mode == "bar" and _live:
+            mode = "bar" if console.is_terminal and _job.label is None else "log"
+        elif mode == "bar" and _job.live:
             mode = "log"
         self.mode, self.total, self.start = mode, total, start
         self._latest: dict[str, float] = {}
@@ -223,7 +253,7 @@ class RoundProgress:
     def update(self, round_: int, metrics: dict[str, float]) -> None:
         """Report that ``round_`` rounds are done, with that round's metrics."""
         self._latest.update(metrics)
-        if _folder is not None:
+        if _job.folder is not None:
             self._record(round_)
         if self._bar is not None:
             self._bar.update(self._task, completed=round_, info=_fmt(self._latest))
@@ -238,7 +268,7 @@ class RoundProgress:
         self._written = now
         data = {"round": round_, "total": self.total, "info": _fmt(self._latest)}
         try:
-            path = Path(_folder) / PROGRESS_FILE
+            path = Path(_job.folder) / PROGRESS_FILE
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(data))
             os.replace(tmp, path)

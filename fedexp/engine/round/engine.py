@@ -42,6 +42,7 @@ from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.round.evaluation import Evaluation
 from fedexp.engine.round.exchange import Alone, RankExchange
 from fedexp.engine.round.ledger import ByteLedger
+from fedexp.engine.round.stacking import Member, Work
 from fedexp.engine.round.stages import (
     Privatize,
     Sampler,
@@ -121,6 +122,9 @@ class Engine(Transport, Evaluation):
     ranks: Ranks | None = None
     #: where the clients' states are memory-mapped (``store=disk``); None: in memory
     store: Path | None = None
+    #: the run's place in a group of stacked runs whose client work is merged
+    #: (``fedexp.engine.round.stacking``); None: its work is its own
+    stack: Member | None = None
     #: the processes' exchange (``fedexp.engine.round.exchange``), from ``ranks``
     exchange: Alone | RankExchange = field(init=False, repr=False)
     #: who takes part in a round (``fedexp.engine.round.stages.Sampler``)
@@ -301,16 +305,22 @@ class Engine(Transport, Evaluation):
         Clients are grouped by ``Context.work_key`` (their step counts, and with full batches
         their training sets' shapes); each group is one cohort, and the groups' results are
         put back in client order. Each client draws from its own stream, so the grouping
-        changes no figure.
+        changes no figure; nor does a stack (:attr:`stack`), which runs these cohorts with
+        those of its other runs.
         """
         ctx, algo = self.ctx, self.algorithm
         groups = self._cohorts(sampled, rng.CLIENT)
-        results = []
+        works = []
         for rows, cohort in groups:
             index = None if len(groups) == 1 else torch.tensor(rows, device=ctx.device)
             model_in = inbox if index is None else take_rows(inbox, index)
             states = self.client_states.rows(cohort.clients)
-            results.append((rows, algo.client_update(ctx, model_in, states, cohort)))
+            works.append(Work(ctx.work_key(cohort.data[0]), model_in, states, cohort))
+        if self.stack is not None:
+            done = self.stack.work(ctx, algo, works)
+        else:
+            done = [algo.client_update(ctx, w.inbox, w.states, w.cohort) for w in works]
+        results = [(rows, r) for (rows, _), r in zip(groups, done, strict=True)]
         return results[0][1] if len(results) == 1 else _merge(results, len(sampled))
 
     def _cohorts(self, clients: list[int], purpose: int) -> list[tuple[list[int], Cohort]]:

@@ -1,0 +1,270 @@
+"""``hydra/launcher=stacked``: a sweep's runs that can share a cohort run as one (issue 41).
+
+The launcher (the Hydra plugin ``hydra_plugins.fedexp_stacked``) groups the sweep's jobs whose
+overrides are equal but for the keys of :data:`STACKABLE`, and runs each group's jobs as
+threads of this process whose client work is merged into one cohort a round
+(:mod:`fedexp.engine.round.stacking`); a job alone in its group runs as Hydra's basic launcher
+runs it. Every job stays a job: its folder, ``.hydra/`` record, log file, rounds.csv,
+checkpoints, MLflow run (nested under the sweep's parent), status file and line in the
+terminal, exactly as the other launchers leave them.
+
+Which keys may differ inside a group, and why:
+
+* ``seed``: a run's seed keys its model initialisation (made by its own engine), its client
+  sampling and every client's (seed, round, client) streams, which travel with the cohort
+  (``Cohort.keys``); nothing of the merged work reads it otherwise.
+* ``partition`` and ``partition.*`` (δ, Dirichlet α, shards...): they choose which samples each
+  client holds. Each run keeps its own clients' data (a pool), and the merged cohort reads
+  the runs' pools side by side; clients of different sizes take different step counts, and
+  only clients of equal step counts (``Context.work_key``) share a call.
+
+Anything else (the algorithm and its λ, the learning rate, the model, the number of clients or
+rounds, the compressor, DP) changes what the shared call computes, so jobs that differ in it
+are in different groups. The merge itself checks the algorithm's and the solver's settings
+again (:meth:`fedexp.engine.round.stacking.Stack._signature`). An algorithm that reads its
+run's seed inside ``client_update`` (FedALA, L2GD) runs stacked too, its work called run by
+run. ``hydra.launcher.max_runs`` (default 64) caps a group: the merged cohort and the runs'
+data are held at once (the solver slices the cohort to the memory budget).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+#: Keys that may differ between the runs of one group (a key, and its sub-keys).
+STACKABLE = ("seed", "partition")
+
+#: The Hydra config (``HydraConfig.get()``'s node) of the job this thread runs, in a stacked
+#: group; None elsewhere (the CLI then reads Hydra's global one).
+job_hydra: contextvars.ContextVar[Any] = contextvars.ContextVar("job_hydra", default=None)
+
+log = logging.getLogger(__name__)
+
+
+def stack_key(overrides: Sequence[str]) -> tuple[str, ...]:
+    """What a job must share with the others of its group: its overrides but the stackable."""
+    kept = []
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key in STACKABLE or key.startswith(tuple(f"{k}." for k in STACKABLE)):
+            continue
+        kept.append(item)
+    return tuple(sorted(kept))
+
+
+def groups(job_overrides: Sequence[Sequence[str]], max_runs: int) -> list[list[int]]:
+    """The jobs (indices) in groups of at most ``max_runs``, in the order of their first job."""
+    by_key: dict[tuple[str, ...], list[list[int]]] = {}
+    order: list[list[int]] = []
+    for i, overrides in enumerate(job_overrides):
+        chunks = by_key.setdefault(stack_key(overrides), [])
+        if not chunks or len(chunks[-1]) >= max(1, max_runs):
+            chunks.append([])
+            order.append(chunks[-1])
+        chunks[-1].append(i)
+    return order
+
+
+@dataclass
+class _Job:
+    """A job made ready as ``hydra.core.utils.run_job`` makes it, before it runs."""
+
+    idx: int
+    config: DictConfig
+    task_cfg: DictConfig
+    hydra_cfg: DictConfig
+    hc: Any
+    output_dir: str
+    log_file: str | None
+
+
+class _ThreadFiles(logging.Handler):
+    """The jobs' log files: each record goes to the file of the job whose thread made it."""
+
+    def __init__(self, like: logging.FileHandler | None) -> None:
+        super().__init__(like.level if like is not None else logging.NOTSET)
+        self.like = like
+        self.files: dict[int, logging.FileHandler] = {}
+
+    def add(self, thread: int, path: str) -> None:
+        """Send ``thread``'s records to ``path`` (appended, as Hydra's file handler does)."""
+        handler = logging.FileHandler(path)
+        if self.like is not None:
+            handler.setFormatter(self.like.formatter)
+            handler.setLevel(self.like.level)
+        self.files[thread] = handler
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handler = self.files.get(record.thread or 0)
+        if handler is not None and self.filter(record):
+            handler.handle(record)
+
+    def close(self) -> None:
+        for handler in self.files.values():
+            handler.close()
+        super().close()
+
+
+def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
+    """The sweep's jobs, stacked where they can be; their ``JobReturn`` in job order.
+
+    Args:
+        launcher: the plugin (its ``config``, ``hydra_context``, ``task_function`` and
+            ``max_runs``).
+        job_overrides: each job's overrides.
+        initial_job_idx: the first job's number.
+    """
+    from hydra.core.utils import configure_log, run_job, setup_globals
+
+    setup_globals()
+    config = launcher.config
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+    returns: list = [None] * len(job_overrides)
+    for group in groups(job_overrides, int(launcher.max_runs)):
+        if len(group) == 1:
+            i = group[0]
+            sweep_config = _sweep_config(launcher, job_overrides[i], initial_job_idx + i)
+            returns[i] = run_job(
+                hydra_context=launcher.hydra_context,
+                task_function=launcher.task_function,
+                config=sweep_config,
+                job_dir_key="hydra.sweep.dir",
+                job_subdir_key="hydra.sweep.subdir",
+            )
+        else:
+            done = _run_group(launcher, [(initial_job_idx + i, job_overrides[i]) for i in group])
+            for i, ret in zip(group, done, strict=True):
+                returns[i] = ret
+        configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    return returns
+
+
+def _sweep_config(launcher: Any, overrides: Sequence[str], idx: int) -> DictConfig:
+    sweep_config = launcher.hydra_context.config_loader.load_sweep_config(
+        launcher.config, list(overrides)
+    )
+    with open_dict(sweep_config):
+        sweep_config.hydra.job.id = idx
+        sweep_config.hydra.job.num = idx
+    return sweep_config
+
+
+def _prepare(launcher: Any, overrides: Sequence[str], idx: int) -> _Job:
+    """A job's config, folder and ``.hydra/`` record, as ``run_job`` makes them."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import _save_config
+
+    config = _sweep_config(launcher, overrides, idx)
+    HydraConfig.instance().set_config(config)
+    output_dir = os.path.join(
+        str(OmegaConf.select(config, "hydra.sweep.dir")),
+        str(OmegaConf.select(config, "hydra.sweep.subdir")),
+    )
+    with read_write(config.hydra.runtime), open_dict(config.hydra.runtime):
+        config.hydra.runtime.output_dir = os.path.abspath(output_dir)
+    HydraConfig.instance().set_config(config)
+    task_cfg = copy.deepcopy(config)
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+    hc = HydraConfig.get()  # (Hydra's own node: interpolations resolve in the job's config,
+    hydra_cfg = copy.deepcopy(HydraConfig.instance().cfg)  # whose cache holds ${now:})
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    if config.hydra.output_subdir is not None:
+        record = Path(config.hydra.runtime.output_dir) / str(config.hydra.output_subdir)
+        _save_config(task_cfg, "config.yaml", record)
+        _save_config(hydra_cfg, "hydra.yaml", record)
+        _save_config(config.hydra.overrides.task, "overrides.yaml", record)
+    log_file = OmegaConf.select(config, "hydra.job_logging.handlers.file.filename", default=None)
+    return _Job(idx, config, task_cfg, hydra_cfg, hc, output_dir, log_file and str(log_file))
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM in the launcher's thread: the group stops as on Ctrl-C (the CLI's handler)."""
+    from fedexp.errors import Terminated
+
+    raise Terminated
+
+
+def _run_group(launcher: Any, jobs: list[tuple[int, Sequence[str]]]) -> list:
+    """One group's jobs as threads of one stack; their ``JobReturn``, in order."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import JobReturn, JobStatus, configure_log
+
+    from fedexp.engine.round.stacking import Stack
+    from fedexp.engine.round.stacking import current as current_member
+
+    before = HydraConfig.instance().cfg
+    prepared = [_prepare(launcher, overrides, idx) for idx, overrides in jobs]
+    first = prepared[0].config
+    configure_log(first.hydra.job_logging, first.hydra.verbose)
+    root = logging.getLogger()
+    files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+    router = _ThreadFiles(files[0] if files else None)
+    for h in files:  # the first job's file: each job's file, by thread
+        root.removeHandler(h)
+        h.close()
+    root.addHandler(router)
+    HydraConfig.instance().set_config(first)  # the sweep's mode and sweeper, for global readers
+    stack = Stack(len(prepared))
+    returns = [JobReturn() for _ in prepared]
+    log.debug("stacking %d runs: jobs %s", len(prepared), ", ".join(str(j.idx) for j in prepared))
+
+    def body(i: int) -> None:
+        job, ret = prepared[i], returns[i]
+        if job.log_file:
+            router.add(threading.get_ident(), job.log_file)
+        job_hydra.set(job.hc)
+        current_member.set(stack.members[i])
+        ret.cfg, ret.hydra_cfg = job.task_cfg, job.hydra_cfg
+        ret.overrides = OmegaConf.to_container(job.config.hydra.overrides.task)
+        ret.working_dir = os.getcwd()
+        ret.task_name = str(job.config.hydra.job.name)
+        try:
+            ret.return_value = launcher.task_function(job.task_cfg)
+            ret.status = JobStatus.COMPLETED
+        except BaseException as exc:  # noqa: BLE001 - the job's (a KeyboardInterrupt: stopped)
+            ret.return_value = exc
+            ret.status = JobStatus.FAILED
+        finally:
+            stack.members[i].leave()
+
+    threads = [
+        threading.Thread(target=body, args=(i,), name=f"fedexp-job-{j.idx}", daemon=True)
+        for i, j in enumerate(prepared)
+    ]
+    previous = signal.signal(signal.SIGTERM, _terminated)  # stops the group as Ctrl-C does
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)  # (a bare join would not let Ctrl-C through)
+    except BaseException:
+        stack.stop()  # every run ends as a stopped run (KILLED, its checkpoint kept)
+        for t in threads:
+            t.join()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        root.removeHandler(router)
+        router.close()
+        HydraConfig.instance().cfg = before
+    stopped = [r.return_value for r in returns if isinstance(r.return_value, KeyboardInterrupt)]
+    if stopped:  # Ctrl-C or SIGTERM in a job: the sweep stops, as with the other launchers
+        raise stopped[0]
+    exits = [r.return_value for r in returns if isinstance(r.return_value, SystemExit)]
+    if exits:
+        raise exits[0]
+    return returns

@@ -1,0 +1,1 @@
+"""fedexp's Hydra launcher ``stacked`` (``fedexp.sweep.stacked``)."""
