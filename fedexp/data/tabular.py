@@ -6,6 +6,7 @@ The pFedNet paper (§VI, tabular tasks) fills missing values with 0 and scales e
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -43,13 +44,20 @@ def breast_cancer() -> ArrayDataset:
     569 patients, 30 numeric features, label 1 = malignant (212) and 0 = benign (357): real
     clinical data that needs no download. Features are scaled to [-1, 1].
     """
+    x, y, names = _breast_cancer()
+    return ArrayDataset("breast_cancer", x.copy(), y.copy(), 2, feature_names=list(names))
+
+
+@functools.cache
+def _breast_cancer() -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """scikit-learn's table, read once a process (a sweep's runs in one process share it)."""
     from sklearn.datasets import load_breast_cancer
 
     bunch = load_breast_cancer()
     # scikit-learn codes malignant as 0; make the disease the positive class.
     y = (bunch.target == 0).astype(np.int64)
     x = scale_to_unit_interval(bunch.data.astype(np.float64)).astype(np.float32)
-    return ArrayDataset("breast_cancer", x, y, 2, feature_names=list(bunch.feature_names))
+    return x, y, tuple(bunch.feature_names)
 
 
 #: Feature values above this magnitude are refused: scaling to [-1, 1] in float32 would

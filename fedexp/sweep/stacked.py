@@ -25,6 +25,10 @@ again (:meth:`fedexp.engine.round.stacking.Stack._signature`). An algorithm that
 run's seed inside ``client_update`` (FedALA, L2GD) runs stacked too, its work called run by
 run. ``hydra.launcher.max_runs`` (default 64) caps a group: the merged cohort and the runs'
 data are held at once (the solver slices the cohort to the memory budget).
+
+A group's runs share one process, and so one core's Python: ``hydra.launcher.n_jobs`` > 1 runs
+that many groups at a time in worker processes (joblib's, as ``hydra/launcher=parallel``), for
+a sweep of several groups (several algorithms) on several cores.
 """
 
 from __future__ import annotations
@@ -125,30 +129,82 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         job_overrides: each job's overrides.
         initial_job_idx: the first job's number.
     """
-    from hydra.core.utils import configure_log, run_job, setup_globals
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import configure_log, setup_globals
 
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     returns: list = [None] * len(job_overrides)
-    for group in groups(job_overrides, int(launcher.max_runs)):
-        if len(group) == 1:
-            i = group[0]
-            sweep_config = _sweep_config(launcher, job_overrides[i], initial_job_idx + i)
-            returns[i] = run_job(
+    todo = [
+        [(initial_job_idx + i, list(job_overrides[i])) for i in group]
+        for group in groups(job_overrides, int(launcher.max_runs))
+    ]
+    n_jobs = min(int(getattr(launcher, "n_jobs", 1) or 1), len(todo))
+    if n_jobs > 1:
+        from joblib import Parallel, delayed
+
+        state = Singleton.get_state()
+        task = launcher.hydra_context, launcher.task_function, config, int(launcher.max_runs)
+        done = Parallel(n_jobs=n_jobs, backend="loky")(
+            delayed(_worker)(*task, jobs, state) for jobs in todo
+        )
+    else:
+        done = [_group(launcher, jobs) for jobs in todo]
+    for jobs, rets in zip(todo, done, strict=True):
+        for (idx, _), ret in zip(jobs, rets, strict=True):
+            returns[idx - initial_job_idx] = ret
+    return returns
+
+
+@dataclass
+class _Launcher:
+    """What a worker process needs of the launcher."""
+
+    hydra_context: Any
+    task_function: Any
+    config: DictConfig
+    max_runs: int
+
+
+def _worker(
+    hydra_context: Any,
+    task_function: Any,
+    config: DictConfig,
+    max_runs: int,
+    jobs: list[tuple[int, list[str]]],
+    state: dict,
+) -> list:
+    """A group in a worker process (``n_jobs`` > 1), as joblib's launcher runs its jobs."""
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import setup_globals
+
+    setup_globals()
+    Singleton.set_state(state)
+    return _group(_Launcher(hydra_context, task_function, config, max_runs), jobs)
+
+
+def _group(launcher: Any, jobs: list[tuple[int, list[str]]]) -> list:
+    """A group's ``JobReturn``: a job alone as Hydra's basic launcher runs it, else stacked."""
+    from hydra.core.utils import configure_log, run_job
+
+    config = launcher.config
+    try:
+        if len(jobs) > 1:
+            return _run_group(launcher, jobs)
+        idx, overrides = jobs[0]
+        return [
+            run_job(
                 hydra_context=launcher.hydra_context,
                 task_function=launcher.task_function,
-                config=sweep_config,
+                config=_sweep_config(launcher, overrides, idx),
                 job_dir_key="hydra.sweep.dir",
                 job_subdir_key="hydra.sweep.subdir",
             )
-        else:
-            done = _run_group(launcher, [(initial_job_idx + i, job_overrides[i]) for i in group])
-            for i, ret in zip(group, done, strict=True):
-                returns[i] = ret
+        ]
+    finally:
         configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-    return returns
 
 
 def _sweep_config(launcher: Any, overrides: Sequence[str], idx: int) -> DictConfig:
