@@ -288,7 +288,8 @@ def _run_group(launcher: Any, jobs: list[tuple[int, Sequence[str]]]) -> list:
         ret.working_dir = os.getcwd()
         ret.task_name = str(job.config.hydra.job.name)
         try:
-            ret.return_value = launcher.task_function(job.task_cfg)
+            with stack.members[i].turns():
+                ret.return_value = launcher.task_function(job.task_cfg)
             ret.status = JobStatus.COMPLETED
         except BaseException as exc:  # noqa: BLE001 - the job's (a KeyboardInterrupt: stopped)
             ret.return_value = exc

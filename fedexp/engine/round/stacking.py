@@ -21,9 +21,10 @@ called run by run (still in one process).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,7 @@ class Stack:
         self._stopped = False
         self._pool: tuple[tuple[Any, ...], Any, list[int]] | None = None
         self._signatures: dict[tuple[int, int], Hashable] = {}
+        self._turn = threading.Lock()  # held by the one run whose thread runs (Member.turns)
         #: merged ``client_update`` calls made, and the clients they trained (the figures of
         #: the benchmark and of the tests)
         self.calls = 0
@@ -248,10 +250,37 @@ class Member:
     def __init__(self, stack: Stack, index: int) -> None:
         self.stack, self.index = stack, index
         self._left = False
+        self._holding = False
+
+    @contextlib.contextmanager
+    def turns(self) -> Iterator[None]:
+        """Run the block (the run's thread) one run at a time.
+
+        The stack's turn is held but while :meth:`work` waits for the others. The runs' own
+        Python (rounds' bookkeeping, evaluation, files, figures) then never contends for the
+        interpreter: many threads each taking many short torch calls would otherwise wait on
+        one another at every call (the interpreter's switch interval).
+        """
+        self.stack._turn.acquire()
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            self.stack._turn.release()
 
     def work(self, ctx: Context, algorithm: Algorithm, works: list[Work]) -> list[CohortResult]:
         """The results of ``works`` (this run's sub-cohorts), with the group's others'."""
-        return self.stack._arrive(_Request(ctx, algorithm, works))
+        holding = self._holding
+        if holding:
+            self._holding = False
+            self.stack._turn.release()
+        try:
+            return self.stack._arrive(_Request(ctx, algorithm, works))
+        finally:
+            if holding:
+                self.stack._turn.acquire()
+                self._holding = True
 
     def leave(self) -> None:
         """This run takes no further part (finished, failed, or never built); idempotent."""

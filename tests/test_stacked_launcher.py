@@ -1,0 +1,104 @@
+"""``hydra/launcher=stacked`` (issue 41) through the real CLI: jobs grouped by what they share,
+each job still a job (folder, status, its own log lines, MLflow child run), its figures those of
+the same job under Hydra's basic launcher."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from fedexp.sweep.stacked import groups, stack_key
+from helpers import run_cli
+
+TINY = ["rounds=3", "num_clients=4", "device=cpu", "checkpoint_every=0", "progress=log"]
+
+
+def test_jobs_group_by_everything_but_seed_and_partition():
+    jobs = [
+        ["algorithm=fedavg", "seed=0"],
+        ["algorithm=fedavg", "seed=1"],
+        ["algorithm=ditto", "seed=0"],
+        ["algorithm=fedavg", "partition.delta=2", "seed=0"],
+        ["algorithm=fedavg", "partition=dirichlet", "seed=1"],
+        ["algorithm=fedavg", "lr=0.5", "seed=0"],
+    ]
+    assert stack_key(jobs[0]) == stack_key(jobs[3]) == stack_key(jobs[4]) == ("algorithm=fedavg",)
+    assert groups(jobs, 64) == [[0, 1, 3, 4], [2], [5]]
+    assert groups(jobs, 2) == [[0, 1], [2], [3, 4], [5]]
+
+
+def _rows(folder):
+    with open(folder / "rounds.csv") as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.fixture(scope="module")
+def stacked(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("stacked")
+    uri = f"sqlite:///{tmp}/m.db"
+    proc = run_cli(
+        "run",
+        "-m",
+        "algorithm=fedavg,local",
+        "seed=0,1",
+        *TINY,
+        "hydra/launcher=stacked",
+        f"tracker.uri={uri}",
+        f"hydra.sweep.dir={tmp}/sweep",
+        cwd=tmp,
+    )
+    return proc, uri, tmp / "sweep"
+
+
+def test_a_stacked_sweep_keeps_every_job_a_job(stacked):
+    proc, uri, sweep = stacked
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sweep done, 4 jobs: 4 ok, 0 failed" in proc.stdout, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for n in range(4):
+        job = sweep / str(n)
+        status = json.loads((job / "fedexp_status.json").read_text())
+        assert status["status"] == "ok" and status["job"] == n
+        assert (job / ".hydra" / "overrides.yaml").is_file()
+        assert len(_rows(job)) == 4  # rounds 0..3
+        # its log file holds its own lines only, every one marked with its job
+        lines = [ln for ln in (job / "cli.log").read_text().splitlines() if "round " in ln]
+        assert len(lines) == 3, lines
+        assert all(f"[job {n}] round" in ln for ln in lines), lines
+    client = MlflowClient(uri)
+    experiment = re.search(r"^MLflow experiment: (fedexp/\S+ \S+ \S+) \(parent", proc.stdout, re.M)
+    assert experiment, proc.stdout[-2000:]
+    exp = client.get_experiment_by_name(experiment.group(1))
+    runs = client.search_runs([exp.experiment_id])
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 4 and all(r.info.status == "FINISHED" for r in children)
+    assert all(r.data.metrics.get("acc/mean") is not None for r in children)
+
+
+@pytest.mark.slow
+def test_a_stacked_sweep_ends_as_the_basic_launchers(stacked, tmp_path):
+    proc, _, sweep = stacked
+    assert proc.returncode == 0
+    basic = run_cli(
+        "run",
+        "-m",
+        "algorithm=fedavg,local",
+        "seed=0,1",
+        *TINY,
+        "tracker=none",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        cwd=tmp_path,
+    )
+    assert basic.returncode == 0, basic.stderr[-3000:]
+    for n in range(4):
+        a, b = _rows(sweep / str(n)), _rows(tmp_path / "sweep" / str(n))
+        assert [r["acc/mean"] for r in a] == [r["acc/mean"] for r in b]
+        for ra, rb in zip(a, b, strict=True):
+            if ra.get("train/train_loss"):
+                assert float(ra["train/train_loss"]) == pytest.approx(
+                    float(rb["train/train_loss"]), rel=1e-5
+                )
