@@ -22,8 +22,9 @@ in its step) with its own time budget; ``--smallest`` runs them all in one child
   on every client's minibatch at once), the FLOP bound (train FLOPs per sample × samples per
   update ÷ the chip's stated float32 peak) and peak GPU memory;
 * ``profile``: one CNN round under ``torch.profiler``: the top kernels;
-* ``sweep``: a ``pfednet_tables``-style sweep (``fedexp run -m``) on the device and, as its
-  baseline, on the CPU (stacked runs have not landed: one job a run).
+* ``sweep``: a ``pfednet_tables``-style sweep (``fedexp run -m``) on the device, one job a
+  run, then the same algorithms over ``sweep_seeds`` seeds with ``hydra/launcher=stacked``
+  (a group of runs a cohort), and as the baseline the first ones on the CPU.
 
 Written to ``$OUT`` (at most 5 files): ``check.json`` (every figure), ``summary.md``,
 ``kernels.txt``, ``cuda_tests.txt``, ``log.txt``. Both JSON and summary are rewritten after
@@ -130,6 +131,7 @@ class Sizes:
         sweep_algorithms: the sweep's algorithms (one delta, one seed).
         sweep_rounds: rounds of each sweep job.
         sweep_cpu: algorithms of the CPU baseline sweep (the first ones), 0: none.
+        sweep_seeds: seeds of the stacked sweep (each algorithm a group of that many runs).
         workloads: (samples a client, steps, batch) of the imaging models, where smaller than
             :data:`WORKLOADS` (a CPU takes seconds a DenseNet step).
     """
@@ -152,6 +154,7 @@ class Sizes:
     sweep_algorithms: tuple[str, ...]
     sweep_rounds: int
     sweep_cpu: int
+    sweep_seeds: int = 2
     workloads: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
     def workload(self, model: str) -> tuple[int, int, int]:
@@ -166,8 +169,8 @@ def _budgets(*seconds: float) -> dict[str, float]:
 
 SIZES: dict[str, Sizes] = {
     "gpu": Sizes(
-        total_s=450,
-        budgets=_budgets(25, 40, 30, 30, 45, 30, 70, 45, 40, 40, 15, 40),
+        total_s=480,
+        budgets=_budgets(25, 25, 25, 20, 40, 30, 90, 45, 45, 45, 15, 75),
         inline=False,
         threads=0,
         clients=(100, 1000),
@@ -191,6 +194,7 @@ SIZES: dict[str, Sizes] = {
         sweep_algorithms=("fedavg", "ditto", "fedper", "fedrep", "apfl", "local"),
         sweep_rounds=10,
         sweep_cpu=2,
+        sweep_seeds=4,
     ),
     "cpu": Sizes(
         total_s=290,
@@ -237,6 +241,7 @@ SIZES: dict[str, Sizes] = {
         sweep_algorithms=("fedavg",),
         sweep_rounds=1,
         sweep_cpu=0,
+        sweep_seeds=1,
         workloads={
             "densenet": (5, 1, 2),
             "unet": (5, 1, 2),
@@ -1059,8 +1064,16 @@ class _Sweep:
     """``fedexp run -m +experiment=pfednet_tables`` over ``algorithms`` (δ = 1, seed 0), its
     output read as it comes (each job's line timed) until :meth:`finish`."""
 
-    def __init__(self, sizes: Sizes, device: str, algorithms: tuple[str, ...], root: Path) -> None:
+    def __init__(
+        self,
+        sizes: Sizes,
+        device: str,
+        algorithms: tuple[str, ...],
+        root: Path,
+        seeds: int = 1,
+    ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="sweep-", dir=root))
+        stacked = ["hydra/launcher=stacked"] if seeds > 1 else []
         cmd = [
             sys.executable,
             "-c",
@@ -1073,12 +1086,20 @@ class _Sweep:
             f"rounds={sizes.sweep_rounds}",
             f"algorithm={','.join(algorithms)}",
             "partition.delta=1",
-            "seed=0",
+            f"seed={','.join(str(k) for k in range(seeds))}",
+            *stacked,
             f"hydra.sweep.dir={self.tmp / 'multirun'}",
         ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), _pythonpath()])}
         env.pop("MLFLOW_TRACKING_URI", None)
-        self.row: dict[str, Any] = {"device": device, "algorithms": list(algorithms), "jobs": {}}
+        self.row: dict[str, Any] = {
+            "device": device,
+            "algorithms": list(algorithms),
+            "seeds": seeds,
+            "launcher": "stacked" if stacked else "basic",
+            "jobs": {},
+            "total": len(algorithms) * seeds,
+        }
         self.lines: list[str] = []
         self.start = time.monotonic()
         self.first: float | None = None
@@ -1101,9 +1122,9 @@ class _Sweep:
             now = time.monotonic() - self.start
             if line.startswith("sweep:"):
                 self.first = now
-            m = re.match(r"\[job (\d+)\]\s+(\S+)\s+(.*)", line)
+            m = re.match(r"\[job (\d+)\]\s+(.*?)\s+(\S+=\S+)\s*$", line)
             if m:
-                self.row["jobs"][m.group(2)] = m.group(3).strip()
+                self.row["jobs"][f"{m.group(1)} {m.group(2)}"] = m.group(3).strip()
                 self.last = now
 
     def finish(self, deadline: float) -> dict[str, Any]:
@@ -1132,23 +1153,32 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def step_sweep(s: Step) -> None:
-    """The sweep on this device, then its first algorithms on the CPU (the baseline)."""
+    """The sweep on this device (one job a run, then stacked), then the CPU's (the baseline)."""
     dev = _device()
     z = s.sizes
-    cpu_share = 0.45 if z.sweep_cpu and dev.type == "cuda" else 0.0
-    s.result["stacked"] = "not landed: one job a run"
+    cpu_share = 0.25 if z.sweep_cpu and dev.type == "cuda" else 0.0
     s.result["rounds"] = z.sweep_rounds
     sweep = _Sweep(z, dev.type, z.sweep_algorithms, s.work)
-    row = sweep.finish(time.monotonic() + s.left() * (1 - cpu_share))
+    row = sweep.finish(time.monotonic() + s.left() * 0.35)
     s.result["device"] = row
     s.save()
     s.say(f"{dev.type}: {row['done']} jobs in {row['wall_s']:.1f} s, {row.get('s_per_job')} s/job")
+    if z.sweep_seeds > 1:
+        sweep = _Sweep(z, dev.type, z.sweep_algorithms, s.work, seeds=z.sweep_seeds)
+        row = sweep.finish(time.monotonic() + s.left() * (1 - cpu_share))
+        s.result["stacked"] = row
+        s.save()
+        s.say(
+            f"{dev.type} stacked: {row['done']} jobs in {row['wall_s']:.1f} s, "
+            f"{row.get('s_per_job')} s/job"
+        )
     if cpu_share:
         sweep = _Sweep(z, "cpu", z.sweep_algorithms[: z.sweep_cpu], s.work)
         row = sweep.finish(s.deadline)
         s.result["cpu"] = row
         s.say(f"cpu: {row['done']} jobs in {row['wall_s']:.1f} s, {row.get('s_per_job')} s/job")
-    failed = [r for r in (s.result["device"], s.result.get("cpu")) if r and r["exit_code"] > 0]
+    rows = (s.result["device"], s.result.get("stacked"), s.result.get("cpu"))
+    failed = [r for r in rows if r and r["exit_code"] > 0]
     if failed:  # (a sweep stopped at its time, -9, keeps the jobs it finished)
         raise RuntimeError(f"the sweep exited {failed[0]['exit_code']}: {failed[0]['output_tail']}")
 
@@ -1476,14 +1506,16 @@ def summary(doc: dict[str, Any]) -> str:
     sw = steps.get("sweep", {})
     if sw.get("device"):
         lines += ["", f"## Sweep (pfednet_tables-style, {sw.get('rounds')} rounds a job)", ""]
-        for key in ("device", "cpu"):
+        for key in ("device", "stacked", "cpu"):
             row = sw.get(key)
-            if row:
+            if isinstance(row, dict):
                 lines.append(
-                    f"- {row['device']}: {row['done']} of {len(row['algorithms'])} jobs, "
-                    f"{_f(row.get('s_per_job'), '.2f')} s a job (exit {row.get('exit_code')})"
+                    f"- {row['device']}, {row.get('launcher', 'basic')} launcher, "
+                    f"{row.get('seeds', 1)} seed(s): {row['done']} of "
+                    f"{row.get('total', len(row['algorithms']))} jobs, "
+                    f"{_f(row.get('s_per_job'), '.2f')} s a job, {row['wall_s']:.1f} s in all "
+                    f"(exit {row.get('exit_code')})"
                 )
-        lines.append(f"- stacked runs: {sw.get('stacked')}")
     return "\n".join(lines) + "\n"
 
 
