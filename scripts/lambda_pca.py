@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fedexp.engine.runner import build_engine  # noqa: E402
-from fedexp.plots import plt  # noqa: E402
 from helpers import compose_config  # noqa: E402
 
 
@@ -47,7 +47,8 @@ def main() -> None:
     base = runs[args.lams[0]][0].double()
     mean = base.mean(dim=0, keepdim=True)
     _, _, vh = torch.linalg.svd(base - mean, full_matrices=False)
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    fig = Figure(figsize=(6.4, 4.8))
+    ax = fig.subplots()
     print("| λ | spread (mean ‖z_n − z̄‖) | accuracy (weighted) |\n|---:|---:|---:|")
     for lam, (z, spread, acc) in runs.items():
         xy = (z.double() - mean) @ vh[:2].T

@@ -486,16 +486,16 @@ def test_a_real_study_is_plain_in_a_file_and_warns_at_the_edge(tmp_path):
 
 
 def _drawn(monkeypatch) -> list:
-    """The figures the plotting functions close (to read what they drew)."""
-    closed = []
-    close = plots.plt.close
+    """The figures the plotting functions save (to read what they drew)."""
+    saved = []
+    save = plots.Figure.savefig
 
-    def keep(fig=None):
-        closed.append(fig)
-        close(fig)
+    def keep(fig, *args, **kwargs):
+        saved.append(fig)
+        return save(fig, *args, **kwargs)
 
-    monkeypatch.setattr(plots.plt, "close", keep)
-    return closed
+    monkeypatch.setattr(plots.Figure, "savefig", keep)
+    return saved
 
 
 def test_equal_client_models_are_said_to_be_equal_not_projected(tmp_path, monkeypatch):

@@ -165,11 +165,11 @@ def reach_plot(
         ``xticks`` and ``xticklabels`` (read back from the axes).
     """
     import numpy as np
+    from matplotlib.figure import Figure
     from matplotlib.ticker import NullLocator
 
-    from fedexp.plots import plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig = Figure(figsize=(6.4, 4.4))  # (no pyplot: docs/design.md, "Stacked runs")
+    ax = fig.subplots()
     lines: dict[str, tuple[list[float], list[float]]] = {}
     for g in sorted(groups, key=lambda r: [sort_key(v) for v in r]):
         rows = groups[g]
@@ -199,5 +199,4 @@ def reach_plot(
         "xticklabels": [t.get_text() for t in ax.get_xticklabels()],
     }
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return shown
