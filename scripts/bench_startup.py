@@ -6,7 +6,7 @@ measured from just before the process is started:
 
     (a) ``python -c "import hydra"``                         to its exit
     (b) ``fedexp --help``                                     to its exit
-    (c) ``fedexp run lr=-1`` (a bad top-level value)          to its exit (error, exit 1)
+    (c) ``fedexp run lr=-1`` (a bad top-level value)          to its exit (error, exit 2)
     (d) ``fedexp run rounds=1 tracker=none`` (the default     to the log line ``round 1/1``:
         run: FedAvg, logistic regression, breast cancer,      round 0's evaluation, round 1's
         5 clients, 5 local SGD steps of batch 32)             training and evaluation done
@@ -140,7 +140,7 @@ def main() -> None:
     kinds = {  # name: (command, marker, expected exit code)
         "a": ([python, "-c", "import hydra"], None, 0),
         "b": ([*fedexp, "--help"], None, 0),
-        "c": ([*fedexp, "run", "lr=-1"], None, 1),
+        "c": ([*fedexp, "run", "lr=-1"], None, 2),  # (2: a usage error)
         "d": ([*fedexp, "run", "rounds=1", "tracker=none"], r"round 1/1", 0),
         "e": ([python, "-c", PLAIN], r"^ROUND1 ", 0),
     }

@@ -56,10 +56,6 @@ def _configs(tmp_path, name, overrides, seeds):
     ]
 
 
-def _states(results):
-    """Each run's final server state, captured by a callback."""
-
-
 def _same(stacked, alone, what):
     for a, b in zip(stacked, alone, strict=True):
         assert not isinstance(a, BaseException), f"{what}: {a!r}"
@@ -120,33 +116,23 @@ def test_four_seeds_stacked_end_as_alone(tmp_path):
 
 def test_runs_of_different_splits_stack(tmp_path):
     """δ differs (the partition, so the pools differ in size): still the runs alone."""
-    seeds = [0, 1]
-    stacked_cfgs = [
-        compose_config(
-            *SMALL,
-            "algorithm=ditto",
-            "partition=label_imbalance",
-            f"partition.delta={d}",
-            f"seed={s}",
-            output_dir=tmp_path / "s" / f"{d}-{s}",
-        )
-        for d in (1, 2)
-        for s in seeds
-    ]
-    alone_cfgs = [
-        compose_config(
-            *SMALL,
-            "algorithm=ditto",
-            "partition=label_imbalance",
-            f"partition.delta={d}",
-            f"seed={s}",
-            output_dir=tmp_path / "a" / f"{d}-{s}",
-        )
-        for d in (1, 2)
-        for s in seeds
-    ]
-    stacked, stack = run_stacked(stacked_cfgs)
-    alone = [run(c, tracker=NullTracker()) for c in alone_cfgs]
+
+    def configs(where: str) -> list:
+        return [
+            compose_config(
+                *SMALL,
+                "algorithm=ditto",
+                "partition=label_imbalance",
+                f"partition.delta={d}",
+                f"seed={s}",
+                output_dir=tmp_path / where / f"{d}-{s}",
+            )
+            for d in (1, 2)
+            for s in (0, 1)
+        ]
+
+    stacked, stack = run_stacked(configs("stacked"))
+    alone = [run(c, tracker=NullTracker()) for c in configs("alone")]
     _same(stacked, alone, "ditto by delta")
     assert stack.calls >= 3
 
