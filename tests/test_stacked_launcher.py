@@ -102,3 +102,53 @@ def test_a_stacked_sweep_ends_as_the_basic_launchers(stacked, tmp_path):
                 assert float(ra["train/train_loss"]) == pytest.approx(
                     float(rb["train/train_loss"]), rel=1e-5
                 )
+
+
+def _round(progress) -> int:
+    try:
+        return int(json.loads(progress.read_text())["round"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_run_of_a_stacked_group(tmp_path):
+    """Every run of the group ends KILLED with its checkpoint and resume command; exit 130,
+    no traceback, no abort (a ``Thread.join`` cut by Ctrl-C once let the process exit under
+    a running job)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from fedexp.cli import main; main()", "run", "-m"]
+        + ["hydra/launcher=stacked", "seed=0,1,2", "rounds=400", "tracker=none", "progress=log"]
+        + [f"hydra.sweep.dir={tmp_path}/sweep"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a test run started in the background by a non-interactive shell inherits SIGINT
+        # ignored, and so would the child (Python then installs no KeyboardInterrupt handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            progress = [tmp_path / "sweep" / str(n) / "fedexp_progress.json" for n in range(3)]
+            if all(_round(p) > 10 for p in progress):  # past the first checkpoint (round 10)
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+    for n in range(3):
+        status = json.loads((tmp_path / "sweep" / str(n) / "fedexp_status.json").read_text())
+        assert status["status"] == "killed", status
+        assert f"resume={tmp_path}/sweep/{n}/checkpoints" in err
+    assert "3 stopped so far" in out, out[-2000:]

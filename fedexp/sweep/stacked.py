@@ -246,6 +246,19 @@ def _prepare(launcher: Any, overrides: Sequence[str], idx: int) -> _Job:
     return _Job(idx, config, task_cfg, hydra_cfg, hc, output_dir, log_file and str(log_file))
 
 
+def _wait(ended: list[threading.Event]) -> None:
+    """Until every job's thread has ended its job.
+
+    On events, not ``Thread.join``: a ``join`` that Ctrl-C interrupts may mark the thread it
+    waits for as ended while it runs (CPython 3.11's ``_wait_for_tstate_lock``), and the
+    process would then exit under a job still in torch (abort: "terminate called without an
+    active exception").
+    """
+    for event in ended:
+        while not event.wait(0.2):
+            pass
+
+
 def _terminated(signum: int, frame: object) -> None:
     """SIGTERM in the launcher's thread: the group stops as on Ctrl-C (the CLI's handler)."""
     from fedexp.errors import Terminated
@@ -296,7 +309,9 @@ def _run_group(launcher: Any, jobs: list[tuple[int, Sequence[str]]]) -> list:
             ret.status = JobStatus.FAILED
         finally:
             stack.members[i].leave()
+            ended[i].set()
 
+    ended = [threading.Event() for _ in prepared]
     threads = [
         threading.Thread(target=body, args=(i,), name=f"fedexp-job-{j.idx}", daemon=True)
         for i, j in enumerate(prepared)
@@ -305,13 +320,10 @@ def _run_group(launcher: Any, jobs: list[tuple[int, Sequence[str]]]) -> list:
     try:
         for t in threads:
             t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(0.2)  # (a bare join would not let Ctrl-C through)
+        _wait(ended)
     except BaseException:
         stack.stop()  # every run ends as a stopped run (KILLED, its checkpoint kept)
-        for t in threads:
-            t.join()
+        _wait(ended)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
