@@ -77,6 +77,14 @@ def test_a_stacked_sweep_keeps_every_job_a_job(stacked):
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(children) == 4 and all(r.info.status == "FINISHED" for r in children)
     assert all(r.data.metrics.get("acc/mean") is not None for r in children)
+    # the sweep's tables, as of any sweep: a row per algorithm, two seeds each
+    report = run_cli(
+        "report", "--uri", uri, "--experiment", experiment.group(1), "--rows", "choice.algorithm",
+        cwd=sweep.parent,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr[-2000:]
+    rows = [ln for ln in report.stdout.splitlines() if ln.startswith("| ") and "(n=2)" in ln]
+    assert [r.split("|")[1].strip() for r in rows] == ["FedAvg", "Local"], report.stdout
 
 
 @pytest.mark.slow
