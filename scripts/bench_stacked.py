@@ -2,8 +2,9 @@
 
 Each sweep is the real CLI (``fedexp run -m``, ``tracker=none``) in a fresh folder; the figure
 is its wall time, start-up included, and the ratio is against ``hydra/launcher=parallel``
-(joblib, two workers) on the same machine in the same invocation (stacked-2:
-``hydra.launcher.n_jobs=2``, two groups at a time).
+(joblib, two workers) on the same machine in the same invocation. ``stacked`` is the
+launcher's default (``n_jobs=-1``: a process a core, at most one a group), ``stacked-1`` every
+group in one process (``hydra.launcher.n_jobs=1``).
 
     python scripts/bench_stacked.py seeds              # 4 seeds x 10 rounds (default data)
     python scripts/bench_stacked.py tables             # +experiment=pfednet_tables (300 runs)
@@ -31,8 +32,8 @@ CASES = {
 }
 LAUNCHERS = {
     "parallel": ["hydra/launcher=parallel"],
+    "stacked-1": ["hydra/launcher=stacked", "hydra.launcher.n_jobs=1"],
     "stacked": ["hydra/launcher=stacked"],
-    "stacked-2": ["hydra/launcher=stacked", "hydra.launcher.n_jobs=2"],
 }
 
 

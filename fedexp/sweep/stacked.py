@@ -26,9 +26,11 @@ run's seed inside ``client_update`` (FedALA, L2GD) runs stacked too, its work ca
 run. ``hydra.launcher.max_runs`` (default 64) caps a group: the merged cohort and the runs'
 data are held at once (the solver slices the cohort to the memory budget).
 
-A group's runs share one process, and so one core's Python: ``hydra.launcher.n_jobs`` > 1 runs
-that many groups at a time in worker processes (joblib's, as ``hydra/launcher=parallel``), for
-a sweep of several groups (several algorithms) on several cores.
+A group's runs share one process, and so one core's Python: with several groups (several
+algorithms) ``hydra.launcher.n_jobs`` of them run at a time, each in a worker process
+(joblib's, as ``hydra/launcher=parallel``); the default, -1, is a process a core (at most one
+a group), 1 every group in this process. Each job's ``hydra.launcher.n_jobs`` reads the
+processes that run at once, so that its torch threads share the cores among them.
 """
 
 from __future__ import annotations
@@ -141,17 +143,23 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         [(initial_job_idx + i, list(job_overrides[i])) for i in group]
         for group in groups(job_overrides, int(launcher.max_runs))
     ]
-    n_jobs = min(int(getattr(launcher, "n_jobs", 1) or 1), len(todo))
+    from fedexp.engine.threads import available_cores, launcher_jobs
+
+    wanted = launcher_jobs(getattr(launcher, "n_jobs", 1), available_cores())
+    n_jobs = min(wanted, len(todo))
     if n_jobs > 1:
         from joblib import Parallel, delayed
 
         state = Singleton.get_state()
         task = launcher.hydra_context, launcher.task_function, config, int(launcher.max_runs)
         done = Parallel(n_jobs=n_jobs, backend="loky")(
-            delayed(_worker)(*task, jobs, state) for jobs in todo
+            delayed(_worker)(*task, n_jobs, jobs, state) for jobs in todo
         )
     else:
-        done = [_group(launcher, jobs) for jobs in todo]
+        here = _Launcher(
+            launcher.hydra_context, launcher.task_function, config, int(launcher.max_runs), 1
+        )
+        done = [_group(here, jobs) for jobs in todo]
     for jobs, rets in zip(todo, done, strict=True):
         for (idx, _), ret in zip(jobs, rets, strict=True):
             returns[idx - initial_job_idx] = ret
@@ -166,6 +174,8 @@ class _Launcher:
     task_function: Any
     config: DictConfig
     max_runs: int
+    #: the processes that run groups at once (each job's ``hydra.launcher.n_jobs``)
+    processes: int
 
 
 def _worker(
@@ -173,6 +183,7 @@ def _worker(
     task_function: Any,
     config: DictConfig,
     max_runs: int,
+    processes: int,
     jobs: list[tuple[int, list[str]]],
     state: dict,
 ) -> list:
@@ -182,7 +193,7 @@ def _worker(
 
     setup_globals()
     Singleton.set_state(state)
-    return _group(_Launcher(hydra_context, task_function, config, max_runs), jobs)
+    return _group(_Launcher(hydra_context, task_function, config, max_runs, processes), jobs)
 
 
 def _group(launcher: Any, jobs: list[tuple[int, list[str]]]) -> list:
@@ -214,6 +225,7 @@ def _sweep_config(launcher: Any, overrides: Sequence[str], idx: int) -> DictConf
     with open_dict(sweep_config):
         sweep_config.hydra.job.id = idx
         sweep_config.hydra.job.num = idx
+        sweep_config.hydra.launcher.n_jobs = launcher.processes  # (the jobs' thread share)
     return sweep_config
 
 

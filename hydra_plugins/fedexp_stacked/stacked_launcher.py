@@ -20,12 +20,13 @@ class StackedLauncherConf:
 
     Attributes:
         max_runs: the most runs in one group (one merged cohort a round).
-        n_jobs: groups run at a time, each in a worker process (1: every group in this one).
+        n_jobs: groups run at a time, each in a worker process: -1 a process a core (at most
+            one a group; joblib's convention: -2 all cores but one), 1 every group in this one.
     """
 
     _target_: str = "hydra_plugins.fedexp_stacked.stacked_launcher.StackedLauncher"
     max_runs: int = 64
-    n_jobs: int = 1
+    n_jobs: int = -1
 
 
 ConfigStore.instance().store(
@@ -36,7 +37,7 @@ ConfigStore.instance().store(
 class StackedLauncher(Launcher):
     """Runs a sweep's jobs that differ in seed and partition only as one stack of runs."""
 
-    def __init__(self, max_runs: int = 64, n_jobs: int = 1) -> None:
+    def __init__(self, max_runs: int = 64, n_jobs: int = -1) -> None:
         self.max_runs, self.n_jobs = max_runs, n_jobs
         self.config: Any = None
         self.hydra_context: Any = None

@@ -1073,7 +1073,8 @@ class _Sweep:
         seeds: int = 1,
     ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="sweep-", dir=root))
-        stacked = ["hydra/launcher=stacked"] if seeds > 1 else []
+        # (one process: the merge itself, not processes side by side)
+        stacked = ["hydra/launcher=stacked", "hydra.launcher.n_jobs=1"] if seeds > 1 else []
         cmd = [
             sys.executable,
             "-c",
