@@ -373,7 +373,9 @@ def _hydra_run(cfg: DictConfig) -> float:
     from fedexp.cli_distributed import group_job
     from fedexp.sweep.stacked import job_hydra
 
-    hc = job_hydra.get() or HydraConfig.get()  # a stacked sweep's job: a thread's own
+    hc = job_hydra.get()  # a stacked sweep's job: its thread's own
+    if hc is None:
+        hc = HydraConfig.get()
     job = _sweep_job if hc.mode == RunMode.MULTIRUN else _single_run
     return group_job(cfg, hc, job, _checked)  # torchrun, a SLURM job's tasks: one group
 

@@ -311,20 +311,25 @@ class Engine(Transport, Evaluation):
         ctx, algo = self.ctx, self.algorithm
         groups = self._cohorts(sampled, rng.CLIENT)
         works = []
-        for rows, cohort in groups:
+        for rows, cohort, key in groups:
             index = None if len(groups) == 1 else torch.tensor(rows, device=ctx.device)
             model_in = inbox if index is None else take_rows(inbox, index)
             states = self.client_states.rows(cohort.clients)
-            works.append(Work(ctx.work_key(cohort.data[0]), model_in, states, cohort))
+            works.append(Work(key, model_in, states, cohort))
         if self.stack is not None:
             done = self.stack.work(ctx, algo, works)
         else:
             done = [algo.client_update(ctx, w.inbox, w.states, w.cohort) for w in works]
-        results = [(rows, r) for (rows, _), r in zip(groups, done, strict=True)]
+        results = [(rows, r) for (rows, _, _), r in zip(groups, done, strict=True)]
         return results[0][1] if len(results) == 1 else _merge(results, len(sampled))
 
-    def _cohorts(self, clients: list[int], purpose: int) -> list[tuple[list[int], Cohort]]:
-        """``clients`` in sub-cohorts by ``Context.work_key``: (positions in ``clients``, cohort).
+    def _cohorts(
+        self, clients: list[int], purpose: int
+    ) -> list[tuple[list[int], Cohort, Hashable]]:
+        """``clients`` in sub-cohorts by ``Context.work_key``.
+
+        Returns:
+            (positions in ``clients``, the cohort, its work key) of each sub-cohort.
 
         Each cohort's clients draw from their (seed, ``purpose``, round, client) streams.
         """
@@ -334,7 +339,7 @@ class Engine(Transport, Evaluation):
         for i, d in enumerate(data):
             groups.setdefault(ctx.work_key(d), []).append(i)
         out = []
-        for rows in groups.values():
+        for key, rows in groups.items():
             members = [clients[i] for i in rows]
             ids = client_ids(members, ctx.device)
             cohort = Cohort(
@@ -345,7 +350,7 @@ class Engine(Transport, Evaluation):
                 draws=torch.zeros(len(members), dtype=torch.int64, device=ctx.device),
                 pool=self.pool,
             )
-            out.append((rows, cohort))
+            out.append((rows, cohort, key))
         return out
 
     def client_data(self, clients: Sequence[int]) -> list[ClientData]:

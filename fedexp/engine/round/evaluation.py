@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,7 +46,7 @@ class Evaluation:
     client_states: ClientStates
     best: dict[str, torch.Tensor]
     ranks: Ranks | None
-    _cohorts: Callable[[list[int], int], list[tuple[list[int], Cohort]]]
+    _cohorts: Callable[[list[int], int], list[tuple[list[int], Cohort, Hashable]]]
     client_data: Callable[[Sequence[int]], list[ClientData]]
 
     def evaluate(
@@ -128,12 +128,12 @@ class Evaluation:
             return algo.eval_stack(ctx, self.server, states, who)
         groups = self._cohorts(who, rng.EVAL)
         parts = []
-        for _, cohort in groups:
+        for _, cohort, _ in groups:
             states = self.client_states.rows(cohort.clients)
             parts.append(algo.eval_models(ctx, self.server, states, cohort).detach())
         if len(groups) == 1:
             return parts[0]
-        order = torch.as_tensor([i for rows, _ in groups for i in rows])
+        order = torch.as_tensor([i for rows, _, _ in groups for i in rows])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(who))
         return torch.cat(parts)[inverse.to(parts[0].device)]
