@@ -11,8 +11,8 @@ import re
 import pytest
 from mlflow.tracking import MlflowClient
 
-from fedexp.sweep.stacked import groups, stack_key
-from helpers import run_cli
+from fedexp.sweep.stacked import groups, stack_key, stackable
+from helpers import compose_config, run_cli
 
 TINY = ["rounds=3", "num_clients=4", "device=cpu", "checkpoint_every=0", "progress=log"]
 
@@ -29,6 +29,13 @@ def test_jobs_group_by_everything_but_seed_and_partition():
     assert stack_key(jobs[0]) == stack_key(jobs[3]) == stack_key(jobs[4]) == ("algorithm=fedavg",)
     assert groups(jobs, 64) == [[0, 1, 3, 4], [2], [5]]
     assert groups(jobs, 2) == [[0, 1], [2], [3, 4], [5]]
+
+
+def test_runs_over_several_processes_are_never_threads_of_one():
+    assert stackable(compose_config())
+    assert stackable(compose_config("distributed.nproc=1"))
+    assert not stackable(compose_config("distributed.nproc=2"))
+    assert not stackable(compose_config("distributed.nodes=2"))
 
 
 def _rows(folder):

@@ -197,14 +197,18 @@ def _worker(
 
 
 def _group(launcher: Any, jobs: list[tuple[int, list[str]]]) -> list:
-    """A group's ``JobReturn``: a job alone as Hydra's basic launcher runs it, else stacked."""
+    """A group's ``JobReturn``: stacked, or job by job as Hydra's basic launcher runs them.
+
+    Job by job: a job alone in its group, and the jobs of a run over several processes
+    (``distributed.nproc`` or ``nodes`` > 1: a process joins one torch.distributed group, so
+    its runs cannot be threads beside each other).
+    """
     from hydra.core.utils import configure_log, run_job
 
     config = launcher.config
     try:
-        if len(jobs) > 1:
+        if len(jobs) > 1 and stackable(_sweep_config(launcher, jobs[0][1], jobs[0][0])):
             return _run_group(launcher, jobs)
-        idx, overrides = jobs[0]
         return [
             run_job(
                 hydra_context=launcher.hydra_context,
@@ -213,9 +217,21 @@ def _group(launcher: Any, jobs: list[tuple[int, list[str]]]) -> list:
                 job_dir_key="hydra.sweep.dir",
                 job_subdir_key="hydra.sweep.subdir",
             )
+            for idx, overrides in jobs
         ]
     finally:
         configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+
+
+def stackable(config: DictConfig) -> bool:
+    """Whether the runs of a group like ``config``'s may be threads of one process.
+
+    Not a run over several processes (``distributed.nproc`` or ``distributed.nodes`` > 1):
+    each of its processes joins the one torch.distributed group a process can hold. The
+    group's runs share this setting (it is not a stackable key), so the first job's decides.
+    """
+    distributed = OmegaConf.select(config, "distributed", default=None) or {}
+    return int(distributed.get("nproc", 1) or 1) <= 1 and int(distributed.get("nodes", 1) or 1) <= 1
 
 
 def _sweep_config(launcher: Any, overrides: Sequence[str], idx: int) -> DictConfig:
