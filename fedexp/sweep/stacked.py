@@ -134,6 +134,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     from hydra.core.singleton import Singleton
     from hydra.core.utils import configure_log, setup_globals
 
+    from fedexp.engine.threads import available_cores, launcher_jobs
+
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
@@ -143,8 +145,6 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         [(initial_job_idx + i, list(job_overrides[i])) for i in group]
         for group in groups(job_overrides, int(launcher.max_runs))
     ]
-    from fedexp.engine.threads import available_cores, launcher_jobs
-
     wanted = launcher_jobs(getattr(launcher, "n_jobs", 1), available_cores())
     n_jobs = min(wanted, len(todo))
     if n_jobs > 1:
@@ -207,17 +207,18 @@ def _group(launcher: Any, jobs: list[tuple[int, list[str]]]) -> list:
 
     config = launcher.config
     try:
-        if len(jobs) > 1 and stackable(_sweep_config(launcher, jobs[0][1], jobs[0][0])):
-            return _run_group(launcher, jobs)
+        first = _sweep_config(launcher, jobs[0][1], jobs[0][0])  # (composed once, used below)
+        if len(jobs) > 1 and stackable(first):
+            return _run_group(launcher, jobs, first)
         return [
             run_job(
                 hydra_context=launcher.hydra_context,
                 task_function=launcher.task_function,
-                config=_sweep_config(launcher, overrides, idx),
+                config=first if i == 0 else _sweep_config(launcher, overrides, idx),
                 job_dir_key="hydra.sweep.dir",
                 job_subdir_key="hydra.sweep.subdir",
             )
-            for idx, overrides in jobs
+            for i, (idx, overrides) in enumerate(jobs)
         ]
     finally:
         configure_log(config.hydra.hydra_logging, config.hydra.verbose)
@@ -245,12 +246,18 @@ def _sweep_config(launcher: Any, overrides: Sequence[str], idx: int) -> DictConf
     return sweep_config
 
 
-def _prepare(launcher: Any, overrides: Sequence[str], idx: int) -> _Job:
-    """A job's config, folder and ``.hydra/`` record, as ``run_job`` makes them."""
+def _prepare(
+    launcher: Any, overrides: Sequence[str], idx: int, config: DictConfig | None = None
+) -> _Job:
+    """A job's config, folder and ``.hydra/`` record, as ``run_job`` makes them.
+
+    ``config``: the job's sweep config if already composed (:func:`_sweep_config`).
+    """
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.utils import _save_config
 
-    config = _sweep_config(launcher, overrides, idx)
+    if config is None:
+        config = _sweep_config(launcher, overrides, idx)
     HydraConfig.instance().set_config(config)
     output_dir = os.path.join(
         str(OmegaConf.select(config, "hydra.sweep.dir")),
@@ -294,8 +301,13 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def _run_group(launcher: Any, jobs: list[tuple[int, Sequence[str]]]) -> list:
-    """One group's jobs as threads of one stack; their ``JobReturn``, in order."""
+def _run_group(
+    launcher: Any, jobs: list[tuple[int, Sequence[str]]], first: DictConfig | None = None
+) -> list:
+    """One group's jobs as threads of one stack; their ``JobReturn``, in order.
+
+    ``first``: the first job's sweep config if already composed.
+    """
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.utils import JobReturn, JobStatus, configure_log
 
@@ -303,9 +315,12 @@ def _run_group(launcher: Any, jobs: list[tuple[int, Sequence[str]]]) -> list:
     from fedexp.engine.round.stacking import current as current_member
 
     before = HydraConfig.instance().cfg
-    prepared = [_prepare(launcher, overrides, idx) for idx, overrides in jobs]
-    first = prepared[0].config
-    configure_log(first.hydra.job_logging, first.hydra.verbose)
+    prepared = [
+        _prepare(launcher, overrides, idx, first if i == 0 else None)
+        for i, (idx, overrides) in enumerate(jobs)
+    ]
+    lead = prepared[0].config
+    configure_log(lead.hydra.job_logging, lead.hydra.verbose)
     root = logging.getLogger()
     files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
     router = _ThreadFiles(files[0] if files else None)
@@ -313,7 +328,7 @@ def _run_group(launcher: Any, jobs: list[tuple[int, Sequence[str]]]) -> list:
         root.removeHandler(h)
         h.close()
     root.addHandler(router)
-    HydraConfig.instance().set_config(first)  # the sweep's mode and sweeper, for global readers
+    HydraConfig.instance().set_config(lead)  # the sweep's mode and sweeper, for global readers
     stack = Stack(len(prepared))
     returns = [JobReturn() for _ in prepared]
     log.debug("stacking %d runs: jobs %s", len(prepared), ", ".join(str(j.idx) for j in prepared))

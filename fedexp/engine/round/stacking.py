@@ -143,11 +143,11 @@ class Stack:
 
     def _work(self, batch: list[_Request]) -> None:
         for r in batch:
-            if not getattr(r.algorithm, "stacks", True):
+            if not r.algorithm.stacks:
                 got = [_safely(r, w) for w in r.works]
                 failed = next((g for g in got if isinstance(g, BaseException)), None)
                 r.error, r.results = (failed, None) if failed else (None, got)  # type: ignore[assignment]
-        together = [r for r in batch if getattr(r.algorithm, "stacks", True)]
+        together = [r for r in batch if r.algorithm.stacks]
         groups: dict[tuple[Hashable, ...], list[tuple[_Request, int]]] = {}
         for r in together:
             sign = self._signature(r)
