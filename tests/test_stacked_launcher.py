@@ -167,3 +167,14 @@ def test_ctrl_c_stops_every_run_of_a_stacked_group(tmp_path):
         assert status["status"] == "killed", status
         assert f"resume={tmp_path}/sweep/{n}/checkpoints" in err
     assert "3 stopped so far" in out, out[-2000:]
+
+
+def test_a_group_cap_below_one_is_refused_in_one_line(tmp_path):
+    proc = run_cli(
+        "run", "-m", "hydra/launcher=stacked", "seed=0,1", "hydra.launcher.max_runs=0",
+        "tracker=none", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "fedexp: error: hydra.launcher.max_runs=0: expected >= 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "sweep").glob("*/fedexp_status.json"))  # nothing ran

@@ -40,6 +40,7 @@ import copy
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -136,6 +137,12 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
 
     from fedexp.engine.threads import available_cores, launcher_jobs
 
+    if int(launcher.max_runs) < 1:  # (one line, before anything runs)
+        print(
+            f"fedexp: error: hydra.launcher.max_runs={launcher.max_runs}: expected >= 1",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
