@@ -6,23 +6,60 @@ are threads of one process, each writing its own figures, and matplotlib's share
 not thread-safe (its fonts are cached per thread: one drawing thread loads them once).
 Margins are fixed in inches and titles placed (``tight_layout`` and the automatic title
 placement would measure every label's text: a third of a run's output time).
+
+A figure of a given layout is built once and kept (:func:`_kept`): each run refills its lines
+and texts and rescales its axes, and the PNG is the one a fresh figure would give, byte for
+byte (tests/test_tracking_series.py). Building the axes, ticks and labels was more than half of
+a figure's time, paid by every run of a sweep.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.text import Text
 
 from fedexp.metrics import LOWER_IS_BETTER
 
 #: The thread every figure is drawn and saved in.
 _DRAWER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedexp-figures")
+
+#: Built figures by layout, most recently used last (touched in :data:`_DRAWER` only).
+_KEPT: OrderedDict[tuple, object] = OrderedDict()
+#: Layouts :data:`_KEPT` holds at most.
+KEEP_FIGURES = 8
+
+_Built = TypeVar("_Built")
+
+
+def _kept(key: tuple, build: Callable[[], _Built]) -> _Built:
+    """The figure of layout ``key``: ``build()`` the first time, then the same one again."""
+    if key in _KEPT:
+        _KEPT.move_to_end(key)
+    else:
+        _KEPT[key] = build()
+        while len(_KEPT) > KEEP_FIGURES:
+            _KEPT.popitem(last=False)
+    return _KEPT[key]  # type: ignore[return-value]
+
+
+def _rescale(axes: list[Axes]) -> None:
+    """Limits from the lines' new data, as if they had been drawn on fresh axes."""
+    for ax in axes:
+        ax.relim()
+    for ax in axes:
+        ax.autoscale_view()
 
 
 def _margins(fig: Figure, left: float, right: float, bottom: float, top: float, **space) -> None:
@@ -64,30 +101,53 @@ def plot_rounds(history: list[dict[str, float]], path: Path, metric: str = "acc"
     return _DRAWER.submit(_plot_rounds, history, path, metric).result()
 
 
-def _plot_rounds(history: list[dict[str, float]], path: Path, metric: str) -> Path:
+#: The metric's curves of curves.png's first panel: (suffix, line style).
+_CURVES = (("mean", "-"), ("weighted", "--"), ("worst", ":"), ("best_mean", "-."))
+
+
+@dataclass
+class _RoundsFigure:
+    """curves.png's figure for one metric, its lines empty until filled."""
+
+    fig: Figure
+    axes: list[Axes]
+    curves: list[Line2D]
+    loss: Line2D
+    wire: dict[str, Line2D]
+
+
+def _rounds_figure(metric: str) -> _RoundsFigure:
     fig = Figure(figsize=(13, 3.6))
-    axes = fig.subplots(1, 3)
-    evals = [h for h in history if f"{metric}/mean" in h]
-    for suffix, style in (("mean", "-"), ("weighted", "--"), ("worst", ":"), ("best_mean", "-.")):
-        key = f"{metric}/{suffix}"
-        axes[0].plot([h["round"] for h in evals], [h.get(key) for h in evals], style, label=key)
+    axes = list(fig.subplots(1, 3))
+    curves = [
+        axes[0].plot([], [], style, label=f"{metric}/{suffix}")[0] for suffix, style in _CURVES
+    ]
     axes[0].set(xlabel="round", ylabel=f"test {metric}")
     axes[0].set_title(f"{metric} across clients", y=1.0)  # (a set y: no title placement pass)
     axes[0].legend()
-    train = [h for h in history if "train/train_loss" in h]
-    axes[1].plot([h["round"] for h in train], [h["train/train_loss"] for h in train])
+    (loss,) = axes[1].plot([], [])
     axes[1].set(xlabel="round", ylabel="loss")
     axes[1].set_title("mean local training loss", y=1.0)
-    for d in ("up", "down"):
-        rows = [h for h in history if f"bytes/{d}_cum" in h]
-        axes[2].plot(
-            [h["round"] for h in rows], [h[f"bytes/{d}_cum"] for h in rows], label=f"{d}link"
-        )
+    wire = {d: axes[2].plot([], [], label=f"{d}link")[0] for d in ("up", "down")}
     axes[2].set(xlabel="round", ylabel="bytes")
     axes[2].set_title("cumulative bytes on the wire", y=1.0)
     axes[2].legend()
     _margins(fig, left=0.75, right=0.2, bottom=0.55, top=0.35, wspace=0.3)
-    fig.savefig(path, dpi=110)
+    return _RoundsFigure(fig, axes, curves, loss, wire)
+
+
+def _plot_rounds(history: list[dict[str, float]], path: Path, metric: str) -> Path:
+    drawn = _kept(("rounds", metric), lambda: _rounds_figure(metric))
+    evals = [h for h in history if f"{metric}/mean" in h]
+    for line, (suffix, _) in zip(drawn.curves, _CURVES, strict=True):
+        line.set_data([h["round"] for h in evals], [h.get(f"{metric}/{suffix}") for h in evals])
+    train = [h for h in history if "train/train_loss" in h]
+    drawn.loss.set_data([h["round"] for h in train], [h["train/train_loss"] for h in train])
+    for d, line in drawn.wire.items():
+        rows = [h for h in history if f"bytes/{d}_cum" in h]
+        line.set_data([h["round"] for h in rows], [h[f"bytes/{d}_cum"] for h in rows])
+    _rescale(drawn.axes)
+    drawn.fig.savefig(path, dpi=110)
     return path
 
 
@@ -244,6 +304,39 @@ def plot_clients(
     return _DRAWER.submit(_plot_clients, series, per_round, chosen, said, path, metric).result()
 
 
+@dataclass
+class _ClientsFigure:
+    """clients.png's figure for a number of panels, their lines and titles empty until filled."""
+
+    fig: Figure
+    axes: list[Axes]
+    #: per shown panel: (the mean's line, the client's line, the panel's title)
+    panels: list[tuple[Line2D, Line2D, Text]]
+    title: Text
+
+
+def _clients_figure(panels: int, ncols: int) -> _ClientsFigure:
+    nrows = math.ceil(panels / ncols)
+    width, height = max(6.0, 2.1 * ncols), 1.7 * nrows + 0.9
+    fig = Figure(figsize=(width, height))
+    axes = np.atleast_2d(fig.subplots(nrows, ncols, sharex=True, sharey=True))
+    _margins(fig, left=0.55, right=0.15, bottom=0.6, top=0.8, wspace=0.15, hspace=0.45)
+    shown = []
+    for ax in axes.flat[:panels]:
+        (mean,) = ax.plot([], [], color="0.7", lw=1.0)
+        (client,) = ax.plot([], [], ".-", lw=1.2, ms=3)
+        shown.append((mean, client, ax.set_title("", fontsize=8, y=1.0)))
+        ax.tick_params(labelsize=7)
+    for i, ax in enumerate(axes.flat):
+        if i >= panels:
+            ax.set_visible(False)
+            if i >= ncols:
+                axes.flat[i - ncols].xaxis.set_tick_params(labelbottom=True)  # the one above
+    title = fig.suptitle("", fontsize=9, y=1 - 0.08 / height, va="top")
+    fig.supxlabel("round", fontsize=9)
+    return _ClientsFigure(fig, list(axes.flat[:panels]), shown, title)
+
+
 def _plot_clients(
     series: dict[int, list[tuple[float, float]]],
     per_round: dict[float, list[float]],
@@ -256,29 +349,16 @@ def _plot_clients(
         ncols = CLIENTS_PER_GROUP
     else:
         ncols = min(8, math.ceil(math.sqrt(len(chosen))))
-    nrows = math.ceil(len(chosen) / ncols)
-    width, height = max(6.0, 2.1 * ncols), 1.7 * nrows + 0.9
-    fig = Figure(figsize=(width, height))
-    axes = np.atleast_2d(fig.subplots(nrows, ncols, sharex=True, sharey=True))
-    _margins(fig, left=0.55, right=0.15, bottom=0.6, top=0.8, wspace=0.15, hspace=0.45)
+    drawn = _kept(("clients", len(chosen), ncols), lambda: _clients_figure(len(chosen), ncols))
     rounds = sorted(per_round)
     mean = [sum(per_round[t]) / len(per_round[t]) for t in rounds]
-    for ax, (n, label) in zip(axes.flat, chosen, strict=False):
-        ax.plot(rounds, mean, color="0.7", lw=1.0)
-        ax.plot(*zip(*sorted(series[n]), strict=True), ".-", lw=1.2, ms=3)
-        ax.set_title(f"client {n}" + (f" ({label})" if label else ""), fontsize=8, y=1.0)
-        ax.tick_params(labelsize=7)
-    for i, ax in enumerate(axes.flat):
-        if i >= len(chosen):
-            ax.set_visible(False)
-            if i >= ncols:
-                axes.flat[i - ncols].xaxis.set_tick_params(labelbottom=True)  # the one above
-    fig.suptitle(
-        f"test {metric} per client over rounds: {said}\n(grey: the mean over clients)",
-        fontsize=9,
-        y=1 - 0.08 / height,
-        va="top",
+    for (mean_line, line, title), (n, label) in zip(drawn.panels, chosen, strict=True):
+        mean_line.set_data(rounds, mean)
+        line.set_data(*zip(*sorted(series[n]), strict=True))
+        title.set_text(f"client {n}" + (f" ({label})" if label else ""))
+    drawn.title.set_text(
+        f"test {metric} per client over rounds: {said}\n(grey: the mean over clients)"
     )
-    fig.supxlabel("round", fontsize=9)
-    fig.savefig(path, dpi=90)
+    _rescale(drawn.axes)
+    drawn.fig.savefig(path, dpi=90)
     return path

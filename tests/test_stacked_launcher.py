@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import pickle
 import re
 
 import pytest
@@ -178,3 +179,85 @@ def test_a_group_cap_below_one_is_refused_in_one_line(tmp_path):
     assert "fedexp: error: hydra.launcher.max_runs=0: expected >= 1" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list((tmp_path / "sweep").glob("*/fedexp_status.json"))  # nothing ran
+
+
+def _sweep_configs(jobs: list[list[str]]) -> tuple:
+    """Hydra's config loader and the sweep's master config (a multirun of the real config)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from helpers import CONF
+
+    initialize_config_dir(str(CONF), version_base="1.3")
+    loader = GlobalHydra.instance().config_loader()
+    master = loader.load_configuration(
+        "config", ["hydra/launcher=stacked", "hydra.sweep.dir=x/${now:%H-%M-%S}"], RunMode.MULTIRUN
+    )
+    return loader, master
+
+
+def test_a_groups_configs_are_derived_from_its_first_as_hydra_composes_them():
+    """``derived_config`` gives, for a value that differs (seed, partition.*), the config Hydra
+    composes (values, ``hydra.overrides.task``, ``override_dirname``, flags, the ``${now:}`` of
+    the sweep), and declines a config group, an added or removed key, or other keys."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    from fedexp.sweep.stacked import DerivingLoader, derived_config
+
+    first = ["algorithm=ditto", "partition.delta=1", "seed=0", "lr=0.05"]
+    same = [
+        ["algorithm=ditto", "partition.delta=3", "seed=7", "lr=0.05"],
+        ["algorithm=ditto", "partition.delta=1", "seed=2", "lr=0.05"],
+        list(first),
+    ]
+    other = [
+        ["algorithm=ditto", "partition=dirichlet", "seed=0", "lr=0.05"],  # a group
+        ["algorithm=ditto", "seed=0", "partition.delta=1", "lr=0.05"],  # another order
+        ["algorithm=ditto", "partition.delta=1", "seed=0"],  # fewer keys
+        ["algorithm=ditto", "partition.delta=1", "+seed=0", "lr=0.05"],  # an add
+        ["algorithm=fedavg", "partition.delta=1", "seed=0", "lr=0.05"],
+    ]
+    try:
+        loader, master = _sweep_configs([first])
+        like = loader.load_sweep_config(master, first)
+        for job in same:
+            derived = derived_config(like, first, job)
+            composed = loader.load_sweep_config(master, job)
+            assert derived is not None, job
+            assert OmegaConf.to_container(derived) == OmegaConf.to_container(composed), job
+            assert derived.seed == composed.seed and derived.partition == composed.partition
+            assert derived.hydra.job.override_dirname == composed.hydra.job.override_dirname
+            assert OmegaConf.select(derived, "hydra.sweep.dir") == OmegaConf.select(
+                composed, "hydra.sweep.dir"
+            )  # the sweep's ${now:}, resolved once
+            for mine, theirs in ((derived, composed), (derived.hydra, composed.hydra)):
+                assert OmegaConf.is_struct(mine) == OmegaConf.is_struct(theirs)
+                assert OmegaConf.is_readonly(mine) == OmegaConf.is_readonly(theirs)
+        assert like.seed == 0  # (a copy is derived: the first job's config is left as it was)
+        for job in other:
+            assert derived_config(like, first, job) is None, job
+        # the loader the launcher gives the sweeper: each job as composed, first ones composed
+        composed = []
+
+        class Counting:
+            def load_sweep_config(self, master_config, overrides):
+                composed.append(overrides)
+                return loader.load_sweep_config(master_config, overrides)
+
+        deriving = DerivingLoader(Counting())
+        valid = [job for job in other if not job[2].startswith("+")]  # (+seed: seed exists)
+        for job in (first, *same, *valid):
+            got = deriving.load_sweep_config(master, job)
+            assert OmegaConf.to_container(got) == OmegaConf.to_container(
+                loader.load_sweep_config(master, job)
+            ), job
+        assert composed == [first, *valid]
+        with pytest.raises(ConfigCompositionException, match="already at 'seed'"):
+            deriving.load_sweep_config(master, other[3])  # composed, and refused as Hydra does
+        unpickled = pickle.loads(pickle.dumps(DerivingLoader(loader)))
+        assert unpickled.load_sweep_config(master, first).seed == 0
+    finally:
+        GlobalHydra.instance().clear()

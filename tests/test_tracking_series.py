@@ -92,3 +92,52 @@ def test_plot_clients_draws_a_panel_grid_or_nothing(tmp_path):
     assert width > 2 * height  # three rows (worst, median, best) of CLIENTS_PER_GROUP panels
     small = plot_clients(rows[:4], tmp_path / "four.png", "acc")  # clients 0-3, round 0
     assert small.read_bytes()[:4] == b"\x89PNG"
+
+
+def _history(seed: int, rounds: int) -> list[dict[str, float]]:
+    """Rounds of curves.png's keys, scaled by ``seed`` (so that limits and ticks differ)."""
+    scale = 1.0 + seed
+    rows = []
+    for t in range(rounds + 1):
+        row = {"round": float(t), "bytes/up_cum": 1e3 * scale * t, "bytes/down_cum": 3e5 * t}
+        if t % 2 == 0:
+            row.update({f"acc/{k}": 0.4 + 0.05 * t / scale for k in ("mean", "weighted", "worst")})
+            row["acc/best_mean"] = 0.5 + 0.01 * t  # (absent at odd rounds: gaps)
+        if t:
+            row["train/train_loss"] = scale / t
+        rows.append(row)
+    return rows
+
+
+def _client_rows(clients: int, seed: int) -> list[dict[str, float]]:
+    return [
+        {"round": float(t), "client": float(c), "acc": 0.3 + 0.01 * c * t / (1 + seed)}
+        for t in range(0, 4 + 3 * seed, 2)
+        for c in range(clients)
+    ]
+
+
+def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
+    """A figure built once and refilled by the next run (``plots._KEPT``) saves the same bytes
+    as one built for that run alone: limits, ticks, titles and gaps of the new data only."""
+    from fedexp import plots
+
+    def drawn(name: str, draw) -> bytes:
+        path = tmp_path / name
+        draw(path)
+        return path.read_bytes()
+
+    cases = [
+        ("curves", lambda s: lambda p: plots.plot_rounds(_history(s, 4 + 5 * s), p)),
+        ("few", lambda s: lambda p: plot_clients(_client_rows(5, s), p, "acc")),
+        ("many", lambda s: lambda p: plot_clients(_client_rows(100, s), p, "acc")),
+    ]
+    for name, draw in cases:
+        plots._KEPT.clear()
+        fresh = drawn(f"{name}-fresh.png", draw(1))
+        plots._KEPT.clear()
+        drawn(f"{name}-first.png", draw(0))  # builds the figure with another run's data
+        assert len(plots._KEPT) == 1
+        kept = drawn(f"{name}-kept.png", draw(1))
+        assert len(plots._KEPT) == 1 and kept == fresh, name
+        assert kept != drawn(f"{name}-other.png", draw(0)), name  # (the data do show)

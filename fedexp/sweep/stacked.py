@@ -253,6 +253,109 @@ def _sweep_config(launcher: Any, overrides: Sequence[str], idx: int) -> DictConf
     return sweep_config
 
 
+def derived_config(
+    like: DictConfig, like_overrides: Sequence[str], overrides: Sequence[str]
+) -> DictConfig | None:
+    """A job's sweep config from another job's of its group, or None where it must be composed.
+
+    Composing a config (Hydra's defaults list, every YAML file read and merged: 0.1 s) takes
+    longer than a small run's rounds, and Hydra composes each job twice (the sweeper checks
+    the batch, the launcher launches it). The runs of a group differ in a few values
+    (``seed=3``, ``partition.delta=2``), which Hydra applies to the composed defaults in order
+    (``ConfigLoaderImpl._apply_overrides_to_config``): applying the job's values with that
+    same function to a copy of ``like`` (``like_overrides`` applied to the same defaults) gives
+    the config Hydra composes, and ``hydra.overrides.task`` and ``hydra.job.override_dirname``
+    are made as Hydra makes them. Derived only when both jobs name the same keys in the same
+    order and differ in plain values (no config group such as ``partition=dirichlet``, no
+    ``+``/``~``, no ``hydra.*``); otherwise None. tests/test_stacked_launcher.py holds derived
+    configs equal to composed ones.
+    """
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    parser = OverridesParser.create()
+    mine = parser.parse_overrides(list(overrides))
+    theirs = parser.parse_overrides(list(like_overrides))
+    if len(mine) != len(theirs):
+        return None
+    choices = like.hydra.runtime.choices
+    changed = []
+    for a, b in zip(mine, theirs, strict=True):
+        if a.key_or_group != b.key_or_group or a.package != b.package:
+            return None
+        if a.input_line == b.input_line:
+            continue
+        if (
+            a.type != OverrideType.CHANGE
+            or b.type != OverrideType.CHANGE
+            or a.package is not None
+            or a.key_or_group in choices  # a config group
+            or a.is_hydra_override()
+            or a.is_sweep_override()
+        ):
+            return None
+        changed.append(a)
+    config = copy.deepcopy(like)
+    ConfigLoaderImpl._apply_overrides_to_config(changed, config)
+    app = [o for o in mine if not o.is_hydra_override()]
+    job = config.hydra.job
+    with open_dict(config.hydra):
+        config.hydra.overrides.task = [o.input_line for o in app]
+        job.override_dirname = get_overrides_dirname(
+            overrides=app,
+            kv_sep=job.config.override_dirname.kv_sep,
+            item_sep=job.config.override_dirname.item_sep,
+            exclude_keys=job.config.override_dirname.exclude_keys,
+        )
+    return config
+
+
+class DerivingLoader:
+    """Hydra's config loader, deriving a job's sweep config from its group's where it can.
+
+    :meth:`load_sweep_config` composes the first job of each group (:func:`stack_key`) and
+    derives the others from it (:func:`derived_config`); everything else is the loader's. The
+    launcher puts it in the Hydra context it shares with the sweeper (:func:`derive_configs`),
+    so the sweeper's check of the batch and the launch both derive: a 20-run group is composed
+    once, not 40 times. Pickled without what it keeps (a worker process composes its own).
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._composed: dict[tuple, tuple[DictConfig, list[str]]] = {}
+
+    def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]) -> Any:
+        """The job's sweep config: derived from its group's first where it can be."""
+        key = (id(master_config), *stack_key(sweep_overrides))
+        known = self._composed.get(key)
+        if known is not None:
+            derived = derived_config(*known, sweep_overrides)
+            if derived is not None:
+                return derived
+        config = self.loader.load_sweep_config(master_config, list(sweep_overrides))
+        if known is None:  # (a pristine copy: a launched job's hydra node is made read-only)
+            self._composed[key] = copy.deepcopy(config), list(sweep_overrides)
+        return config
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # (unpickling: not yet set)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __getstate__(self) -> dict:
+        return {"loader": self.loader}
+
+    def __setstate__(self, state: dict) -> None:
+        self.loader, self._composed = state["loader"], {}
+
+
+def derive_configs(hydra_context: Any) -> None:
+    """Make ``hydra_context``'s config loader a :class:`DerivingLoader` (once)."""
+    if not isinstance(hydra_context.config_loader, DerivingLoader):
+        hydra_context.config_loader = DerivingLoader(hydra_context.config_loader)
+
+
 def _prepare(
     launcher: Any, overrides: Sequence[str], idx: int, config: DictConfig | None = None
 ) -> _Job:

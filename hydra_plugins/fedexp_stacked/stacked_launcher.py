@@ -44,7 +44,14 @@ class StackedLauncher(Launcher):
         self.task_function: Any = None
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        """Keep what the jobs need (Hydra calls this before :meth:`launch`)."""
+        """Keep what the jobs need (Hydra calls this before :meth:`launch`).
+
+        The context's config loader, shared with the sweeper, derives a group's configs from
+        its first (:func:`fedexp.sweep.stacked.derive_configs`).
+        """
+        from fedexp.sweep.stacked import derive_configs
+
+        derive_configs(hydra_context)
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence:
