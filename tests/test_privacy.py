@@ -472,3 +472,37 @@ def test_the_cli_says_in_one_line_that_the_noise_drowns_every_update(tmp_path):
     assert lines[0].startswith("fedexp: error: privacy.target_epsilon=1e-09: the noise drowns")
     assert "× privacy.clip=1" in lines[0] and "lr" not in lines[0].split("(or")[0]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_run_reports_plds_epsilon_each_round_tight_and_exact_at_its_last(tmp_path):
+    """The default accountant (``auto``: PLD for central + poisson) as a run logs it: never
+    below the library's PLD epsilon of that round, within 5 % of it, exactly it at the
+    schedule's points and at the last round; the run's tag says which accountant."""
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+
+    from fedexp.privacy import accountant as acc
+
+    rounds = 60  # (every count to 39 is a point of the schedule; some above are not)
+    cfg = compose_config(
+        *TINY, "privacy=central", "participation=0.5", f"rounds={rounds}", output_dir=tmp_path
+    )
+    assert cfg.privacy.accountant == "auto"
+    tracker = NullTracker()
+    run(cfg, tracker=tracker)
+    logged = tracker.metrics["privacy/epsilon"]
+    assert sorted(logged) == list(range(1, rounds + 1))
+    plan = acc.PrivacyPlan(
+        "central", "poisson", 10, 0.5, float(cfg.privacy.noise_multiplier), 1e-5, "pld"
+    )
+    for t in (1, 16, 39, 40, 45, 57, 59, rounds):  # (points; 40, 45, 57 are not; the last)
+        value = logged[t]
+        event = dp_accounting.SelfComposedDpEvent(acc.round_event(plan), t)
+        library = PLDAccountant(value_discretization_interval=acc.PLD_DISCRETIZATION)
+        tight = library.compose(event).get_epsilon(1e-5)
+        assert tight * (1 - 1e-7) <= value <= 1.05 * tight, t
+        if t == rounds or acc.pld_point(t) == t:
+            assert value == pytest.approx(tight, rel=1e-7), t
+    assert any(value > 1.001 * acc.epsilon(plan, t) for t, value in logged.items())  # (bounds)
+    assert tracker.tags["fedexp.privacy"].endswith("ε by PLD")

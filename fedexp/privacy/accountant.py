@@ -41,6 +41,9 @@ from dataclasses import dataclass
 import dp_accounting
 import numpy as np
 from dp_accounting.pld import PLDAccountant
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld import privacy_loss_mechanism as pld_mechanism
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon as compute_rdp_epsilon
 from scipy import optimize
@@ -48,20 +51,29 @@ from scipy import optimize
 MODES = ("central", "local")
 SAMPLINGS = ("poisson", "fixed")
 ACCOUNTANTS = ("rdp", "pld")
-"""Accountants: ``rdp`` (RdpAccountant, an upper bound; the default) and ``pld``
-(PLDAccountant, tighter).
+"""Accountants: ``pld`` (PLDAccountant: the tight epsilon) and ``rdp`` (RdpAccountant, an
+upper bound). ``privacy.accountant=auto`` (the default, :func:`resolve_accountant`) is PLD
+wherever the library's PLD accountant has the plan's event, RDP for central + ``fixed``.
 
-Measured on 2 shared CPU cores, central + poisson, delta = 1e-5 (docs/privacy.md,
-"Accounting"): RDP's epsilon after T rounds takes < 1 ms once the plan's one-round curve is
-cached (a few ms to build, up to ~0.3 s where fractional orders fail to converge), so a
-1,000-round run spends about a second on it. PLD (:data:`PLD_DISCRETIZATION`) takes 0.04-2.4 s
-a call at T = 1000 (z = 3 down to 0.6): minutes to tens of minutes over a 1,000-round run that
-logs epsilon every round (its calibration is quick: 1.2 s for epsilon = 3, T = 1000,
-q = 0.1). That is why RDP stays the default although PLD is tighter: RDP's conversion from
-Rényi to (epsilon, delta)-DP leaves it 4.5 % to 7x above PLD on q 0.01-0.5, z 0.6-3,
-T 1-1000 (tests/test_privacy_accountant.py). PLD cannot do central + ``fixed`` (its
-accountant has no ``SampledWithoutReplacementDpEvent``): that plan raises ValueError.
+RDP's conversion from Rényi to (epsilon, delta)-DP leaves it 4.5 % to 7x above PLD on q
+0.01-0.5, z 0.6-3, T 1-1000 (tests/test_privacy_accountant.py), so PLD is the default. PLD's
+epsilon after T rounds of central + poisson is the one-round loss distribution (built once a
+plan, :func:`_round_pld`) composed T times: 6-180 ms at T = 1000 on 2 CPU cores (z = 3,
+q = 0.01 to z = 0.6, q = 0.5); a run reports it each round at the points of a schedule
+(:func:`pld_point`), so a 1,000-round run makes about 140 such calls, not 1,000. RDP's
+epsilon takes < 1 ms once the plan's one-round curve is cached. Local DP's PLD epsilon is the
+Gaussian mechanism's, in closed form (:func:`_gaussian_epsilon`). PLD cannot do central +
+``fixed`` (its accountant has no ``SampledWithoutReplacementDpEvent``): that plan raises
+ValueError.
 """
+
+PLD_EVERY = 16
+"""Counts (rounds, or a client's participations in local mode) up to this have their own PLD
+epsilon; above, :data:`PLD_STEP` apart (:func:`pld_point`)."""
+
+PLD_STEP = 1.03
+"""Ratio between PLD's schedule points above :data:`PLD_EVERY`: a count between two points is
+reported at the next one, at most 3 % more rounds (epsilon grows at most in proportion)."""
 
 PLD_DISCRETIZATION = 1e-3
 """PLD ``value_discretization_interval``: at 1e-3 epsilon stays a pessimistic (valid) upper
@@ -225,6 +237,33 @@ def round_event(plan: PrivacyPlan) -> dp_accounting.DpEvent:
     return _round_event(plan, plan.noise_multiplier)
 
 
+def resolve_accountant(name: str, mode: str, sampling: str) -> str:
+    """The accountant ``privacy.accountant=name`` means for a plan of ``mode`` and ``sampling``.
+
+    ``auto``: PLD (the tight epsilon) where the library's PLD accountant has the plan's event,
+    RDP for central + ``fixed`` (sampling without replacement, RDP only); ``rdp`` and ``pld``
+    as named.
+    """
+    if name != "auto":
+        return name
+    return "rdp" if mode == "central" and sampling == "fixed" else "pld"
+
+
+def pld_point(count: int) -> int:
+    """The first point of PLD's reporting schedule at or after ``count`` (>= 0).
+
+    Every count up to :data:`PLD_EVERY`, then ``ceil(PLD_EVERY * PLD_STEP**k)``. Epsilon never
+    falls as the count grows, so the epsilon of the next point is an upper bound for any count
+    before it, and at most one :data:`PLD_STEP` of rounds above the count's own.
+    """
+    if count <= PLD_EVERY:
+        return count
+    k = max(0, int(math.log(count / PLD_EVERY) / math.log(PLD_STEP)) - 1)
+    while (point := math.ceil(PLD_EVERY * PLD_STEP**k - 1e-9)) < count:
+        k += 1
+    return point
+
+
 def make_accountant(
     plan: PrivacyPlan, orders: Sequence[float] | None = None
 ) -> dp_accounting.PrivacyAccountant:
@@ -309,6 +348,39 @@ def _round_rdp(plan: PrivacyPlan) -> _RoundRdp:
     return _RoundRdp(plan)
 
 
+@functools.lru_cache(maxsize=16)
+def _round_pld(plan: PrivacyPlan) -> pld_lib.PrivacyLossDistribution:
+    """One round's privacy loss distribution of a central + poisson plan (z > 0).
+
+    The very distribution PLDAccountant composes for ``PoissonSampledDpEvent(q,
+    GaussianDpEvent(z))``, built once a plan (it is most of a call's time): epsilon after
+    ``T`` rounds is its ``T``-fold self-composition's (tests/test_privacy_accountant.py: equal
+    to the accountant's).
+    """
+    return pld_lib.from_gaussian_mechanism(
+        standard_deviation=plan.noise_multiplier,
+        value_discretization_interval=PLD_DISCRETIZATION,
+        sampling_prob=plan.rate,
+        neighboring_relation=_NeighborRel.ADD_OR_REMOVE_ONE,
+    )
+
+
+def _gaussian_epsilon(sigma: float, delta: float) -> float:
+    """Epsilon at ``delta`` of one Gaussian mechanism of std ``sigma`` (sensitivity 1), exactly.
+
+    The library's privacy loss of the Gaussian (``GaussianPrivacyLoss``: delta(epsilon) in
+    closed form, "Improving the Gaussian Mechanism for Differential Privacy", Balle and Wang
+    2018) inverted by its own search (``inverse_monotone_function``, to 1e-9, on the safe
+    side): the epsilon PLDAccountant's discretised distribution approaches from above (within
+    1e-7 relative, tests/test_privacy_accountant.py), in about 5 ms at any count where the
+    accountant took 12-800 ms. Local DP's k participations of std z are one of std z/sqrt(k).
+    """
+    loss = pld_mechanism.GaussianPrivacyLoss(sigma)
+    search = pld_common.BinarySearchParameters(0.0, math.inf, initial_guess=1.0, tolerance=1e-9)
+    found = pld_common.inverse_monotone_function(loss.get_delta_for_epsilon, delta, search)
+    return math.inf if found is None else float(found)
+
+
 @functools.lru_cache(maxsize=4096)
 def _epsilon(plan: PrivacyPlan, count: int) -> float:
     if count == 0:
@@ -317,18 +389,37 @@ def _epsilon(plan: PrivacyPlan, count: int) -> float:
         return math.inf
     if plan.accountant == "rdp":  # what RdpAccountant does for count rounds, one round cached
         return _round_rdp(plan).epsilon(count)
+    if plan.mode == "local":  # count Gaussians of std z: one of std z / sqrt(count)
+        return _gaussian_epsilon(plan.noise_multiplier / math.sqrt(count), plan.delta)
+    if plan.mode == "central" and plan.sampling == "poisson":
+        one = _round_pld(plan)
+        return float(
+            (one if count == 1 else one.self_compose(count)).get_epsilon_for_delta(plan.delta)
+        )
     event = dp_accounting.SelfComposedDpEvent(round_event(plan), count)
     return float(make_accountant(plan).compose(event).get_epsilon(plan.delta))
 
 
-def epsilon(plan: PrivacyPlan, rounds: int, participations: int | None = None) -> float:
+def epsilon(
+    plan: PrivacyPlan,
+    rounds: int,
+    participations: int | None = None,
+    planned: int | None = None,
+) -> float:
     """Epsilon at ``plan.delta`` after ``rounds`` rounds (memoised).
+
+    With PLD in central mode and ``planned`` (what a run reports each round), a count before
+    the last round is reported as the epsilon of the next point of the schedule
+    (:func:`pld_point`, capped at ``planned``): an upper bound within one :data:`PLD_STEP` of
+    rounds, exact at the points and at the last round. Local mode's PLD epsilon is exact at
+    every count (:func:`_gaussian_epsilon`, a few ms).
 
     Args:
         plan: the run's privacy plan.
         rounds: rounds run so far, >= 0.
         participations: local mode only (required there, ignored in central mode): the
             largest number of rounds any one client took part in, 0 <= participations <= rounds.
+        planned: the run's planned rounds (None: every count exactly).
 
     Returns:
         Epsilon; 0.0 when nothing was released (``rounds`` or ``participations`` is 0),
@@ -339,7 +430,8 @@ def epsilon(plan: PrivacyPlan, rounds: int, participations: int | None = None) -
     """
     rounds = _check_count("rounds", rounds)
     if plan.mode == "central":
-        return _epsilon(plan, rounds)
+        scheduled = plan.accountant == "pld" and planned is not None and 0 < rounds < planned
+        return _epsilon(plan, min(pld_point(rounds), planned) if scheduled else rounds)
     if participations is None:
         raise ValueError("participations is required in local mode (rounds a client took part in)")
     participations = _check_count("participations", participations)

@@ -110,7 +110,7 @@ class PrivateUplink:
         sketch: bool = False,
     ) -> None:
         self.settings, self.kinds, self.seed = settings, kinds, seed
-        self.num_clients, self.rate = num_clients, participation
+        self.num_clients, self.rate, self.rounds = num_clients, participation, rounds
         self.summed = settings.mode == "central" and server_reads == "mean"
         if settings.adaptive and not self.summed:
             raise ValueError(
@@ -195,22 +195,31 @@ class PrivateUplink:
             z = self.noise_multiplier / self.sensitivity
         from fedexp.privacy import accountant
 
+        mode = "central" if self.summed else "local"
         return accountant.PrivacyPlan(
-            mode="central" if self.summed else "local",
+            mode=mode,
             sampling=self.settings.sampling,
             num_clients=self.num_clients,
             rate=self.rate,
             noise_multiplier=z,
             delta=self.settings.delta,
-            accountant=self.settings.accountant,
+            accountant=accountant.resolve_accountant(
+                self.settings.accountant, mode, self.settings.sampling
+            ),
         )
 
     def epsilon(self, rounds: int) -> float:
-        """ε at the run's δ after ``rounds`` rounds."""
+        """ε at the run's δ after ``rounds`` rounds, as reported each round.
+
+        With PLD, before the planned last round: the ε of the next point of the schedule,
+        an upper bound within 3 % of rounds (:func:`fedexp.privacy.accountant.epsilon`).
+        """
         most = int(self.participations.max()) if self.num_clients else 0
         from fedexp.privacy import accountant
 
-        return accountant.epsilon(self.plan(), rounds, None if self.summed else most)
+        return accountant.epsilon(
+            self.plan(), rounds, None if self.summed else most, planned=self.rounds
+        )
 
     def sample(self, round_: int) -> list[int]:
         """The round's cohort: Poisson (``sampling=poisson``) or fixed-size."""
@@ -443,7 +452,8 @@ class PrivateUplink:
         where = "the sum" if self.summed else "each upload"
         text = (
             f"privacy: {s.mode} DP, C={s.clip:g}{' (adaptive, initial)' if s.adaptive else ''}, "
-            f"z={self.noise_multiplier:.4g} on {where}, {s.sampling} sampling, δ={s.delta:g}"
+            f"z={self.noise_multiplier:.4g} on {where}, {s.sampling} sampling, δ={s.delta:g}, "
+            f"ε by {self.plan().accountant.upper()}"
         )
         if self.unprotected:
             text += f"; not covered: {', '.join(self.unprotected)}"
