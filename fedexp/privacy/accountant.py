@@ -68,8 +68,8 @@ ValueError.
 """
 
 PLD_EVERY = 16
-"""Counts (rounds, or a client's participations in local mode) up to this have their own PLD
-epsilon; above, :data:`PLD_STEP` apart (:func:`pld_point`)."""
+"""Rounds up to this have their own PLD epsilon in a run's reports; above, the points are
+:data:`PLD_STEP` apart (:func:`pld_point`)."""
 
 PLD_STEP = 1.03
 """Ratio between PLD's schedule points above :data:`PLD_EVERY`: a count between two points is
@@ -391,13 +391,8 @@ def _epsilon(plan: PrivacyPlan, count: int) -> float:
         return _round_rdp(plan).epsilon(count)
     if plan.mode == "local":  # count Gaussians of std z: one of std z / sqrt(count)
         return _gaussian_epsilon(plan.noise_multiplier / math.sqrt(count), plan.delta)
-    if plan.mode == "central" and plan.sampling == "poisson":
-        one = _round_pld(plan)
-        return float(
-            (one if count == 1 else one.self_compose(count)).get_epsilon_for_delta(plan.delta)
-        )
-    event = dp_accounting.SelfComposedDpEvent(round_event(plan), count)
-    return float(make_accountant(plan).compose(event).get_epsilon(plan.delta))
+    one = _round_pld(plan)  # (central + poisson: PLD has no plan of central + fixed)
+    return float((one if count == 1 else one.self_compose(count)).get_epsilon_for_delta(plan.delta))
 
 
 def epsilon(
