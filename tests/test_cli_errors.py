@@ -62,6 +62,7 @@ def table(tmp_path_factory):
         (["lr=1e38"], ["diverged", "client"]),
         (["device=cuda:7"], ["device", "cuda:7"]),
         (["algorithm=fedavg,dito"], ["algorithm=dito: no such option", "ditto", "pfednet"]),
+        (["figures=maybe"], ["figures='maybe'", "expected true or false"]),
     ],
     ids=[
         "unknown-key",
@@ -75,6 +76,7 @@ def table(tmp_path_factory):
         "nan-loss",
         "no-gpu",
         "unknown-option",
+        "not-a-bool",
     ],
 )
 @pytest.mark.slow

@@ -141,3 +141,21 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
         kept = drawn(f"{name}-kept.png", draw(1))
         assert len(plots._KEPT) == 1 and kept == fresh, name
         assert kept != drawn(f"{name}-other.png", draw(0)), name  # (the data do show)
+
+
+def test_figures_false_writes_the_tables_and_no_figure(small_cfg, tmp_path):
+    """``figures=false``: the run's CSVs and metrics as ever, no PNG on disk or in MLflow."""
+    drawn, bare = NullTracker(), NullTracker()
+    with_figures = small_cfg("rounds=2")
+    run(with_figures, tracker=drawn)
+    without = small_cfg("rounds=2", "figures=false")
+    with open_dict(without):
+        without.output_dir = str(tmp_path / "bare")
+    run(without, tracker=bare)
+    pngs = {"curves.png", "clients.png", "client_models_pca.png"}
+    assert pngs <= set(drawn.artifacts) and not pngs & set(bare.artifacts)
+    assert sorted(bare.artifacts) == sorted(set(drawn.artifacts) - pngs)
+    from pathlib import Path
+
+    assert not list(Path(without.output_dir).glob("*.png"))
+    assert deterministic(bare.metrics) == deterministic(drawn.metrics)

@@ -217,3 +217,12 @@ def test_zeroed_channels_are_zero_in_the_validation_split_too(loaded):
     for n in (0, 1):  # the partition's clients lacking channel 0 (the only one of digits)
         assert clients[n].num_val and not clients[n].x_val[:, 0].any()
     assert clients[2].x_val[:, 0].any()
+
+
+def test_a_switch_that_is_not_true_or_false_is_named_before_compose():
+    """Boolean run settings (``figures``, ``eval_participants``, ``resume_unsealed``) read
+    only true or false, in one line naming the key, before Hydra's own type error."""
+    for key in ("figures", "eval_participants", "resume_unsealed"):
+        assert override_errors([f"{key}=maybe"]) == [f"{key}='maybe': expected true or false"]
+        assert override_errors([f"{key}=false"]) == override_errors([f"{key}=true"]) == []
+    assert override_errors(["figures=1"]) == ["figures=1: expected true or false"]

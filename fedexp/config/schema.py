@@ -90,6 +90,10 @@ class RunConfig:
             clients_rounds.csv, MLflow's per-client table, the clients plot) in runs of at
             most this many clients; larger runs write only the last round's clients.csv (a
             row per client per evaluation is gigabytes at 10^6 clients).
+        figures: draw the run's figures at its end (curves.png, clients.png,
+            client_models_pca.png; also MLflow artifacts); false leaves them out, the CSVs and
+            metrics stay: a large sweep of small runs spends about a third of its time on
+            them (docs/benchmarks.md, "Stacked runs").
     """
 
     rounds: int = 50
@@ -117,6 +121,7 @@ class RunConfig:
     store: str = "memory"
     store_dir: str | None = None
     client_table_limit: int = 10000
+    figures: bool = True
     dataset: Any = field(default_factory=dict)
     model: Any = field(default_factory=dict)
     partition: Any = field(default_factory=dict)
@@ -184,6 +189,9 @@ def _range_errors(get: Any) -> list[str]:
     for key, choices in CHOICES.items():
         if get(key) not in choices:
             errors.append(f"{key}={get(key)!r}: expected one of {', '.join(choices)}")
+    for key in (f.name for f in fields(RunConfig) if f.type in (bool, "bool")):
+        if not isinstance(get(key), bool):
+            errors.append(f"{key}={get(key)!r}: expected true or false")
     return errors
 
 

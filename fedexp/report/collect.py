@@ -8,7 +8,8 @@ executed, not what it computes:
   resumed run computes what the uninterrupted one would);
 * ``progress``, ``threads``, ``device``, ``backend``: display, CPU threads, the torch device
   and the sequential/lockstep client loop (same results up to floating-point rounding);
-* ``checkpoint_every``: how often a checkpoint is written;
+* ``checkpoint_every``: how often a checkpoint is written; ``figures``: whether the run drew
+  its figures;
 * ``divergence_factor``: a stopping rule; a FINISHED run never tripped it, so its numbers do
   not depend on it;
 * ``tracker.*``: where the run was recorded.
@@ -43,6 +44,7 @@ IGNORED_KEYS = (
     "device",
     "backend",
     "checkpoint_every",
+    "figures",
     "divergence_factor",
 )
 #: Prefixes of params that do not change a run's results.

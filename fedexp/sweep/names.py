@@ -36,6 +36,7 @@ _UNNAMED = (
     "resume",
     "resume_unsealed",
     "output_dir",
+    "figures",
 )
 #: The longest value shown in a run name (longer ones end in ``…``; paths show their name).
 _VALUE_CHARS = 14

@@ -51,6 +51,7 @@ def _write_outputs(
       per round.
     - ``clients.png``: each client's test metric over rounds (:func:`~fedexp.plots.plot_clients`).
     - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients).
+      The three figures only with ``figures`` true (the default).
     - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
 
     ``models``: every client's evaluated vector, ``[N, d]``
@@ -95,6 +96,8 @@ def _write_outputs(
             writer = csv.writer(fh)
             writer.writerow(["i", "j"])
             writer.writerows(edges.cpu().tolist())
+    if not cfg.get("figures", True):
+        return files
     headline = next(iter(per_client[0]))
     for png in (
         plot_rounds(history, out / "curves.png", headline),
