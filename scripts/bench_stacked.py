@@ -9,6 +9,7 @@ group in one process (``hydra.launcher.n_jobs=1``).
     python scripts/bench_stacked.py seeds              # 4 seeds x 10 rounds (default data)
     python scripts/bench_stacked.py tables             # +experiment=pfednet_tables (300 runs)
     python scripts/bench_stacked.py tables --algorithms fedavg,ditto --repeat 1
+    python scripts/bench_stacked.py tables --repeat 1 --extra figures=false
 
 Cases:
   seeds:  ``seed=0,1,2,3 rounds=10``: one group of four runs.
@@ -55,8 +56,9 @@ def main() -> None:
     p.add_argument("--algorithms", help="tables: these algorithms only (comma-separated)")
     p.add_argument("--repeat", type=int, default=3, help="sweeps per launcher (the median)")
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated")
+    p.add_argument("--extra", nargs="*", default=[], help="overrides for every sweep")
     a = p.parse_args()
-    args = list(CASES[a.case])
+    args = list(CASES[a.case]) + list(a.extra)
     if a.algorithms:
         args.append(f"algorithm={a.algorithms}")
     chosen = a.launchers.split(",")
