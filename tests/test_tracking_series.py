@@ -143,14 +143,22 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
         assert kept != drawn(f"{name}-other.png", draw(0)), name  # (the data do show)
 
 
-def test_figures_false_writes_the_tables_and_no_figure(small_cfg, tmp_path):
-    """``figures=false``: the run's CSVs and metrics as ever, no PNG on disk or in MLflow."""
+def test_figures_false_writes_the_tables_and_no_figure(small_cfg, tmp_path, monkeypatch):
+    """``figures=false``: the run's CSVs and metrics as ever, no PNG on disk or in MLflow, and
+    the clients' models (``[N, d]``, for the PCA figure only) are not gathered."""
+    from fedexp.engine.round.evaluation import Evaluation
+
     drawn, bare = NullTracker(), NullTracker()
     with_figures = small_cfg("rounds=2")
     run(with_figures, tracker=drawn)
     without = small_cfg("rounds=2", "figures=false")
     with open_dict(without):
         without.output_dir = str(tmp_path / "bare")
+
+    def gathered(self):
+        raise AssertionError("the clients' models were gathered for no figure")
+
+    monkeypatch.setattr(Evaluation, "every_eval_vector", gathered)
     run(without, tracker=bare)
     pngs = {"curves.png", "clients.png", "client_models_pca.png"}
     assert pngs <= set(drawn.artifacts) and not pngs & set(bare.artifacts)

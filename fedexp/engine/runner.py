@@ -546,7 +546,9 @@ def _run(
         if not per_client:
             _, per_client = engine.evaluate()
         final = dict(history[-1]) if history else {}
-        models = engine.every_eval_vector()  # (over several ranks, each computes its own)
+        # every client's evaluated model, [N, d], for the PCA figure only (over several
+        # ranks, each computes its own)
+        models = engine.every_eval_vector() if cfg.get("figures", True) else None
         written = (
             []
             if not leader

@@ -36,7 +36,7 @@ def _write_outputs(
     history: list[dict[str, float]],
     engine: Engine,
     client_history: list[dict[str, float]],
-    models: torch.Tensor,
+    models: torch.Tensor | None,
 ) -> list[Path]:
     """Write a run's result files into ``out``; returns those the tracker uploads.
 
