@@ -82,3 +82,32 @@ def test_omegaconf_attribute_still_resolves():
     import fedexp.cli
 
     assert fedexp.cli.OmegaConf is OmegaConf
+
+
+def test_the_default_run_imports_neither_the_compiler_nor_scikit_learn(tmp_path):
+    """What the default run (FedAvg, logistic regression, breast cancer) must not pay for at
+    its start (docs/benchmarks.md, "Start-up"): ``torch._dynamo``, which functorch's gradient
+    transform imported at the first local step (1.2 s; the solver now takes the cohort's
+    gradients with one plain backward pass, ``steps._vmapped``), and scikit-learn (1.5 s; the
+    default data set is read from the CSV it ships)."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from fedexp.cli import main
+        sys.argv = ["fedexp", "run", "rounds=1", "tracker=none", "figures=false",
+                    "hydra.run.dir={tmp_path / "run"}"]
+        try:
+            main()
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        heavy = ("torch._dynamo", "sklearn")
+        print("LOADED", *sorted(m for m in sys.modules if m.startswith(heavy)))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("LOADED"))
+    assert line.split()[1:] == [], line
+    assert (tmp_path / "run" / "rounds.csv").exists()

@@ -3,8 +3,11 @@
 A client's optimiser state (momentum buffer, Adam's moments and step count) is a
 ``dict[str, Tensor]`` kept in the client's state under a prefix (``opt.momentum``, ...), so the
 engine checkpoints it with everything else and a resumed run continues exactly. The step is
-element-wise tensor arithmetic, so the local solver (:mod:`fedexp.engine.solver.steps`) runs it
-under :func:`torch.func.vmap` over a cohort's stacked ``[m, d]`` parameters and states.
+element-wise tensor arithmetic over the last axis, so the same function steps one client's
+``[d]`` vector or, in the local solver (:mod:`fedexp.engine.solver.steps`), a cohort's stacked
+``[m, d]`` parameters and states at once (a per-client scalar of the state, Adam's step count,
+is ``[m]`` there and broadcast over the row): the kernels :func:`torch.func.vmap` of the
+one-client step would run, without its wrapping cost at every step.
 
 The updates follow :class:`torch.optim.SGD` and :class:`torch.optim.Adam` (coupled L2 weight
 decay, PyTorch's order of operations), which the tests compare against step by step.
@@ -48,7 +51,12 @@ class Optimizer(ABC):
     def step(
         self, params: torch.Tensor, grad: torch.Tensor, state: State, lr: float | torch.Tensor
     ) -> tuple[torch.Tensor, State]:
-        """One update; returns (new parameters, new state). Pure: nothing is modified."""
+        """One update; returns (new parameters, new state). Pure: nothing is modified.
+
+        ``params``, ``grad`` and ``state`` are one client's (``[d]``, scalars 0-d) or a
+        cohort's stack (``[m, d]``, scalars ``[m]``); ``lr`` a float, or a tensor of
+        ``params``' shape (per-coordinate step sizes).
+        """
 
     def load(self, client_state: State | CohortStates, prefix: str = "opt") -> State | None:
         """The optimiser state stored in ``client_state`` under ``prefix`` (None: fresh).
@@ -147,10 +155,11 @@ class Adam(Optimizer):
         """One Adam step in PyTorch's order of operations."""
         g = grad + self.weight_decay * params if self.weight_decay else grad
         t = state["step"] + 1
+        tb = t.reshape(*t.shape, *[1] * (params.dim() - t.dim()))  # over the row's coordinates
         m = self.beta1 * state["exp_avg"] + (1 - self.beta1) * g
         v = self.beta2 * state["exp_avg_sq"] + (1 - self.beta2) * g * g
-        bc1 = 1 - self.beta1**t
-        bc2 = 1 - self.beta2**t
+        bc1 = 1 - self.beta1**tb
+        bc2 = 1 - self.beta2**tb
         denom = v.sqrt() / bc2.sqrt() + self.eps
         new = params - (lr / bc1) * m / denom
         return new, {"exp_avg": m, "exp_avg_sq": v, "step": t}

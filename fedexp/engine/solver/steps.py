@@ -4,8 +4,9 @@ The one place that decides how local steps execute. An algorithm states its clie
 over a :class:`fedexp.contract.Cohort` (``Context.train`` and the functions below); the solver
 runs each step for the whole cohort:
 
-* vmapped: :func:`torch.func.vmap` of the objective's gradient over the stacked ``[m, d]``
-  parameters, ``aux`` tensors and optimiser states (the default);
+* vmapped: :func:`torch.func.vmap` of the objective over the stacked ``[m, d]`` parameters
+  and ``aux`` tensors, then one backward pass of the summed losses (:func:`_vmapped`), and one
+  optimiser step of the whole stack (the default);
 * row by row (:func:`_rowwise`): each client's gradient by plain autograd while draws, gathers,
   optimiser steps and messages stay stacked: for models with running statistics other than
   BatchNorm's (vmap loses an in-place update; BatchNorm's are a function of the batch's
@@ -29,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-from torch.func import grad_and_value, vmap
+from torch.func import vmap
 
 from fedexp.contract import Cohort, CohortStates
 from fedexp.engine.memory import client_step_bytes
@@ -275,11 +276,38 @@ def rowwise(ctx: Context, obj: Objective) -> bool:
     )
 
 
+def _vmapped(obj: Objective) -> Callable:
+    """vmap(grad_and_value(loss, has_aux=True))'s contract: one vmapped forward, one backward.
+
+    Client i's loss is a function of its own row of the stacked ``[m, d]`` parameters alone,
+    so the gradient of the sum of the m losses with respect to the stack is, row by row, each
+    client's gradient. One vmapped forward pass and one plain autograd backward give them
+    all, without functorch's gradient transform: its wrapping of every call cost about 1 ms a
+    step (most of a small model's round), and its first use imports ``torch._dynamo`` (1.2 s
+    of every run's start). A loss that does not reach the parameters has zero gradients.
+    """
+    forward = vmap(obj.loss, randomness="different")
+
+    def run(params, xb, yb, aux, u):  # noqa: ANN001, ANN202 - vmap's signature
+        p = params.detach().requires_grad_(True)
+        with torch.enable_grad():
+            values, post = forward(p, xb, yb, aux, u)
+            if values.requires_grad:
+                (grads,) = torch.autograd.grad(values.sum(), p, allow_unused=True)
+            else:
+                grads = None
+        if grads is None:
+            grads = torch.zeros_like(p)
+        return grads, (values.detach(), None if post is None else post.detach())
+
+    return run
+
+
 def stacked_gradients(ctx: Context, obj: Objective) -> Callable:
     """``(params, x, y, aux, u) -> (grads, (losses, posts))`` of m clients' stacked rows."""
     if rowwise(ctx, obj):
         return _rowwise(ctx, obj, posts=obj.frozen is not None)
-    return vmap(grad_and_value(obj.loss, has_aux=True), randomness="different")
+    return _vmapped(obj)
 
 
 def _refused(ctx: Context, exc: RuntimeError, what: str) -> None:
@@ -306,7 +334,7 @@ def train_stacked(
 
     Each step draws (minibatches, then noise), takes every client's gradient
     (:func:`stacked_gradients`), zeroes the coordinates that stay (``keep``), takes one
-    vmapped optimiser step, writes the frozen coordinates (running statistics) from the
+    optimiser step of the stack, writes the frozen coordinates (running statistics) from the
     forward pass, keeps ``keep``'s and applies the objective's projection.
 
     Args:
@@ -328,7 +356,6 @@ def train_stacked(
     ctx.model.module.train()
     step_lr: float | torch.Tensor = lr if lr_scale is None else lr * lr_scale
     grad_fn = stacked_gradients(ctx, obj)
-    step_fn = vmap(opt.step, in_dims=(0, 0, 0, None if lr_scale is None else 0))
     project = None if obj.project is None else vmap(obj.project)
     total = torch.zeros(params.shape[0], device=params.device)
     for _ in range(steps):
@@ -336,7 +363,7 @@ def train_stacked(
         grads, (values, post) = grad_fn(params, xb, yb, aux, u)
         if keep is not None:
             grads = grads.masked_fill(keep, 0.0)
-        new, state = step_fn(params, grads, state, step_lr)
+        new, state = opt.step(params, grads, state, step_lr)  # element-wise: the whole stack
         if obj.frozen is not None and post is not None:
             new = torch.where(obj.frozen, post, new)
         if keep is not None:
@@ -506,9 +533,8 @@ def loss_and_grad(
     if rowwise(ctx, objective):
         grads, (values, _) = _rowwise(ctx, objective, False)(params.detach(), xs, ys, {}, empty)
         return values.detach(), grads
-    fn = vmap(grad_and_value(objective.loss, has_aux=True), randomness="different")
     try:
-        grads, (values, _) = fn(params.detach(), xs, ys, {}, empty)
+        grads, (values, _) = _vmapped(objective)(params.detach(), xs, ys, {}, empty)
     except RuntimeError as exc:
         _refused(ctx, exc, "gradients")
         grads, (values, _) = _rowwise(ctx, objective, False)(params.detach(), xs, ys, {}, empty)
