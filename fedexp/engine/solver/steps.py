@@ -372,6 +372,7 @@ def train_stacked(
             new = project(new, aux)
         params = new
         total = total + values.detach()
+        del xb, yb, u, grads, new  # freed before the next draw: its batch reuses their memory
     return params.detach(), state, total / max(steps, 1)
 
 
