@@ -142,8 +142,11 @@ def test_sampling_is_a_setting(small_cfg):
 
 
 def test_the_cpu_kernel_is_the_tensor_arithmetic():
-    """On the CPU ``pass_indices`` runs a compiled loop: bit for bit the tensor version (the
-    one other devices run), for every domain size, batch size and draw counter."""
+    """On the CPU ``pass_indices`` runs a compiled loop (once it pays: ``rng._compiled``): bit
+    for bit the tensor version (the one other devices run), for every domain size, batch size
+    and draw counter."""
+    from fedexp.engine.solver.passes_cpu import pass_indices_cpu
+
     gen = torch.Generator().manual_seed(0)
     m = 200
     keys = rng.stream_keys(7, rng.CLIENT, 3, list(range(m)))
@@ -152,7 +155,7 @@ def test_the_cpu_kernel_is_the_tensor_arithmetic():
     draws = torch.randint(0, 200, (m,), generator=gen)
     for size in (1, 7, 32, 129):
         assert torch.equal(
-            rng.pass_indices(keys, draws, size, num),
+            pass_indices_cpu(keys, draws, size, num, rng._PASS, rng._ROUND),
             rng.pass_indices_tensor(keys, draws, size, num),
         ), size
 
@@ -194,3 +197,44 @@ def test_a_cohort_of_unequal_clients_trains_as_each_alone_in_plain_epochs(small_
             if post is not None:  # running statistics: the forward pass's
                 p = torch.where(ctx.model.buffer_mask, post, p)
         torch.testing.assert_close(out.params[i], p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_process_loads_the_compiled_kernel_once_the_tensor_path_has_cost_as_much(
+    monkeypatch, small_cfg
+):
+    """Rent or buy (``rng._compiled``): the tensor path draws until its estimated cost reaches
+    the compiled kernel's start, every later call goes to the kernel, and a run's figures are
+    the same whichever path drew them."""
+    from fedexp.engine.solver import passes_cpu
+
+    calls = []
+    tensor, kernel = rng.pass_indices_tensor, passes_cpu.pass_indices_cpu
+    monkeypatch.setattr(rng, "pass_indices_tensor", lambda *a: calls.append("t") or tensor(*a))
+    monkeypatch.setattr(passes_cpu, "pass_indices_cpu", lambda *a: calls.append("k") or kernel(*a))
+    monkeypatch.setattr(rng, "_tensor_spent_ms", 0.0)
+    keys = rng.stream_keys(1, rng.CLIENT, 0, list(range(10)))
+    draws, num = torch.zeros(10, dtype=torch.int64), torch.full((10,), 50)
+    per_call = rng._TENSOR_CALL_MS + rng._TENSOR_INDEX_MS * 10 * 32
+    first = int(-(-rng._KERNEL_START_MS // per_call))  # calls until the spent cost reaches it
+    for _ in range(first + 3):
+        rng.pass_indices(keys, draws, 32, num)
+    assert calls == ["t"] * first + ["k"] * 3
+
+    def final_states(spent: float) -> list:
+        monkeypatch.setattr(rng, "_tensor_spent_ms", spent)
+        engine = build_engine(small_cfg("algorithm=ditto", "local_steps=7", "batch_size=4"))
+        engine.setup()
+        for _ in range(3):
+            engine.run_round()
+        states = [v for s in engine.client_states for _, v in sorted(s.items())]
+        return [v for _, v in sorted(engine.server.items())] + states
+
+    calls.clear()
+    by_tensor = final_states(-1e9)  # never reaches the kernel
+    assert set(calls) == {"t"}
+    calls.clear()
+    by_kernel = final_states(rng._KERNEL_START_MS)  # the kernel from the first draw
+    assert set(calls) == {"k"}
+    assert len(by_tensor) > 5
+    for a, b in zip(by_tensor, by_kernel, strict=True):
+        assert torch.equal(a, b)

@@ -237,11 +237,49 @@ def pass_indices(
         int64 [m, size] on ``keys``' device.
     """
     dev = keys.device
-    if dev.type == "cpu" and size > 0:  # the same arithmetic, compiled
+    if dev.type == "cpu" and size > 0 and _compiled(keys.shape[0] * size):
         from fedexp.engine.solver.passes_cpu import pass_indices_cpu
 
         return pass_indices_cpu(keys, draws.cpu(), size, num.cpu(), _PASS, _ROUND)
     return pass_indices_tensor(keys, draws, size, num)
+
+
+#: What the CPU's compiled pass kernel (numba, :mod:`fedexp.engine.solver.passes_cpu`) costs a
+#: process before its first draw: importing numba and loading the cached kernel, 0.55-0.65 s
+#: (docs/benchmarks.md, "Start-up"); and what the tensor path costs a call on the CPU: about
+#: 1 ms plus 0.1 µs an index, where the kernel takes 0.02 ms plus 0.015 µs an index.
+_KERNEL_START_MS = 600.0
+_TENSOR_CALL_MS = 1.0
+_TENSOR_INDEX_MS = 1e-4
+#: the tensor path's estimated cost so far in this process (at the kernel's start: loaded)
+_tensor_spent_ms = 0.0
+
+
+def _compiled(entries: int) -> bool:
+    """Whether this CPU call of ``entries`` indices goes to the compiled kernel.
+
+    Rent or buy: a process draws with the tensor path until what it has spent there reaches
+    what loading the kernel costs, then loads it and keeps it. A short run (the default run
+    draws 1.1 ms a round) never pays the kernel's 0.6 s start, and a long one pays at most
+    that much more than if it had loaded the kernel at once. Both give the same indices bit
+    for bit (``tests/test_passes.py``), so which one draws changes no figure. The estimate is
+    counted, not timed, so the switch falls at the same call on any machine.
+    """
+    global _tensor_spent_ms
+    if _tensor_spent_ms >= _KERNEL_START_MS:
+        return True
+    _tensor_spent_ms += _TENSOR_CALL_MS + _TENSOR_INDEX_MS * entries
+    return False
+
+
+def use_compiled_passes() -> None:
+    """Draw this process's CPU passes with the compiled kernel from now on.
+
+    For measurements of a run's steady state (benchmarks, the round census), which
+    :func:`pass_indices` otherwise reaches after the kernel's start cost's worth of draws.
+    """
+    global _tensor_spent_ms
+    _tensor_spent_ms = _KERNEL_START_MS
 
 
 def _epoch_positions(

@@ -108,6 +108,9 @@ def main() -> None:
     parser.add_argument("--eval-rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from fedexp.engine import rng
+
+    rng.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
     clock = common.Clock()
     from fedexp.engine.clients.pool import TrainPool
 
