@@ -5,6 +5,8 @@ run in sub-cohorts, each client its own count."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -162,7 +164,7 @@ def test_one_backward_of_the_summed_losses_is_each_clients_gradient(small_cfg, o
     torch.testing.assert_close(values, ref_v)
     torch.testing.assert_close(posts, ref_p)
     for i in range(m):
-        row = obj.__class__(obj.loss, aux={k: v[i] for k, v in aux.items()})
+        row = replace(obj, aux={k: v[i] for k, v in aux.items()})
         keep = int((y[i] != PADDING).sum())
         v, g, post = ctx.loss_grad_post(row, params[i], x[i, :keep], y[i, :keep], None)
         torch.testing.assert_close(grads[i], g, rtol=1e-5, atol=1e-6)
