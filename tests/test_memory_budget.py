@@ -84,3 +84,75 @@ def test_a_negative_budget_is_refused_naming_the_key(small_cfg):
 def test_a_round_logs_its_peak_memory(small_cfg):
     _, history = _run(small_cfg, rounds=1)
     assert history[0]["memory/peak_mib"] > 0
+
+
+def _round_budget_gib(engine, clients: int) -> float:
+    """A budget whose round slices hold ``clients`` clients (``Engine._round_slices``)."""
+    from fedexp.engine.round import engine as round_engine
+
+    per_client = round_engine._ROUND_COPIES * engine.x0.numel() * engine.x0.element_size()
+    return (clients + 0.5) * per_client / 2**30
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm=fedavg",),
+        ("algorithm=ditto", "participation=0.6", "compressor=stc"),
+        ("algorithm=fedprox", "model=mlp", "model.hidden=8", "optimizer=sgd",
+         "optimizer.momentum=0.9"),
+    ],
+    ids=["fedavg", "ditto-partial-stc", "fedprox-mlp-momentum"],
+)  # fmt: skip
+def test_a_round_too_big_for_its_budget_runs_in_slices_as_it_runs_whole(
+    small_cfg, monkeypatch, overrides
+):
+    """Where the server reads Σ ω_n u_n alone, a round whose stacks do not fit the budget goes
+    through its client work and uplink slice by slice, each slice's weighted sum added: the
+    same models, states, channel memories and training metrics as the whole round (up to the
+    order of the sums), and the same bytes on the wire, exactly."""
+    from fedexp.engine.round.engine import Engine
+
+    whole, h_whole = _run(small_cfg, *overrides, rounds=3)
+    cuts = []
+    inner = Engine._round_slices
+    monkeypatch.setattr(
+        Engine, "_round_slices", lambda self, who: cuts.append(inner(self, who)) or cuts[-1]
+    )
+    budget = _round_budget_gib(whole, 2)
+    sliced, h_sliced = _run(small_cfg, *overrides, f"memory_budget={budget}", rounds=3)
+    assert all(c is not None and max(len(w.workers) for w in c) == 2 for c in cuts)
+    assert all(len(c) > 1 for c in cuts)
+    for key in whole.server:
+        torch.testing.assert_close(sliced.server[key], whole.server[key], rtol=1e-5, atol=1e-6)
+    for a, b in zip(whole.client_states, sliced.client_states, strict=True):
+        assert sorted(a) == sorted(b)
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+    for direction in ("up", "down"):  # the channels' error-feedback residuals
+        torch.testing.assert_close(
+            sliced.residual[direction].export(), whole.residual[direction].export(),
+            rtol=1e-5, atol=1e-6,
+        )  # fmt: skip
+    assert sliced.ledger.total == whole.ledger.total
+    for a, b in zip(h_whole, h_sliced, strict=True):
+        for key, value in a.items():
+            if key.startswith(("bytes/", "clients/", "messages/")):
+                assert b[key] == value, key
+            elif key.startswith("train/"):
+                assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("algorithm=pfednet", "algorithm.k=2"), ("privacy=central", "privacy.noise_multiplier=1.0")],
+    ids=["server-reads-each", "central-dp"],
+)
+def test_a_round_whose_server_reads_each_upload_is_not_sliced(small_cfg, overrides):
+    """pFedNet's server reads every upload, and central DP re-clips each: whole rounds."""
+    engine = build_engine(small_cfg("num_clients=6", *overrides))
+    engine.setup()
+    budget = _round_budget_gib(engine, 2)
+    engine.ctx.memory_budget = int(budget * 2**30)
+    who = engine.sampler(0)
+    assert len(who.workers) > 2 and engine._round_slices(who) is None

@@ -206,6 +206,28 @@ def _fewer_clients(cfg: DictConfig, data: ArrayDataset, partition: Any) -> str:
     return f", or num_clients ≤ {most} to keep batch_size={cfg.batch_size}"
 
 
+def _pca_fits(engine: Engine, cfg: DictConfig) -> bool:
+    """Whether the run gathers every client's evaluated model ``[N, d]`` for its PCA figure.
+
+    Not with ``figures=false``, nor in one process when the stack would not fit the memory
+    budget (1,000 ResNet-18 clients: 45 GB); the log says so. Over several processes every
+    rank takes part in the gathering, so each would have to decide alike: it is gathered.
+    """
+    if not cfg.get("figures", True):
+        return False
+    size = len(engine.clients) * engine.x0.numel() * engine.x0.element_size()
+    budget = engine.ctx.memory_budget
+    if engine.ranks is not None or budget <= 0 or size <= budget:
+        return True
+    log.info(
+        "client_models_pca.png not drawn: every client's model is %.1f GiB, over the memory "
+        "budget's %.1f GiB",
+        size / 2**30,
+        budget / 2**30,
+    )
+    return False
+
+
 def _privacy(cfg: DictConfig, algorithm: Algorithm) -> PrivateUplink | None:
     """The run's DP mechanism (``privacy`` group), or None without one.
 
@@ -548,7 +570,7 @@ def _run(
         final = dict(history[-1]) if history else {}
         # every client's evaluated model, [N, d], for the PCA figure only (over several
         # ranks, each computes its own)
-        models = engine.every_eval_vector() if cfg.get("figures", True) else None
+        models = engine.every_eval_vector() if _pca_fits(engine, cfg) else None
         written = (
             []
             if not leader

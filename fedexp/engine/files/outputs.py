@@ -50,11 +50,11 @@ def _write_outputs(
     - ``curves.png``: the test metric across clients, mean training loss and cumulative bytes
       per round.
     - ``clients.png``: each client's test metric over rounds (:func:`~fedexp.plots.plot_clients`).
-    - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients).
-      The three figures only with ``figures`` true (the default).
+    - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients;
+      not when ``models`` is None). The three figures only with ``figures`` true (the default).
     - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
 
-    ``models``: every client's evaluated vector, ``[N, d]``
+    ``models``: every client's evaluated vector, ``[N, d]``, or None
     (:meth:`~fedexp.engine.round.evaluation.Evaluation.every_eval_vector`, which every rank of a run
     over several processes takes part in).
     """
@@ -99,10 +99,11 @@ def _write_outputs(
     if not cfg.get("figures", True):
         return files
     headline = next(iter(per_client[0]))
+    pca = out / "client_models_pca.png"
     for png in (
         plot_rounds(history, out / "curves.png", headline),
         plot_clients(client_history, out / "clients.png", headline),
-        plot_client_models(models, out / "client_models_pca.png", edges),
+        None if models is None else plot_client_models(models, pca, edges),
     ):
         if png is not None:
             files.append(png)

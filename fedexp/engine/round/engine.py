@@ -10,6 +10,7 @@ do not depend on the grouping or the order.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from fedexp.contract import (
     Stacked,
     StackedUpdates,
     State,
+    parts_updates,
+    update_parts,
 )
 from fedexp.data.client import ClientData, client_ids
 from fedexp.engine import rng
@@ -38,7 +41,7 @@ from fedexp.engine.clients.pool import ClientTable, TrainPool
 from fedexp.engine.clients.states import ClientStates, merge_exports
 from fedexp.engine.files.checkpoint import flatten_state, unflatten_state
 from fedexp.engine.memory import peak_mib, reset_peak
-from fedexp.engine.processes.ranks import Ranks
+from fedexp.engine.processes.ranks import Ranks, weighted_sums
 from fedexp.engine.round.evaluation import Evaluation
 from fedexp.engine.round.exchange import Alone, RankExchange
 from fedexp.engine.round.ledger import ByteLedger
@@ -72,6 +75,13 @@ def _sample(seed: int, num_clients: int, rate: float, round_: int) -> list[int]:
 
 # Stream purpose of the set-up exchange (beside rng.CLIENT and the channels' purposes).
 _SKETCH = 13
+
+#: ``[m, d]`` stacks a round holds of each of its clients beyond the local steps' own memory
+#: (the trained parameters, the update, its decoded copy, the channel's residual): the unit
+#: in which a round is sliced to fit ``memory_budget`` (:meth:`Engine._round_slices`)
+_ROUND_COPIES = 4
+
+log = logging.getLogger("fedexp")
 
 
 @dataclass
@@ -127,6 +137,8 @@ class Engine(Transport, Evaluation):
     stack: Member | None = None
     #: the processes' exchange (``fedexp.engine.round.exchange``), from ``ranks``
     exchange: Alone | RankExchange = field(init=False, repr=False)
+    #: whether the log has said that rounds go in slices (:meth:`_round_slices`)
+    _slices_told: bool = field(default=False, init=False, repr=False)
     #: who takes part in a round (``fedexp.engine.round.stages.Sampler``)
     sampler: Sampler = field(init=False, repr=False)
     #: the uplink's stages after the algorithm's upload: DP (with ``privacy``), the channel
@@ -234,12 +246,8 @@ class Engine(Transport, Evaluation):
         run_ledger, self.ledger = self.ledger, self.exchange.round_ledger(self.ledger)
         who = self.sampler(t)
         self.last_sampled = who.sampled
-        inbox, result = self._train(who.workers)
-        self.client_states.write(who.workers, result.states)
-        sums = {f"train/{k}": float(v.sum()) for k, v in result.metrics.items()}
-        up = Uplink(rows_of(result.updates, who.workers, who.senders), inbox, sums)
-        for stage in self.stages:  # clip, local noise, codec, wire and ledger, decode
-            up = stage.client(t, who, up)
+        slices = self._round_slices(who)
+        up = self._sending(t, who) if slices is None else self._sliced(t, who, slices)
         up = self.exchange.combine(who, up, self.ledger, run_ledger)
         self.ledger = run_ledger
         up.weights = self._weights(up.updates)
@@ -248,6 +256,72 @@ class Engine(Transport, Evaluation):
         self.server = self.algorithm.server_update(self.ctx, self.server, up.updates, up.weights)
         self.round = t + 1
         return self._record(who, up, started)
+
+    def _sending(self, t: int, who: Who) -> Uplink:
+        """The workers' downlink, client work and states, and the senders' side of the uplink."""
+        inbox, result = self._train(who.workers)
+        self.client_states.write(who.workers, result.states)
+        sums = {f"train/{k}": float(v.sum()) for k, v in result.metrics.items()}
+        up = Uplink(rows_of(result.updates, who.workers, who.senders), inbox, sums)
+        for stage in self.stages:  # clip, local noise, codec, wire and ledger, decode
+            up = stage.client(t, who, up)
+        return up
+
+    def _round_slices(self, who: Who) -> list[Who] | None:
+        """``who``'s workers in slices whose stacked vectors fit ``memory_budget``; None: whole.
+
+        A round holds ``_ROUND_COPIES`` ``[m, d]`` stacks of its cohort (1,000 ResNet-18
+        clients: 45 GB each). Where the server reads the uploads only through Σ_n ω_n u_n
+        (``server_reads="mean"``), without DP, in one process and not stacked with other runs,
+        the cohort can go through its client work and the senders' side of the uplink slice
+        by slice, each slice's weighted sum added as the ranks' are (:class:`RankExchange`),
+        so that no stack of the whole cohort is ever made.
+        """
+        budget = self.ctx.memory_budget
+        if (
+            budget <= 0
+            or self.algorithm.server_reads != "mean"
+            or self.privacy is not None
+            or not isinstance(self.exchange, Alone)
+            or self.stack is not None
+        ):
+            return None
+        size = max(1, budget // (_ROUND_COPIES * self.x0.numel() * self.x0.element_size()))
+        if len(who.workers) <= size:
+            return None
+        if not self._slices_told:
+            log.info("rounds in slices of %d clients (memory_budget)", size)
+            self._slices_told = True
+        senders = set(who.senders)
+        return [
+            Who(who.sampled, who.trained, part, [n for n in part if n in senders])
+            for part in (who.workers[a : a + size] for a in range(0, len(who.workers), size))
+        ]
+
+    def _sliced(self, t: int, who: Who, slices: list[Who]) -> Uplink:
+        """:meth:`_sending` slice by slice: the uploads' Σ_n ω_n u_n as the round's one upload.
+
+        Each slice's decoded uploads are weighted (ω_n among the round's senders) and summed,
+        then freed; the sum goes to the server as the upload of the first sender, which then
+        weighs 1 (as :func:`fedexp.engine.processes.ranks.reduce_uploads` gives it). Metrics
+        are the slices' sums; the ledger counts every message as it is sent.
+        """
+        total: dict[str, torch.Tensor] = {}
+        metrics: dict[str, float] = {}
+        uploaded = False
+        for part in slices:
+            up = self._sending(t, part)
+            for k, v in up.metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+            uploaded = uploaded or up.uploaded
+            if up.updates and part.senders:
+                weights = self._weight_tensor(part.senders, who.sampled)
+                for k, v in weighted_sums(update_parts(up.updates, part.senders), weights).items():
+                    total[k] = total[k] + v if k in total else v
+            del up
+        first = who.sampled[:1]
+        updates = parts_updates({k: v[None] for k, v in total.items()}, first) if total else {}
+        return Uplink(None, None, metrics, updates=updates, uploaded=uploaded)
 
     def _train(self, workers: list[int]) -> tuple[Stacked | None, CohortResult]:
         """The workers' downlink and client work: (their decoded inbox, their results).
