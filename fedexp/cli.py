@@ -300,7 +300,7 @@ def _sweep_job_run(
     import traceback
 
     from fedexp.config.instantiate import instantiate_checked
-    from fedexp.engine.files.progress import job_prefix
+    from fedexp.engine.files.progress import job_line
     from fedexp.sweep import best_of
 
     quiet = bool(info and info.live)  # the sweep's live display prints the job's line
@@ -309,7 +309,7 @@ def _sweep_job_run(
         status.error = error
         status.run_id = getattr(tracker, "run_id", None)
         if not quiet:
-            print(f"{job_prefix()}fedexp: {line}", file=sys.stderr, flush=True)
+            job_line(f"fedexp: {line}", err=True)
         return math.nan  # one bad job of a sweep does not stop the others
 
     tracker = None
@@ -361,7 +361,7 @@ def _sweep_job_run(
     else:
         status.status = "ok"
     if not quiet:
-        print(f"{job_prefix()}{line}", flush=True)
+        job_line(line)
     return value
 
 

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from fedexp.cli_help import setting_docs
 from fedexp.config.schema import RunConfig
-from fedexp.engine.files.progress import RoundProgress, job_label
+from fedexp.engine.files.progress import RoundProgress, job_label, job_line
 from fedexp.sweep import NO_SLURM
 from helpers import CONF, ROOT, mlflow_db, run_cli
 
@@ -178,6 +178,32 @@ def test_parallel_job_logs_progress_with_its_job_id(caplog):
     assert "[job 3] something else" in caplog.text
     assert "after the job" in caplog.text and "[job 3] after the job" not in caplog.text
     assert RoundProgress(2, mode="auto", console=terminal).mode == "bar"
+
+
+class _Writes:
+    """A stream that keeps every ``write`` call apart, as an unbuffered pipe passes them on."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("err", [False, True])
+def test_a_jobs_line_is_one_write(monkeypatch, err):
+    """Jobs ending together under ``PYTHONUNBUFFERED=1`` printed ``[job 0] a[job 1] b`` and an
+    empty line (a CI run of tests/test_sweep_readable.py): ``print`` writes the newline apart."""
+    out = _Writes()
+    monkeypatch.setattr(sys, "stderr" if err else "stdout", out)
+    with job_label("job 7"):
+        job_line("fedavg s0  acc/mean=0.9000", err=err)
+    job_line("after", err=err)
+    assert out.calls == ["[job 7] fedavg s0  acc/mean=0.9000\n", "after\n"]
 
 
 @pytest.mark.parametrize("columns", [60, 80, 100, 200])

@@ -70,8 +70,10 @@ def _env() -> dict[str, str]:
 
 
 def _fedexp(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``fedexp`` in a subprocess, its terminal 80 columns wide."""
-    return run_cli(*args, cwd=cwd, timeout=timeout, env={"COLUMNS": "80", "LINES": "24"})
+    """``fedexp`` in a subprocess, its terminal 80 columns wide, its streams unbuffered (where
+    the jobs' lines would interleave if a line took more than one write)."""
+    env = {"COLUMNS": "80", "LINES": "24", "PYTHONUNBUFFERED": "1"}
+    return run_cli(*args, cwd=cwd, timeout=timeout, env=env)
 
 
 def _rows(text: str, width: int = 80) -> int:
@@ -102,8 +104,8 @@ def test_a_sweep_prints_one_line_per_job_at_80_columns(tmp_path, launcher):
     body, _, summary = out.partition("\nsweep done, ")
     lines = body.splitlines()
     assert lines[0].startswith("sweep: 4 jobs over algorithm, seed"), out
-    jobs = lines[1:]
-    assert sorted(re.match(r"\[job (\d)\] ", ln).group(1) for ln in jobs) == list("0123"), out
+    jobs = [re.match(r"\[job (\d)\] ", ln) for ln in lines[1:]]
+    assert all(jobs) and sorted(m.group(1) for m in jobs) == list("0123"), out
     assert all(len(ln) <= 80 for ln in lines), out
     # at 80 columns: one row per job, plus the header and the summary (ok, best, MLflow)
     assert _rows(body) == 1 + 4 and summary.count("\n") <= 4, out

@@ -131,6 +131,24 @@ def job_prefix() -> str:
     return f"[{_job.label}] " if _job.label else ""
 
 
+def job_line(text: str, *, err: bool = False) -> None:
+    """Print ``text`` with the job's mark (:func:`job_prefix`) as one line, in one write.
+
+    The jobs of a sweep share the terminal (the processes of the parallel launcher, the
+    threads of the stacked one). ``print`` writes the text and its newline in two calls, which
+    an unbuffered stream (``python -u``, ``PYTHONUNBUFFERED=1``) passes on as two writes: two
+    jobs ending together then print ``[job 0] a[job 1] b`` and an empty line. One write of a
+    short line to a pipe or a terminal is never split.
+
+    Args:
+        text: the line, without its newline.
+        err: to stderr (errors), else stdout.
+    """
+    stream = sys.stderr if err else sys.stdout
+    stream.write(f"{job_prefix()}{text}\n")
+    stream.flush()
+
+
 @contextmanager
 def job_label(
     label: str,
