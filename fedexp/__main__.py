@@ -4,7 +4,7 @@
 processes (:mod:`fedexp.cli_distributed`).
 """
 
-from fedexp.cli import main
+from fedexp.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

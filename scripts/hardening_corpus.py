@@ -217,7 +217,7 @@ def classify(case: Case) -> tuple[str, str]:
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         env.pop("MLFLOW_TRACKING_URI", None)
         proc = subprocess.run(
-            [sys.executable, "-c", "from fedexp.cli import main; main()", *case.args],
+            [sys.executable, "-c", "from fedexp.cli import entry; entry()", *case.args],
             cwd=cwd, capture_output=True, text=True, timeout=600, env=env,
         )  # fmt: skip
         text = proc.stdout + proc.stderr

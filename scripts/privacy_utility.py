@@ -135,7 +135,7 @@ def fedexp() -> list[str]:
     script = Path(sys.executable).with_name("fedexp")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "from fedexp.cli import main; main()"]
+    return [sys.executable, "-c", "from fedexp.cli import entry; entry()"]
 
 
 def shown(argv: list[str]) -> str:

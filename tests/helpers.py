@@ -41,7 +41,7 @@ def run_cli(
     env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run(
-        [sys.executable, "-c", "from fedexp.cli import main; main()", *args],
+        [sys.executable, "-c", "from fedexp.cli import entry; entry()", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -156,7 +156,7 @@ def test_interrupted_run_prints_how_to_resume_and_resumes(tmp_path):
         f"hydra.run.dir={out}",
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from fedexp.cli import main; main()", "run", *args],
+        [sys.executable, "-c", "from fedexp.cli import entry; entry()", "run", *args],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -23,7 +23,7 @@ from fedexp.engine.files.progress import RoundProgress, job_label, job_line
 from fedexp.sweep import NO_SLURM
 from helpers import CONF, ROOT, mlflow_db, run_cli
 
-CLI = [sys.executable, "-c", "from fedexp.cli import main; main()"]
+CLI = [sys.executable, "-c", "from fedexp.cli import entry; entry()"]
 
 
 def _help(*args: str) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from helpers import CONF, mlflow_db, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CLI = [sys.executable, "-c", "from fedexp.cli import main; main()", "run"]
+CLI = [sys.executable, "-c", "from fedexp.cli import entry; entry()", "run"]
 FAST = ["rounds=1", "progress=none", "device=cpu", "checkpoint_every=0"]
 
 

@@ -22,7 +22,7 @@ from helpers import mlflow_db
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CLI = [sys.executable, "-c", "from fedexp.cli import main; main()", "run"]
+CLI = [sys.executable, "-c", "from fedexp.cli import entry; entry()", "run"]
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from helpers import ROOT, mlflow_db, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CLI = [sys.executable, "-c", "from fedexp.cli import main; main()"]
+CLI = [sys.executable, "-c", "from fedexp.cli import entry; entry()"]
 OPTUNA = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
 _clock = itertools.count(1_700_000_000_000, 1000)
 

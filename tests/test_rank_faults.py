@@ -69,7 +69,7 @@ def _fault_run(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess,
     env.update(PYTHONWARNINGS="ignore", PYTHONPATH=path, FEDEXP_TEST_SIGNAL=fault)
     store = tmp_path / "store"
     proc = subprocess.run(
-        [sys.executable, "-c", "from fedexp.cli import main; main()", "run", *RUN]
+        [sys.executable, "-c", "from fedexp.cli import entry; entry()", "run", *RUN]
         + [f"store_dir={store}"],
         cwd=tmp_path,
         env=env,

@@ -138,7 +138,7 @@ def test_ctrl_c_stops_every_run_of_a_stacked_group(tmp_path):
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from fedexp.cli import main; main()", "run", "-m"]
+        [sys.executable, "-c", "from fedexp.cli import entry; entry()", "run", "-m"]
         + ["hydra/launcher=stacked", "seed=0,1,2", "rounds=400", "tracker=none", "progress=log"]
         + [f"hydra.sweep.dir={tmp_path}/sweep"],
         cwd=tmp_path,

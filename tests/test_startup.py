@@ -75,6 +75,35 @@ def test_module_runs_as_a_script():
     assert "fedexp run" in proc.stdout
 
 
+@pytest.mark.parametrize("ending", ["returns", "exits"])
+def test_the_program_freezes_its_objects_before_python_exits(monkeypatch, ending):
+    """``fedexp`` (:func:`fedexp.cli.entry`) ends with :func:`gc.freeze`, whether its command
+    returns or exits (a sweep exits 1 when a job failed): the interpreter's finalisation then
+    skips the garbage collections over torch's objects (half a second of every exit)."""
+    import gc
+
+    from fedexp import cli
+
+    calls: list[str] = []
+
+    def command() -> None:
+        calls.append("main")
+        if ending == "exits":
+            sys.exit(1)
+
+    monkeypatch.setattr(cli, "main", command)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    if ending == "exits":
+        with pytest.raises(SystemExit):
+            cli.entry()
+    else:
+        cli.entry()
+    assert calls == ["main", "freeze"]
+    scripts = (ROOT / "pyproject.toml").read_text()
+    assert 'fedexp = "fedexp.cli:entry"' in scripts  # the console script
+    assert "entry()" in (ROOT / "fedexp" / "__main__.py").read_text()  # python -m fedexp
+
+
 def test_omegaconf_attribute_still_resolves():
     """``fedexp.cli.OmegaConf`` (formerly imported at module level) resolves on first use."""
     from omegaconf import OmegaConf

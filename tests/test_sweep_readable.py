@@ -405,7 +405,7 @@ def test_ctrl_c_ends_the_jobs_killed_and_prints_the_summary(tmp_path, launcher):
     args += ["eval_every=1000", f"tracker.uri={uri}", f"hydra/launcher={launcher}"]
     args += [f"hydra.sweep.dir={tmp_path}/sweep"]
     proc = subprocess.Popen(  # noqa: S603 - our own CLI
-        [sys.executable, "-c", "from fedexp.cli import main; main()", *args],
+        [sys.executable, "-c", "from fedexp.cli import entry; entry()", *args],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -150,3 +150,27 @@ def test_dataset_record_of_a_builtin_and_of_a_file(tmp_path, monkeypatch):
         data, {"_target_": "fedexp.data.tabular.synthetic_tabular", "seed": 3, "num_sites": 2}
     )
     assert gen.source == "fedexp.data.tabular.synthetic_tabular(seed=3, num_sites=2)"
+
+
+def test_a_process_reads_its_codes_commit_and_versions_once(monkeypatch):
+    """A sweep's runs in one process tag the code it imported: ``git`` runs once, not a run."""
+    calls: list[list[str]] = []
+    real = provenance._git
+
+    def counted(args, cwd):
+        calls.append(args)
+        return real(args, cwd)
+
+    monkeypatch.setattr(provenance, "_git", counted)
+    provenance._code_tags.cache_clear()
+    try:
+        first = provenance.run_tags(torch.device("cpu"))
+        again = provenance.run_tags(torch.device("cpu"))
+        assert first == again
+        assert {k: first[k] for k in provenance.version_tags()} == provenance.version_tags()
+        git = provenance.git_tags()
+        assert {k: first[k] for k in git} == git
+        per_read = 3 if git else 1  # ls-files, rev-parse, status; or ls-files alone
+        assert len(calls) == 2 * per_read  # run_tags twice: one read; git_tags above: one
+    finally:
+        provenance._code_tags.cache_clear()

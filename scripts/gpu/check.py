@@ -1078,7 +1078,7 @@ class _Sweep:
         cmd = [
             sys.executable,
             "-c",
-            "from fedexp.cli import main; main()",
+            "from fedexp.cli import entry; entry()",
             "run",
             "-m",
             "+experiment=pfednet_tables",

@@ -15,7 +15,7 @@ work=$(mktemp -d)
 for launcher in "hydra/launcher=stacked hydra.launcher.n_jobs=1" "hydra/launcher=basic"; do
   start=$(date +%s.%N)
   # shellcheck disable=SC2086 # (the launcher's words)
-  (cd "$work" && timeout 150 python3 -c "from fedexp.cli import main; main()" run -m \
+  (cd "$work" && timeout 150 python3 -c "from fedexp.cli import entry; entry()" run -m \
     +experiment=pfednet_tables algorithm=fedavg device=cuda tracker=none $launcher \
     > out.txt 2>&1)
   rc=$?
