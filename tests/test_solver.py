@@ -62,6 +62,7 @@ def test_a_loss_vmap_refuses_is_rerun_row_by_row_with_the_same_draws(small_cfg):
             return original(logits, y) + 0.0 * onehot.sum()
 
         engine.ctx.task.loss = loss
+        engine.ctx.model.module.stacks = False  # the loss through vmap, not the stacked forward
         return engine
 
     refused = patch(build_engine(small_cfg("optimizer=sgd", "optimizer.momentum=0.9")))
@@ -171,6 +172,65 @@ def test_one_backward_of_the_summed_losses_is_each_clients_gradient(small_cfg, o
         torch.testing.assert_close(values[i], v)
         torch.testing.assert_close(posts[i], post)
     assert not values.requires_grad and not grads.requires_grad
+
+
+@pytest.mark.parametrize("objective", ["model", "proximal"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        ("model=logreg",),
+        ("model=logreg", "dataset=digits", "partition=dirichlet"),  # softmax regression
+        ("model=mlp", "model.hidden=8", "model.layers=2"),
+        ("model=mlp", "model.hidden=8", "dataset=digits", "partition=dirichlet"),
+    ],
+    ids=["logreg-binary", "logreg-10-classes", "mlp-2-layers", "mlp-10-classes"],
+)
+def test_a_linear_models_stacked_losses_are_what_vmap_gives(small_cfg, model, objective):
+    """A cohort's losses from the model's own batched operations (``Objective.stacked``: a
+    logistic regression's, a ReLU MLP's) are ``vmap`` of the one-client loss bit for bit, a
+    short batch and the proximal term's stacked ``aux`` included, and so are their gradients:
+    the same operations (the binary cross-entropy as vmap decomposes it). Other algorithms'
+    objectives stay vmapped, and tests that equate them with FedAvg's hold exactly."""
+    from torch.func import vmap
+
+    from fedexp.engine.solver import steps
+    from fedexp.models.task import PADDING
+
+    engine = build_engine(small_cfg(*model))
+    ctx, m = engine.ctx, 4
+    assert ctx.model.stacks
+    gen = torch.Generator().manual_seed(0)
+    params = engine.x0 + 0.1 * torch.randn(m, engine.x0.numel(), generator=gen)
+    obj, aux = ctx.model_objective(), {}
+    if objective == "proximal":
+        obj = ctx.proximal_objective(engine.x0, 0.5)
+        aux = {"anchor": params.flip(0), "mu": torch.tensor([0.5, 0.1, 1.0, 2.0])}
+    assert obj.stacked is not None
+    data = engine.clients[0]
+    x = data.x_train[:16].expand(m, *data.x_train[:16].shape).clone()
+    x += 0.1 * torch.randn(x.shape, generator=gen)
+    y = data.y_train[:16].expand(m, -1).clone()
+    y[1, 9:] = PADDING  # a short batch
+    u = torch.zeros(m, 0)
+    values, posts = obj.stacked(params, x, y, aux, u)
+    ref_v, ref_p = vmap(obj.loss)(params, x, y, aux, u)
+    assert torch.equal(values, ref_v) and torch.equal(posts, ref_p)
+    grads, (got_v, _) = steps._vmapped(obj)(params, x, y, aux, u)  # its backward too
+    ref_g, (ref_v, _) = steps._vmapped(replace(obj, stacked=None))(params, x, y, aux, u)
+    assert torch.equal(grads, ref_g) and torch.equal(got_v, ref_v)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [("model=mlp", "model.norm=batch"), ("model=mlp", "model.dropout=0.2")],
+    ids=["batchnorm", "dropout"],
+)
+def test_models_without_a_stacked_forward_go_through_vmap(small_cfg, model):
+    """Running statistics and dropout's draws stay vmap's (or row by row)."""
+    ctx = build_engine(small_cfg(*model)).ctx
+    assert not ctx.model.stacks
+    assert ctx.model_objective().stacked is None
+    assert ctx.proximal_objective(torch.zeros(3), 0.5).stacked is None
 
 
 def test_a_loss_that_does_not_reach_the_parameters_has_zero_gradients():

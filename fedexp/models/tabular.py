@@ -34,8 +34,22 @@ def logistic_regression(
     return LogisticRegression(math.prod(input_shape), 1 if num_classes == 2 else num_classes, bias)
 
 
+def stacked_linear(params: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear`` ``name`` of m stacked models on their inputs ``x`` ``[m, B, in]``.
+
+    ``x Wᵀ + b`` row by row as one batched product then the bias: the operations
+    :func:`torch.func.vmap` makes of ``F.linear`` on stacked weights.
+    """
+    out = torch.bmm(x, params[f"{name}.weight"].transpose(1, 2))
+    bias = params.get(f"{name}.bias")
+    return out if bias is None else out + bias.unsqueeze(1)
+
+
 class LogisticRegression(nn.Module):
     """``linear(flatten(x))``: parameters ``linear.weight`` and ``linear.bias``."""
+
+    #: :meth:`stacked_forward` holds (:attr:`fedexp.models.flat.FlatModel.stacks`)
+    stacks = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
@@ -44,6 +58,10 @@ class LogisticRegression(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the flattened input."""
         return self.linear(x.flatten(1))
+
+    def stacked_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Logits of m stacked models (``params``: ``[m, *shape]``) on ``x`` ``[m, B, ...]``."""
+        return stacked_linear(params, "linear", x.flatten(2))
 
 
 def mlp(
@@ -89,7 +107,22 @@ class BodyHead(nn.Module):
         super().__init__()
         self.body = body
         self.head = head
+        #: linear layers and ReLUs only (no dropout, no BatchNorm): :meth:`stacked_forward`
+        self.stacks = isinstance(head, nn.Linear) and all(
+            isinstance(m, nn.Linear | nn.ReLU) for m in body.children()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Flatten the input, then body and head."""
         return self.head(self.body(x.flatten(1)))
+
+    def stacked_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Logits of m stacked models (``params``: ``[m, *shape]``) on ``x`` ``[m, B, ...]``.
+
+        Where :attr:`stacks` (linear layers and ReLUs).
+        """
+        h = x.flatten(2)
+        for name, layer in self.body.named_children():
+            linear = isinstance(layer, nn.Linear)
+            h = stacked_linear(params, f"body.{name}", h) if linear else h.relu()
+        return stacked_linear(params, "head", h)

@@ -73,6 +73,23 @@ class ClassificationTask:
         """Accuracy, balanced accuracy and AUC on one client's test split."""
         return classification_metrics(logits, y, self.num_classes)
 
+    def loss_stacked(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """:meth:`loss` of m clients' minibatches at once: ``[m]`` from ``[m, B, C]`` logits.
+
+        The operations ``vmap(self.loss)`` runs (a mean over each client's rows whose label
+        is not :data:`PADDING`), without :func:`torch.func.vmap`'s wrapping.
+        """
+        valid = y != PADDING
+        if logits.shape[-1] == 1:  # binary cross-entropy with logits, as vmap decomposes it
+            z, t = logits[..., 0], torch.where(valid, y, 0).to(logits.dtype)
+            top = (-z).clamp_min(0)
+            per_sample = (1 - t).mul(z).add(top).add((-top).exp().add((-z - top).exp()).log())
+        else:  # cross-entropy: -log softmax at the label
+            logp = torch.log_softmax(logits, dim=-1)
+            picked = logp.gather(-1, torch.where(valid, y, 0).long().unsqueeze(-1)).squeeze(-1)
+            per_sample = -picked
+        return torch.where(valid, per_sample, 0.0).sum(-1) / valid.sum(-1)
+
     def loss_batch(
         self,
         logits: torch.Tensor,

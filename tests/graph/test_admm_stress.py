@@ -94,7 +94,16 @@ def _cvxpy_objective(
     par["a"].value = a
     par["a_zt"].value = a * zt.numpy()
     par["lam"].value = lam
-    prob.solve(solver=cp.CLARABEL, tol_gap_abs=1e-10, tol_gap_rel=1e-10, tol_feas=1e-10)
+    for tol in (1e-10, 1e-9, 1e-8):
+        # Clarabel now and then stops on numerical trouble at 1e-10 (SolverError), in some
+        # runs of the whole suite and not alone (a CI run, 2026-11-29: η = λ = 1, |G| = 100,
+        # complete graph, p = 2); 1e-8 still puts its point far within REL_TOL of the optimum
+        try:
+            prob.solve(solver=cp.CLARABEL, tol_gap_abs=tol, tol_gap_rel=tol, tol_feas=tol)
+            break
+        except cp.SolverError:
+            if tol == 1e-8:
+                raise
     # At these tolerances Clarabel sometimes reports "optimal_inaccurate" where its point is
     # still within ~1e-12 of the optimum. The problem is unconstrained, so the reference can
     # only lie above the optimum, and the two-sided comparison flags a poor one.

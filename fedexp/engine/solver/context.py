@@ -112,16 +112,52 @@ class Context:
         diff = params - aux["anchor"]
         return loss + 0.5 * aux["mu"] * (diff * diff).sum(), post
 
+    def model_loss_stacked(
+        self,
+        params: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        aux: Aux,
+        u: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`model_loss` of m clients at once: losses ``[m]``, and ``params`` as posts.
+
+        ``params`` ``[m, d]``, ``x`` ``[m, B, ...]``; no running statistics (:meth:`_stacks`).
+        """
+        return self.task.loss_stacked(self.model.forward_stacked(params, x), y), params.detach()
+
+    def proximal_loss_stacked(
+        self,
+        params: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        aux: Aux,
+        u: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`proximal_loss` of m clients at once (``aux``: ``[m, d]`` anchors, ``[m]`` μ)."""
+        loss, post = self.model_loss_stacked(params, x, y, aux, u)
+        diff = params - aux["anchor"]
+        return loss + 0.5 * aux["mu"] * (diff * diff).sum(-1), post
+
+    def _stacks(self) -> bool:
+        """Whether the model and task compute a cohort's losses without vmap.
+
+        A logistic regression and a ReLU MLP do (:attr:`fedexp.models.flat.FlatModel.stacks`).
+        """
+        return self.model.stacks and hasattr(self.task, "loss_stacked")
+
     def model_objective(self) -> Objective:
         """The task's loss of the model (running statistics frozen to the forward pass)."""
-        return Objective(self.model_loss, frozen=self._frozen())
+        stacked = self.model_loss_stacked if self._stacks() else None
+        return Objective(self.model_loss, frozen=self._frozen(), stacked=stacked)
 
     def proximal_objective(self, anchor: torch.Tensor, mu: float) -> Objective:
         """Task loss + (μ/2)‖θ − anchor‖² (μ = 0 is :meth:`model_objective`)."""
         if mu == 0:
             return self.model_objective()
         aux = {"anchor": anchor.detach(), "mu": torch.tensor(float(mu), device=anchor.device)}
-        return Objective(self.proximal_loss, aux=aux, frozen=self._frozen())
+        stacked = self.proximal_loss_stacked if self._stacks() else None
+        return Objective(self.proximal_loss, aux=aux, frozen=self._frozen(), stacked=stacked)
 
     def _frozen(self) -> torch.Tensor | None:
         return self.model.buffer_mask if self.model.has_buffers else None

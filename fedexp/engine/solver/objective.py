@@ -5,7 +5,8 @@ over a flat vector (the model's, or an algorithm's joint vector such as APFL's (
 FedRoD's (model, personal head)), with everything that differs between clients in ``aux``
 tensors. Because the loss function itself is shared, the local solver
 (:mod:`fedexp.engine.solver.steps`) stacks a cohort's parameters, ``aux`` tensors, masks and
-optimiser states and takes each step of the whole cohort as one :func:`torch.func.vmap`; a
+optimiser states and takes each step of the whole cohort as one :func:`torch.func.vmap` (or,
+for a linear model, its own batched operations: ``Objective.stacked``); a
 loss that vmap cannot run is rerun row by row (each client's gradient by plain autograd) with
 the same random draws.
 
@@ -47,6 +48,9 @@ class Objective:
         noise: uniform draws per step passed to the loss as ``u`` (SuPerFed's λ ~ U(0, 1)),
             drawn from the client's stream after the minibatch indices.
         project: applied to the parameters after every step.
+        stacked: the m clients' ``(losses [m], posts [m, d])`` from their stacked
+            parameters, minibatches, ``aux`` and ``u``, as ``vmap(loss)`` gives them, computed
+            by batched operations of the model's own (a linear model's); None: vmap ``loss``.
     """
 
     loss: LossFn
@@ -55,3 +59,4 @@ class Objective:
     lr_scale: torch.Tensor | None = None
     noise: int = 0
     project: ProjectFn | None = None
+    stacked: LossFn | None = None

@@ -285,8 +285,10 @@ def _vmapped(obj: Objective) -> Callable:
     all, without functorch's gradient transform: its wrapping of every call cost about 1 ms a
     step (most of a small model's round), and its first use imports ``torch._dynamo`` (1.2 s
     of every run's start). A loss that does not reach the parameters has zero gradients.
+    The forward pass is the objective's own batched one where it has it (``obj.stacked``: a
+    linear model's, without vmap's wrapping of every call), else ``vmap(obj.loss)``.
     """
-    forward = vmap(obj.loss, randomness="different")
+    forward = obj.stacked or vmap(obj.loss, randomness="different")
 
     def run(params, xb, yb, aux, u):  # noqa: ANN001, ANN202 - vmap's signature
         p = params.detach().requires_grad_(True)
