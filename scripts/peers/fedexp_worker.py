@@ -52,7 +52,14 @@ def build(args, data: list):
         f"seed={args.seed}",
     )
     device = torch.device("cpu")
-    model = FlatModel(common.make_model(args.workload, args.seed), device)
+    module = common.make_model(args.workload, args.seed)
+    if args.workload == "tabular":  # fedexp's own model=logreg, at the peers' initial point
+        from fedexp.models.tabular import LogisticRegression
+
+        ours = LogisticRegression(module.linear.in_features, 1)
+        ours.load_state_dict(module.state_dict())
+        module = ours
+    model = FlatModel(module, device)
     ctx = Context(
         model=model,
         task=ClassificationTask(2),
