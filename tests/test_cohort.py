@@ -228,6 +228,22 @@ def test_batched_evaluation_equals_client_by_client(small_cfg, overrides):
 
 @pytest.mark.parametrize(
     "overrides",
+    [("model=logreg",), ("model=mlp", "model.hidden=8", "dataset=digits", "partition=dirichlet")],
+    ids=["logreg", "mlp-10-classes"],
+)
+def test_personal_models_evaluated_by_the_stacked_forward_equal_vmaps(small_cfg, overrides):
+    """Clients with models of their own (local training) are evaluated by the model's batched
+    forward pass where it has one (``FlatModel.forward_stacked``): every figure as vmap's."""
+    engine, _ = _run(small_cfg, "algorithm=local", *overrides, rounds=2)
+    assert engine.ctx.model.stacks
+    stacked, per_client = engine.evaluate()
+    engine.ctx.model.module.stacks = False  # vmap of the algorithm's predict
+    vmapped, per_client_vmapped = engine.evaluate()
+    assert stacked == vmapped and per_client == per_client_vmapped
+
+
+@pytest.mark.parametrize(
+    "overrides",
     [
         ("optimizer=sgd", "optimizer.momentum=0.9"),
         ("algorithm=superfed", "algorithm.warmup_rounds=0", "optimizer=adam"),  # noise
@@ -279,6 +295,9 @@ def test_train_losses_of_a_cohort_equal_client_by_client(small_cfg):
     )
     assert len({v for row in expected for v in row}) == 3 * len(data)
     assert sorted(j for j, _ in made) == [0, 1, 2]  # one chunk: each candidate made once
+    assert ctx.model.stacks  # the MLP's own batched forward pass: vmap's bits
+    ctx.model.module.stacks = False
+    assert torch.equal(train_losses(ctx, lambda j, rows: params[rows, j], 3, data), batched)
     ctx.vmap_ok = False  # a model vmap cannot run: client by client
     unbatched = train_losses(ctx, lambda j, rows: params[rows, j], 3, data)
     torch.testing.assert_close(unbatched, batched, rtol=1e-5, atol=1e-7)

@@ -209,9 +209,22 @@ class Evaluation:
             size = max(1, self.ctx.eval_batch_size, min(8192, 2**20 // per_input))
             logits = torch.cat([self._forward(params[0], c) for c in torch.split(flat, size)])
             logits = logits.reshape(m, n, *logits.shape[1:])
+        elif self._stacked_forward():
+            logits = self.ctx.model.forward_stacked(params, xs)  # vmap's bits, without vmap
         else:
             logits = vmap(self._forward)(params, xs)
         return self.ctx.task.evaluate_batch(logits, ys, lengths)
+
+    def _stacked_forward(self) -> bool:
+        """Whether the clients' logits are the model's own batched forward pass.
+
+        Where the algorithm predicts with the model itself and the model has one
+        (:attr:`fedexp.models.flat.FlatModel.stacks`).
+        """
+        from fedexp.algorithms.base import Algorithm
+
+        own = type(self.algorithm).predict is Algorithm.predict
+        return own and self.ctx.model.stacks
 
     def _update_best(
         self, who: list[int], scored: list[dict[str, float]], keys: list[str]

@@ -105,7 +105,8 @@ def _run_losses(ctx, candidates, count: int, data, rows: slice) -> torch.Tensor:
         xs = torch.nn.utils.rnn.pad_sequence([d.x_train for d in part], batch_first=True)
         ys = torch.nn.utils.rnn.pad_sequence([d.y_train for d in part], batch_first=True)
         lengths = torch.tensor([d.num_train for d in part], dtype=torch.int64)
-    forward = torch.func.vmap(ctx.model)
+    model = ctx.model  # its own batched forward pass where it has one (vmap's bits)
+    forward = model.forward_stacked if model.stacks else torch.func.vmap(model)
     losses = [
         ctx.task.loss_batch(forward(candidates(j, rows), xs), ys, lengths) for j in range(count)
     ]
