@@ -46,16 +46,21 @@ def _set_threads(cfg: DictConfig, hc: DictConfig) -> None:
 
     The cores available over the processes sharing them: the sweep's parallel jobs (the
     launcher's ``n_jobs``), the run's ranks; ``threads=N`` overrides. One line, e.g.
-    ``threads: 1 (2 cores shared by 2 sweep jobs)``.
+    ``threads: 1 (2 cores shared by 2 sweep jobs)``. Where a core is left idle and the run
+    draws figures, they are drawn in a helper process there (:mod:`fedexp.drawer`).
     """
     from hydra.types import RunMode
 
+    from fedexp import drawer
     from fedexp.engine.threads import apply_threads, available_cores, launcher_jobs
 
     jobs = 1
     if hc.mode == RunMode.MULTIRUN and hc.launcher is not None:
         jobs = launcher_jobs(hc.launcher.get("n_jobs"), available_cores())
-    log.info("%s", apply_threads(cfg, jobs).line())
+    choice = apply_threads(cfg, jobs)
+    log.info("%s", choice.line())
+    if choice.idle and cfg.get("figures", True) and drawer.helper_allowed():
+        drawer.start_helper()
 
 
 #: Parts of a ``hydra.*`` key, and words in its value, that make Hydra import and call code
@@ -483,6 +488,9 @@ def entry() -> None:
     """
     import gc
 
+    from fedexp.drawer import allow_helper
+
+    allow_helper()
     try:
         main()
     finally:

@@ -28,7 +28,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from fedexp import plots, tuning
+from fedexp import figures, plots, tuning
 from fedexp.engine.runner import loggable, run
 from fedexp.report import main as report_main
 from fedexp.report import render
@@ -488,13 +488,13 @@ def test_a_real_study_is_plain_in_a_file_and_warns_at_the_edge(tmp_path):
 def _drawn(monkeypatch) -> list:
     """The figures the plotting functions save (to read what they drew)."""
     saved = []
-    save = plots.Figure.savefig
+    save = figures.Figure.savefig
 
     def keep(fig, *args, **kwargs):
         saved.append(fig)
         return save(fig, *args, **kwargs)
 
-    monkeypatch.setattr(plots.Figure, "savefig", keep)
+    monkeypatch.setattr(figures.Figure, "savefig", keep)
     return saved
 
 

@@ -118,9 +118,9 @@ def _client_rows(clients: int, seed: int) -> list[dict[str, float]]:
 
 
 def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
-    """A figure built once and refilled by the next run (``plots._KEPT``) saves the same bytes
+    """A figure built once and refilled by the next run (``figures._KEPT``) saves the same bytes
     as one built for that run alone: limits, ticks, titles and gaps of the new data only."""
-    from fedexp import plots
+    from fedexp import figures, plots
 
     def drawn(name: str, draw) -> bytes:
         path = tmp_path / name
@@ -133,13 +133,13 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
         ("many", lambda s: lambda p: plot_clients(_client_rows(100, s), p, "acc")),
     ]
     for name, draw in cases:
-        plots._KEPT.clear()
+        figures._KEPT.clear()
         fresh = drawn(f"{name}-fresh.png", draw(1))
-        plots._KEPT.clear()
+        figures._KEPT.clear()
         drawn(f"{name}-first.png", draw(0))  # builds the figure with another run's data
-        assert len(plots._KEPT) == 1
+        assert len(figures._KEPT) == 1
         kept = drawn(f"{name}-kept.png", draw(1))
-        assert len(plots._KEPT) == 1 and kept == fresh, name
+        assert len(figures._KEPT) == 1 and kept == fresh, name
         assert kept != drawn(f"{name}-other.png", draw(0)), name  # (the data do show)
 
 

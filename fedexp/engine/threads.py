@@ -35,10 +35,14 @@ class ThreadChoice:
     Attributes:
         threads: torch's intra-op threads.
         reason: what they were chosen from, e.g. "2 cores shared by 2 sweep jobs".
+        idle: cores beyond one a process (the sweep's jobs at once times the run's ranks),
+            which the run's Python work leaves idle (its figures are drawn there:
+            :mod:`fedexp.drawer`).
     """
 
     threads: int
     reason: str
+    idle: int = 0
 
     def line(self) -> str:
         """The log line: ``threads: 1 (2 cores shared by 2 sweep jobs)``."""
@@ -70,14 +74,16 @@ def choose_threads(cores: int, jobs: int = 1, ranks: int = 1, override: int = 0)
         override: ``threads=N`` (> 0) wins; 0 chooses.
 
     Returns:
-        ``override`` if set, else ``cores // (jobs × ranks)``, at least 1.
+        ``override`` if set, else ``cores // (jobs × ranks)``, at least 1; and the cores
+        beyond ``jobs × ranks``.
     """
     cores, jobs, ranks = max(1, cores), max(1, jobs), max(1, ranks)
     shared = _sharers(jobs, ranks)
     where = f"{_cores(cores)} shared by {shared}" if shared else f"{_cores(cores)}, one process"
+    idle = max(0, cores - jobs * ranks)
     if override > 0:
-        return ThreadChoice(override, f"threads={override}; {where}")
-    return ThreadChoice(max(1, cores // (jobs * ranks)), where)
+        return ThreadChoice(override, f"threads={override}; {where}", idle)
+    return ThreadChoice(max(1, cores // (jobs * ranks)), where, idle)
 
 
 def launcher_jobs(n_jobs: int | None, cores: int) -> int:
@@ -186,4 +192,5 @@ def apply_threads(cfg: DictConfig, jobs: int = 1) -> ThreadChoice:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         load = None
-    return ThreadChoice(choice.threads, choice.reason + busy_note(load, cores, choice.threads))
+    reason = choice.reason + busy_note(load, cores, choice.threads)
+    return ThreadChoice(choice.threads, reason, choice.idle)

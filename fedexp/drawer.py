@@ -1,0 +1,118 @@
+"""Where a run's figures are drawn: one thread of this process, or a helper process.
+
+matplotlib's state is not thread-safe, and the runs of a stacked sweep are threads of one
+process: every figure of a process is drawn in one thread (:data:`_THREAD`), one at a time.
+A short run's end is mostly its figures: matplotlib's import (0.4 s on this project's 2-core
+machine) and three figures of 50-150 ms each, on the core that ran the run while the others
+wait. Where the run leaves a core idle (a single run, a stacked sweep of fewer groups than
+cores: :func:`fedexp.engine.threads.idle_cores`), the ``fedexp`` program starts a helper
+process instead (:func:`start_helper`), which imports matplotlib while the run imports torch
+and trains, and draws the figures there, the same PNG bytes (tests/test_drawer.py).
+
+The helper is the program's, never a library user's or a test's own process: the ``fedexp``
+command allows it (:func:`allow_helper`, through the environment variable
+:data:`HELPER_ENV`, which its worker processes inherit); ``FEDEXP_FIGURE_HELPER=0`` keeps every
+figure in the run's own process. A helper that dies leaves the figures to the thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: The thread of this process that draws its figures when no helper does.
+_THREAD = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedexp-figures")
+#: The helper process's pool (one process), once started.
+_helper: cf.ProcessPoolExecutor | None = None
+_lock = threading.Lock()
+
+#: "1": this process tree is the ``fedexp`` program, which may start helpers; "0": never.
+HELPER_ENV = "FEDEXP_FIGURE_HELPER"
+
+
+def allow_helper() -> None:
+    """Let this process and the workers it starts draw in a helper (the ``fedexp`` program)."""
+    os.environ.setdefault(HELPER_ENV, "1")
+
+
+def helper_allowed() -> bool:
+    """Whether :func:`allow_helper` was called in this process tree (and not overridden)."""
+    return os.environ.get(HELPER_ENV) == "1"
+
+
+def _warm() -> None:
+    """The helper's start: matplotlib imported and its fonts loaded before the first figure.
+
+    Ctrl-C is the run's to handle (the helper ignores it; the pool ends it). Its objects are
+    then frozen, as the program's are (:func:`fedexp.cli.entry`): its exit skips the
+    interpreter's last garbage collections, which the run's exit waits for.
+    """
+    import gc
+    import io
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from matplotlib.figure import Figure
+
+    import fedexp.figures  # noqa: F401 - the figures' code, imported once
+
+    fig = Figure(figsize=(1, 1))
+    fig.text(0.5, 0.5, "0.1")
+    fig.savefig(io.BytesIO(), format="png")
+    gc.freeze()
+
+
+def start_helper() -> None:
+    """Draw this process's figures in a helper process from now on (once a process).
+
+    The process starts now (``spawn``: a fresh interpreter, no copy of the run's memory) and
+    warms up (:func:`_warm`) while the run goes on.
+    """
+    global _helper
+    import multiprocessing
+
+    with _lock:
+        if _helper is not None:
+            return
+        context = multiprocessing.get_context("spawn")
+        _helper = cf.ProcessPoolExecutor(1, mp_context=context, initializer=_warm)
+        _helper.submit(int)  # the pool starts its process on the first task
+
+
+def stop_helper() -> None:
+    """Back to the thread (a dead helper's pool is shut down)."""
+    global _helper
+    with _lock:
+        helper, _helper = _helper, None
+    if helper is not None:
+        helper.shutdown(wait=False, cancel_futures=True)
+
+
+def _call(name: str, *args: Any) -> Any:
+    """:mod:`fedexp.figures`'s ``name(*args)``, in the process and thread that draw."""
+    from fedexp import figures
+
+    return getattr(figures, name)(*args)
+
+
+def draw(name: str, *args: Any) -> Any:
+    """:mod:`fedexp.figures`'s ``name(*args)`` in the helper, or in :data:`_THREAD`.
+
+    Returns its result (the PNG's path); an error of the drawing is raised here. By name, so
+    that a process whose figures the helper draws never imports matplotlib; the arguments go
+    to the helper by pickle: plain data (lists, numbers, NumPy arrays, paths,
+    :class:`fedexp.plots.ModelPCA`), no torch tensor (the helper does not import torch).
+    """
+    helper = _helper
+    if helper is not None:
+        try:
+            return helper.submit(_call, name, *args).result()
+        except cf.process.BrokenProcessPool:
+            log.warning("the figures' helper process ended; drawing in the run's process")
+            stop_helper()
+    return _THREAD.submit(_call, name, *args).result()

@@ -1,0 +1,217 @@
+"""The matplotlib figures of a run: curves.png, clients.png, client_models_pca.png.
+
+What to draw is :mod:`fedexp.plots`'s (the data, the clients shown, the PCA); this module
+draws it, in the one thread or the helper process that draws a process's figures
+(:mod:`fedexp.drawer`): matplotlib's shared state is not thread-safe, and the runs of a
+stacked sweep are threads of one process (its fonts are cached per thread: one drawing thread
+loads them once). It takes plain data (lists, NumPy arrays) and imports no torch: the helper
+imports it alone. Drawn on :class:`matplotlib.figure.Figure` objects, never pyplot's global
+figure manager. Margins are fixed in inches and titles placed (``tight_layout`` and the
+automatic title placement would measure every label's text: a third of a run's output time).
+
+A figure of a given layout is built once and kept (:func:`_kept`): each run refills its lines
+and texts and rescales its axes, and the PNG is the one a fresh figure would give, byte for
+byte (tests/test_tracking_series.py). Building the axes, ticks and labels was more than half of
+a figure's time, paid by every run of a sweep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.text import Text
+
+if TYPE_CHECKING:  # (what to draw is chosen there; everything arrives as arguments)
+    from fedexp.plots import ModelPCA
+
+#: Built figures by layout, most recently used last (touched by the drawing thread only).
+_KEPT: OrderedDict[tuple, object] = OrderedDict()
+#: Layouts :data:`_KEPT` holds at most.
+KEEP_FIGURES = 8
+
+_Built = TypeVar("_Built")
+
+
+def _kept(key: tuple, build: Callable[[], _Built]) -> _Built:
+    """The figure of layout ``key``: ``build()`` the first time, then the same one again."""
+    if key in _KEPT:
+        _KEPT.move_to_end(key)
+    else:
+        _KEPT[key] = build()
+        while len(_KEPT) > KEEP_FIGURES:
+            _KEPT.popitem(last=False)
+    return _KEPT[key]  # type: ignore[return-value]
+
+
+def _rescale(axes: list[Axes]) -> None:
+    """Limits from the lines' new data, as if they had been drawn on fresh axes."""
+    for ax in axes:
+        ax.relim()
+    for ax in axes:
+        ax.autoscale_view()
+
+
+def _margins(fig: Figure, left: float, right: float, bottom: float, top: float, **space) -> None:
+    """Fixed margins of ``fig``, in inches from each edge (``space``: wspace, hspace)."""
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(
+        left=left / width,
+        right=1 - right / width,
+        bottom=bottom / height,
+        top=1 - top / height,
+        **space,
+    )
+
+
+#: The metric's curves of curves.png's first panel: (suffix, line style).
+_CURVES = (("mean", "-"), ("weighted", "--"), ("worst", ":"), ("best_mean", "-."))
+
+
+@dataclass
+class _RoundsFigure:
+    """curves.png's figure for one metric, its lines empty until filled."""
+
+    fig: Figure
+    axes: list[Axes]
+    curves: list[Line2D]
+    loss: Line2D
+    wire: dict[str, Line2D]
+
+
+def _rounds_figure(metric: str) -> _RoundsFigure:
+    fig = Figure(figsize=(13, 3.6))
+    axes = list(fig.subplots(1, 3))
+    curves = [
+        axes[0].plot([], [], style, label=f"{metric}/{suffix}")[0] for suffix, style in _CURVES
+    ]
+    axes[0].set(xlabel="round", ylabel=f"test {metric}")
+    axes[0].set_title(f"{metric} across clients", y=1.0)  # (a set y: no title placement pass)
+    axes[0].legend()
+    (loss,) = axes[1].plot([], [])
+    axes[1].set(xlabel="round", ylabel="loss")
+    axes[1].set_title("mean local training loss", y=1.0)
+    wire = {d: axes[2].plot([], [], label=f"{d}link")[0] for d in ("up", "down")}
+    axes[2].set(xlabel="round", ylabel="bytes")
+    axes[2].set_title("cumulative bytes on the wire", y=1.0)
+    axes[2].legend()
+    _margins(fig, left=0.75, right=0.2, bottom=0.55, top=0.35, wspace=0.3)
+    return _RoundsFigure(fig, axes, curves, loss, wire)
+
+
+def draw_rounds(history: list[dict[str, float]], path: Path, metric: str) -> Path:
+    """curves.png (:func:`fedexp.plots.plot_rounds`)."""
+    drawn = _kept(("rounds", metric), lambda: _rounds_figure(metric))
+    evals = [h for h in history if f"{metric}/mean" in h]
+    for line, (suffix, _) in zip(drawn.curves, _CURVES, strict=True):
+        line.set_data([h["round"] for h in evals], [h.get(f"{metric}/{suffix}") for h in evals])
+    train = [h for h in history if "train/train_loss" in h]
+    drawn.loss.set_data([h["round"] for h in train], [h["train/train_loss"] for h in train])
+    for d, line in drawn.wire.items():
+        rows = [h for h in history if f"bytes/{d}_cum" in h]
+        line.set_data([h["round"] for h in rows], [h[f"bytes/{d}_cum"] for h in rows])
+    _rescale(drawn.axes)
+    drawn.fig.savefig(path, dpi=110)
+    return path
+
+
+def draw_client_models(
+    pca: ModelPCA, n: int, path: Path, edges: list | None, tolerance: float
+) -> Path:
+    """client_models_pca.png (:func:`fedexp.plots.plot_client_models`).
+
+    ``tolerance``: the relative spread below which the models are said to be equal.
+    """
+    fig = Figure(figsize=(5.2, 4.6))
+    ax = fig.subplots()
+    if pca.equal:
+        ax.text(
+            0.5,
+            0.5,
+            f"all {n} client models equal\n(relative spread {pca.spread:.2g}, "
+            f"below the tolerance {tolerance:g})",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+        )
+        ax.set(xticks=[], yticks=[], xlabel="PC1", ylabel="PC2")
+    else:
+        coords = pca.coords
+        if edges is not None:
+            for i, j in edges:
+                ax.plot(coords[[i, j], 0], coords[[i, j], 1], color="0.75", lw=0.8, zorder=1)
+        ax.scatter(coords[:, 0], coords[:, 1], c=range(n), cmap="viridis", zorder=2)
+        if n <= 30:
+            for i, (a, b) in enumerate(coords.tolist()):
+                ax.annotate(str(i), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set(xlabel=f"PC1 ({pca.explained[0]:.0%})", ylabel=f"PC2 ({pca.explained[1]:.0%})")
+    ax.set_title("clients' evaluated models (PCA)", y=1.0)
+    _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+@dataclass
+class _ClientsFigure:
+    """clients.png's figure for a number of panels, their lines and titles empty until filled."""
+
+    fig: Figure
+    axes: list[Axes]
+    #: per shown panel: (the mean's line, the client's line, the panel's title)
+    panels: list[tuple[Line2D, Line2D, Text]]
+    title: Text
+
+
+def _clients_figure(panels: int, ncols: int) -> _ClientsFigure:
+    nrows = math.ceil(panels / ncols)
+    width, height = max(6.0, 2.1 * ncols), 1.7 * nrows + 0.9
+    fig = Figure(figsize=(width, height))
+    axes = np.atleast_2d(fig.subplots(nrows, ncols, sharex=True, sharey=True))
+    _margins(fig, left=0.55, right=0.15, bottom=0.6, top=0.8, wspace=0.15, hspace=0.45)
+    shown = []
+    for ax in axes.flat[:panels]:
+        (mean,) = ax.plot([], [], color="0.7", lw=1.0)
+        (client,) = ax.plot([], [], ".-", lw=1.2, ms=3)
+        shown.append((mean, client, ax.set_title("", fontsize=8, y=1.0)))
+        ax.tick_params(labelsize=7)
+    for i, ax in enumerate(axes.flat):
+        if i >= panels:
+            ax.set_visible(False)
+            if i >= ncols:
+                axes.flat[i - ncols].xaxis.set_tick_params(labelbottom=True)  # the one above
+    title = fig.suptitle("", fontsize=9, y=1 - 0.08 / height, va="top")
+    fig.supxlabel("round", fontsize=9)
+    return _ClientsFigure(fig, list(axes.flat[:panels]), shown, title)
+
+
+def draw_clients(
+    series: dict[int, list[tuple[float, float]]],
+    per_round: dict[float, list[float]],
+    chosen: list[tuple[int, str]],
+    said: str,
+    path: Path,
+    metric: str,
+    ncols: int,
+) -> Path:
+    """clients.png (:func:`fedexp.plots.plot_clients`), ``ncols`` panels a row."""
+    drawn = _kept(("clients", len(chosen), ncols), lambda: _clients_figure(len(chosen), ncols))
+    rounds = sorted(per_round)
+    mean = [sum(per_round[t]) / len(per_round[t]) for t in rounds]
+    for (mean_line, line, title), (n, label) in zip(drawn.panels, chosen, strict=True):
+        mean_line.set_data(rounds, mean)
+        line.set_data(*zip(*sorted(series[n]), strict=True))
+        title.set_text(f"client {n}" + (f" ({label})" if label else ""))
+    drawn.title.set_text(
+        f"test {metric} per client over rounds: {said}\n(grey: the mean over clients)"
+    )
+    _rescale(drawn.axes)
+    drawn.fig.savefig(path, dpi=90)
+    return path
