@@ -48,7 +48,8 @@ def helper_allowed() -> bool:
 def _warm() -> None:
     """The helper's start: matplotlib imported and its fonts loaded before the first figure.
 
-    Ctrl-C is the run's to handle (the helper ignores it; the pool ends it). Its objects are
+    Ctrl-C and SIGTERM are the run's to handle: the helper ignores them, and ends with the run
+    (the pool's sentinel at the run's exit, or the end of its pipe if the run dies). Its objects are
     then frozen, as the program's are (:func:`fedexp.cli.entry`): its exit skips the
     interpreter's last garbage collections, which the run's exit waits for.
     """
@@ -57,6 +58,7 @@ def _warm() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from matplotlib.figure import Figure
 
     import fedexp.figures  # noqa: F401 - the figures' code, imported once
@@ -71,9 +73,13 @@ def start_helper() -> None:
     """Draw this process's figures in a helper process from now on (once a process).
 
     The process starts now (``spawn``: a fresh interpreter, no copy of the run's memory) and
-    warms up (:func:`_warm`) while the run goes on.
+    warms up (:func:`_warm`) while the run goes on. The pool is let go at the process's exit
+    handlers (:func:`stop_helper`), while the modules its callbacks use still stand: let go
+    in the interpreter's finalisation, it printed "Exception ignored ... 'NoneType' object has
+    no attribute 'util'" after a run that ended early.
     """
     global _helper
+    import atexit
     import multiprocessing
 
     with _lock:
@@ -82,6 +88,7 @@ def start_helper() -> None:
         context = multiprocessing.get_context("spawn")
         _helper = cf.ProcessPoolExecutor(1, mp_context=context, initializer=_warm)
         _helper.submit(int)  # the pool starts its process on the first task
+        atexit.register(stop_helper)
 
 
 def stop_helper() -> None:
