@@ -61,6 +61,8 @@ def _set_threads(cfg: DictConfig, hc: DictConfig) -> None:
     log.info("%s", choice.line())
     if choice.idle and cfg.get("figures", True) and drawer.helper_allowed():
         drawer.start_helper()
+    else:
+        drawer.stop_helper()
 
 
 #: Parts of a ``hydra.*`` key, and words in its value, that make Hydra import and call code
@@ -547,6 +549,7 @@ def main() -> None:
     if refused:
         _refuse(refused, code)
     sys.argv = [sys.argv[0], *hydra_args]
+    _early_helper(hydra_args)
     try:
         _hydra_main()()
     except (SystemExit, KeyboardInterrupt) as exc:  # Hydra reported an error, or Ctrl-C
@@ -555,6 +558,26 @@ def main() -> None:
     sweep = sys.modules.get("fedexp.sweep")
     if sweep is not None and sweep.last is not None and sweep.last.failed:
         sys.exit(1)  # the summary above names the failed jobs
+
+
+def _early_helper(args: list[str]) -> None:
+    """A single run's figures' helper, started before Hydra composes and torch loads.
+
+    Its start (matplotlib, a first figure of each kind: about a second of a core) then
+    overlaps the run's own start, which runs on one core, not the run's rounds, whose torch
+    threads take every core (:mod:`fedexp.drawer`). A sweep's jobs start theirs where a core
+    is idle (:func:`_set_threads`), which also lets this one go where the run has none
+    (``figures=false``, ranks on every core).
+    """
+    import os
+
+    from fedexp import drawer
+    from fedexp.engine.threads import available_cores
+
+    if any(a in ("-m", "--multirun") for a in args) or "LOCAL_RANK" in os.environ:
+        return
+    if drawer.helper_allowed() and available_cores() > 1:
+        drawer.start_helper()
 
 
 def _refuse(message: str, code: int = USAGE) -> NoReturn:

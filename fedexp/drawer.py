@@ -46,7 +46,7 @@ def helper_allowed() -> bool:
 
 
 def _warm() -> None:
-    """The helper's start: matplotlib imported and its fonts loaded before the first figure.
+    """The helper's start: every figure drawn once (:func:`fedexp.figures.warm`) before the run's.
 
     Ctrl-C and SIGTERM are the run's to handle: the helper ignores them, and ends with the run
     (the pool's sentinel at the run's exit, or the end of its pipe if the run dies). Its objects are
@@ -54,18 +54,14 @@ def _warm() -> None:
     interpreter's last garbage collections, which the run's exit waits for.
     """
     import gc
-    import io
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from matplotlib.figure import Figure
+    os.nice(10)  # the run's threads first, where they meet
+    from fedexp import figures
 
-    import fedexp.figures  # noqa: F401 - the figures' code, imported once
-
-    fig = Figure(figsize=(1, 1))
-    fig.text(0.5, 0.5, "0.1")
-    fig.savefig(io.BytesIO(), format="png")
+    figures.warm()
     gc.freeze()
 
 

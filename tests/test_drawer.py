@@ -138,3 +138,27 @@ def test_a_run_whose_figures_the_helper_draws_never_imports_matplotlib(tmp_path)
         assert f"MATPLOTLIB {helper == '0'}" in proc.stderr, proc.stderr[-3000:]
         seen[helper] = {p.name: p.read_bytes() for p in sorted(out.glob("*.png"))}
     assert len(seen["1"]) == 3 and seen["1"] == seen["0"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "started"),
+    [
+        (["rounds=2"], {}, True),  # a single run: before Hydra composes and torch loads
+        (["-m", "seed=0,1"], {}, False),  # a sweep's jobs start theirs where a core is idle
+        (["rounds=2"], {"LOCAL_RANK": "0"}, False),  # a torchrun rank
+        (["rounds=2"], {drawer.HELPER_ENV: "0"}, False),
+    ],
+    ids=["single-run", "sweep", "torchrun-rank", "turned-off"],
+)
+def test_a_single_run_starts_its_helper_before_anything_loads(monkeypatch, args, env, started):
+    from fedexp import cli
+
+    calls = []
+    monkeypatch.setattr(drawer, "start_helper", lambda: calls.append(True))
+    monkeypatch.setattr("fedexp.engine.threads.available_cores", lambda: 2)
+    monkeypatch.setenv(drawer.HELPER_ENV, "1")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cli._early_helper(args)
+    assert calls == ([True] if started else [])

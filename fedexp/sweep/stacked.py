@@ -163,6 +163,10 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
             delayed(_worker)(*task, n_jobs, jobs, state) for jobs in todo
         )
     else:
+        from fedexp import drawer
+
+        if available_cores() > 1 and config.get("figures", True) and drawer.helper_allowed():
+            drawer.start_helper()  # before the groups load torch (fedexp.drawer)
         here = _Launcher(
             launcher.hydra_context, launcher.task_function, config, int(launcher.max_runs), 1
         )
