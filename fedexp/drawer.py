@@ -2,12 +2,13 @@
 
 matplotlib's state is not thread-safe, and the runs of a stacked sweep are threads of one
 process: every figure of a process is drawn in one thread (:data:`_THREAD`), one at a time.
-A short run's end is mostly its figures: matplotlib's import (0.4 s on this project's 2-core
-machine) and three figures of 50-150 ms each, on the core that ran the run while the others
-wait. Where the run leaves a core idle (a single run, a stacked sweep of fewer groups than
-cores: :func:`fedexp.engine.threads.idle_cores`), the ``fedexp`` program starts a helper
-process instead (:func:`start_helper`), which imports matplotlib while the run imports torch
-and trains, and draws the figures there, the same PNG bytes (tests/test_drawer.py).
+A short run's end is mostly its figures: matplotlib's import and first figure of each kind
+(about a second on this project's 2-core machine) and three figures of 50-150 ms each, on
+the core that ran the run while the others wait. Where the run leaves a core idle (a single
+run, a stacked sweep of fewer groups than cores: :attr:`fedexp.engine.threads.ThreadChoice.idle`),
+the ``fedexp`` program starts a helper process instead (:func:`start_helper`), before the run
+loads torch: it warms up while the run starts on its one core, and draws the figures there,
+the same PNG bytes (tests/test_drawer.py; docs/benchmarks.md "Start-up").
 
 The helper is the program's, never a library user's or a test's own process: the ``fedexp``
 command allows it (:func:`allow_helper`, through the environment variable
