@@ -11,9 +11,15 @@ from helpers import SMALL, compose_config
 
 def pytest_configure(config):
     """Under pytest-xdist (``make test`` runs two workers on two cores) each worker takes one
-    torch thread: two workers of two threads each would contend for the cores."""
+    torch thread: two workers of two threads each would contend for the cores.
+
+    The suite's ``fedexp`` subprocesses draw their figures in their own process
+    (``FEDEXP_FIGURE_HELPER=0``): the workers already fill the cores that a run's figures'
+    helper would count as idle. tests/test_drawer.py turns the helper on where it tests it.
+    """
     import os
 
+    os.environ.setdefault("FEDEXP_FIGURE_HELPER", "0")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
