@@ -19,9 +19,13 @@ figure in the run's own process. A helper that dies leaves the figures to the th
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import contextvars
 import logging
 import os
 import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -31,6 +35,11 @@ _THREAD = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedexp-figure
 #: The helper process's pool (one process), once started.
 _helper: cf.ProcessPoolExecutor | None = None
 _lock = threading.Lock()
+
+#: The figures of this thread's :func:`together` block, else None.
+_together: contextvars.ContextVar[list[_Drawing] | None] = contextvars.ContextVar(
+    "fedexp_figures_together", default=None
+)
 
 #: "1": this process tree is the ``fedexp`` program, which may start helpers; "0": never.
 HELPER_ENV = "FEDEXP_FIGURE_HELPER"
@@ -104,6 +113,43 @@ def _call(name: str, *args: Any) -> Any:
     return getattr(figures, name)(*args)
 
 
+@dataclass
+class _Drawing:
+    """One figure asked for: its call, and the future of its result."""
+
+    name: str
+    args: tuple[Any, ...]
+    future: cf.Future
+    helper: bool  # submitted to the helper process (else to the thread)
+
+
+def _submit(name: str, args: tuple[Any, ...]) -> _Drawing:
+    helper = _helper
+    if helper is not None:
+        try:
+            return _Drawing(name, args, helper.submit(_call, name, *args), True)
+        except (cf.process.BrokenProcessPool, RuntimeError):  # (dead, or shut down)
+            _helper_lost()
+    return _Drawing(name, args, _THREAD.submit(_call, name, *args), False)
+
+
+def _helper_lost() -> None:
+    log.warning("the figures' helper process ended; drawing in the run's process")
+    stop_helper()
+
+
+def _result(drawing: _Drawing) -> Any:
+    """The drawing's result (the PNG's path); a helper that died leaves it to the thread."""
+    if not drawing.helper:
+        return drawing.future.result()
+    try:
+        return drawing.future.result()
+    except cf.process.BrokenProcessPool:  # (the module is loaded: the helper's pool is one)
+        if _helper is not None:
+            _helper_lost()
+        return _THREAD.submit(_call, drawing.name, *drawing.args).result()
+
+
 def draw(name: str, *args: Any) -> Any:
     """:mod:`fedexp.figures`'s ``name(*args)`` in the helper, or in :data:`_THREAD`.
 
@@ -111,12 +157,34 @@ def draw(name: str, *args: Any) -> Any:
     that a process whose figures the helper draws never imports matplotlib; the arguments go
     to the helper by pickle: plain data (lists, numbers, NumPy arrays, paths,
     :class:`fedexp.plots.ModelPCA`), no torch tensor (the helper does not import torch).
+    Inside a :func:`together` block it returns None at once, and the block's end waits.
     """
-    helper = _helper
-    if helper is not None:
-        try:
-            return helper.submit(_call, name, *args).result()
-        except cf.process.BrokenProcessPool:
-            log.warning("the figures' helper process ended; drawing in the run's process")
-            stop_helper()
-    return _THREAD.submit(_call, name, *args).result()
+    batch = _together.get()
+    if batch is not None:
+        batch.append(_submit(name, args))
+        return None
+    return _result(_submit(name, args))
+
+
+@contextlib.contextmanager
+def together(
+    aside: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Iterator[list[Any]]:
+    """The figures asked for in the block are drawn one after another, without a wait each.
+
+    Yields the list that holds, once the block ends, every figure's result (the PNGs' paths,
+    in the order asked). The block's end waits for them inside ``aside()``: a run of a stacked
+    sweep lets the group's other runs take their turns meanwhile
+    (:func:`fedexp.engine.round.stacking.aside`), as its figures are drawn by another thread
+    or process. An error of a drawing is raised there; an error of the block leaves the
+    figures asked for to finish on their own.
+    """
+    batch: list[_Drawing] = []
+    results: list[Any] = []
+    token = _together.set(batch)
+    try:
+        yield results
+    finally:
+        _together.reset(token)
+    with aside():
+        results.extend(_result(d) for d in batch)

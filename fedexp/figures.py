@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
@@ -50,6 +51,24 @@ def _kept(key: tuple, build: Callable[[], _Built]) -> _Built:
         while len(_KEPT) > KEEP_FIGURES:
             _KEPT.popitem(last=False)
     return _KEPT[key]  # type: ignore[return-value]
+
+
+def _figure(width: float, height: float, dpi: int) -> Figure:
+    """A figure of ``width`` × ``height`` inches drawn at ``dpi``, on its own Agg canvas.
+
+    Saved at its own dpi (:func:`_save`), a kept figure draws on the same canvas and renderer
+    every time, so matplotlib's cache of text extents (keyed by the renderer) holds across
+    runs; a figure without a canvas of its own got a new one at every ``savefig``, and measured
+    every label again. The PNG is the same, byte for byte.
+    """
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: Path) -> None:
+    """``fig`` as a PNG at its own dpi."""
+    fig.savefig(path, dpi=fig.dpi)
 
 
 def _rescale(axes: list[Axes]) -> None:
@@ -88,7 +107,7 @@ class _RoundsFigure:
 
 
 def _rounds_figure(metric: str) -> _RoundsFigure:
-    fig = Figure(figsize=(13, 3.6))
+    fig = _figure(13, 3.6, dpi=110)
     axes = list(fig.subplots(1, 3))
     curves = [
         axes[0].plot([], [], style, label=f"{metric}/{suffix}")[0] for suffix, style in _CURVES
@@ -119,7 +138,7 @@ def draw_rounds(history: list[dict[str, float]], path: Path, metric: str) -> Pat
         rows = [h for h in history if f"bytes/{d}_cum" in h]
         line.set_data([h["round"] for h in rows], [h[f"bytes/{d}_cum"] for h in rows])
     _rescale(drawn.axes)
-    drawn.fig.savefig(path, dpi=110)
+    _save(drawn.fig, path)
     return path
 
 
@@ -130,7 +149,7 @@ def draw_client_models(
 
     ``tolerance``: the relative spread below which the models are said to be equal.
     """
-    fig = Figure(figsize=(5.2, 4.6))
+    fig = _figure(5.2, 4.6, dpi=110)
     ax = fig.subplots()
     if pca.equal:
         ax.text(
@@ -155,7 +174,7 @@ def draw_client_models(
         ax.set(xlabel=f"PC1 ({pca.explained[0]:.0%})", ylabel=f"PC2 ({pca.explained[1]:.0%})")
     ax.set_title("clients' evaluated models (PCA)", y=1.0)
     _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     return path
 
 
@@ -173,7 +192,7 @@ class _ClientsFigure:
 def _clients_figure(panels: int, ncols: int) -> _ClientsFigure:
     nrows = math.ceil(panels / ncols)
     width, height = max(6.0, 2.1 * ncols), 1.7 * nrows + 0.9
-    fig = Figure(figsize=(width, height))
+    fig = _figure(width, height, dpi=90)
     axes = np.atleast_2d(fig.subplots(nrows, ncols, sharex=True, sharey=True))
     _margins(fig, left=0.55, right=0.15, bottom=0.6, top=0.8, wspace=0.15, hspace=0.45)
     shown = []
@@ -213,7 +232,7 @@ def draw_clients(
         f"test {metric} per client over rounds: {said}\n(grey: the mean over clients)"
     )
     _rescale(drawn.axes)
-    drawn.fig.savefig(path, dpi=90)
+    _save(drawn.fig, path)
     return path
 
 

@@ -86,6 +86,48 @@ def test_a_dead_helper_leaves_the_figures_to_the_thread(tmp_path, helper, caplog
     assert drawer._helper is None and "helper process ended" in caplog.text
 
 
+def test_figures_asked_together_are_drawn_without_a_wait_each(monkeypatch, tmp_path):
+    """Inside ``together`` each figure is asked for at once; the block's end waits, aside."""
+    import threading
+
+    from fedexp import figures
+
+    gate = threading.Event()
+    drawn: list[str] = []
+
+    def slow(name: str) -> str:
+        gate.wait(30)
+        drawn.append(name)
+        return name
+
+    monkeypatch.setattr(figures, "slow", slow, raising=False)
+    waits: list[int] = []
+
+    class Aside:
+        def __enter__(self):
+            waits.append(len(drawn))  # nothing drawn yet: the block did not wait
+            gate.set()
+
+        def __exit__(self, *exc):
+            waits.append(len(drawn))
+
+    with drawer.together(aside=Aside) as results:
+        assert drawer.draw("slow", "a") is None
+        assert drawer.draw("slow", "b") is None
+        assert results == []
+    assert results == ["a", "b"] and drawn == ["a", "b"]
+    assert waits == [0, 2]  # one wait, inside ``aside``, for every figure
+    assert drawer.draw("slow", "c") == "c"  # outside the block: the result
+
+
+def test_an_error_of_a_figure_asked_together_is_raised_at_the_end(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        with drawer.together() as results:
+            plots.plot_rounds(_rounds(3), tmp_path / "no such folder" / "curves.png")
+            plots.plot_rounds(_rounds(3), tmp_path / "curves.png")
+    assert results == []
+
+
 def test_idle_cores_are_those_beyond_one_a_process():
     assert choose_threads(2).idle == 1  # a single run on two cores
     assert choose_threads(2, jobs=2).idle == 0  # two parallel jobs

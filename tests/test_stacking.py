@@ -194,3 +194,33 @@ def test_a_stopped_stack_stops_every_run(tmp_path):
     for t in threads:
         t.join(timeout=120)
     assert all(isinstance(o, KeyboardInterrupt) for o in out), out
+
+
+def test_a_run_waiting_aside_lets_the_others_take_their_turns():
+    """A run that waits on its figures (``stacking.aside``) lets go of the group's turn."""
+    stack = Stack(2)
+    order: list[str] = []
+    entered = threading.Event()
+
+    def first():
+        stacking.current.set(stack.members[0])
+        with stack.members[0].turns():
+            order.append("0 starts")
+            with stacking.aside():
+                entered.set()
+                other.join(timeout=30)  # the other run's whole turn happens meanwhile
+            order.append("0 ends")
+
+    def second():
+        entered.wait(30)
+        with stack.members[1].turns():
+            order.append("1 runs")
+
+    other = threading.Thread(target=second)
+    one = threading.Thread(target=first)
+    other.start()
+    one.start()
+    one.join(timeout=60)
+    assert order == ["0 starts", "1 runs", "0 ends"]
+    with stacking.aside():  # a thread of no group: nothing to let go
+        pass

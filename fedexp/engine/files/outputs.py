@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from fedexp.drawer import together
+from fedexp.engine.round import stacking
 from fedexp.engine.round.engine import Engine
 
 #: The per-client table's artifact name (MLflow's table API wants .json or .parquet).
@@ -99,12 +101,10 @@ def _write_outputs(
     if not cfg.get("figures", True):
         return files
     headline = next(iter(per_client[0]))
-    pca = out / "client_models_pca.png"
-    for png in (
-        plot_rounds(history, out / "curves.png", headline),
-        plot_clients(client_history, out / "clients.png", headline),
-        None if models is None else plot_client_models(models, pca, edges),
-    ):
-        if png is not None:
-            files.append(png)
+    with together(aside=stacking.aside) as drawn:  # asked for at once, waited for once
+        plot_rounds(history, out / "curves.png", headline)
+        plot_clients(client_history, out / "clients.png", headline)
+        if models is not None:
+            plot_client_models(models, out / "client_models_pca.png", edges)
+    files.extend(png for png in drawn if png is not None)
     return files

@@ -271,12 +271,21 @@ class Member:
 
     def work(self, ctx: Context, algorithm: Algorithm, works: list[Work]) -> list[CohortResult]:
         """The results of ``works`` (this run's sub-cohorts), with the group's others'."""
+        with self.aside():
+            return self.stack._arrive(_Request(ctx, algorithm, works))
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """The block waits (on the group, on another thread or process): the turn is let go.
+
+        The group's other runs take their turns meanwhile; the block's end takes it back.
+        """
         holding = self._holding
         if holding:
             self._holding = False
             self.stack._turn.release()
         try:
-            return self.stack._arrive(_Request(ctx, algorithm, works))
+            yield
         finally:
             if holding:
                 self.stack._turn.acquire()
@@ -287,6 +296,17 @@ class Member:
         if not self._left:
             self._left = True
             self.stack._leave()
+
+
+@contextlib.contextmanager
+def aside() -> Iterator[None]:
+    """:meth:`Member.aside` of this thread's run, if it is one of a stacked group's."""
+    member = current.get()
+    if member is None:
+        yield
+    else:
+        with member.aside():
+            yield
 
 
 def _settings(obj: object) -> tuple[tuple[str, Any], ...]:
