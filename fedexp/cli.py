@@ -58,7 +58,11 @@ def _set_threads(cfg: DictConfig, hc: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN and hc.launcher is not None:
         jobs = launcher_jobs(hc.launcher.get("n_jobs"), available_cores())
     choice = apply_threads(cfg, jobs)
-    log.info("%s", choice.line())
+    from fedexp.engine.round.stacking import current
+
+    stacked = current.get() is not None  # (then the run takes them as runner.run says)
+    note = "; a stacked group's merged client work takes them, each run's own steps 1"
+    log.info("%s%s", choice.line(), note if stacked else "")
     if choice.idle and cfg.get("figures", True) and drawer.helper_allowed():
         drawer.start_helper()
     else:

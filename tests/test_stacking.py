@@ -224,3 +224,29 @@ def test_a_run_waiting_aside_lets_the_others_take_their_turns():
     assert order == ["0 starts", "1 runs", "0 ends"]
     with stacking.aside():  # a thread of no group: nothing to let go
         pass
+
+
+def test_the_merged_work_takes_the_runs_threads_and_each_run_one(tmp_path, monkeypatch):
+    """``threads=2``: the merged client work runs on the stack's thread at 2, each run at 1.
+
+    OpenMP gives each thread that enters a parallel region a team of its own; twenty runs at
+    two threads each made twenty teams on two cores (stacking's docstring).
+    """
+    from fedexp.algorithms.fedavg import FedAvg
+
+    seen: list[tuple[str, int]] = []
+    update = FedAvg.client_update
+
+    def recording(self, ctx, *args):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return update(self, ctx, *args)
+
+    monkeypatch.setattr(FedAvg, "client_update", recording)
+    cfgs = _configs(tmp_path, "threads", ["algorithm=fedavg", "rounds=2", "threads=2"], [0, 1])
+    own: list[int] = []
+    callbacks = [[lambda engine, metrics: own.append(torch.get_num_threads())]] * 2
+    out, stack = run_stacked(cfgs, callbacks)
+    assert not any(isinstance(o, BaseException) for o in out), out
+    assert stack.calls == 2  # one merged call a round
+    assert seen == [("fedexp-stack_0", 2)] * 2
+    assert own == [1] * 4  # each run's own steps, after each round

@@ -369,7 +369,9 @@ def run(
 
     ``cfg.threads`` > 0 sets torch's intra-op threads first (the CLI records its choice
     there, :mod:`fedexp.engine.threads`, so the ranks a ``distributed.nproc`` run starts take
-    it too); 0 leaves them as the caller set them. A resumed run (``cfg.resume``) writes into
+    it too); 0 leaves them as the caller set them. A run of a stacked group gives them to its
+    group's merged client work and takes one for its own steps
+    (:mod:`fedexp.engine.round.stacking`). A resumed run (``cfg.resume``) writes into
     the checkpoint's run folder unless ``cfg.output_dir`` names another (:func:`_out_dir`).
 
     Args:
@@ -379,8 +381,13 @@ def run(
         run_name: MLflow run name.
         tags: extra MLflow tags (e.g. the sweep's overrides); they win over provenance tags.
     """
-    if int(cfg.get("threads") or 0) > 0:  # the CLI's choice, in every rank it starts too
-        torch.set_num_threads(int(cfg.threads))
+    threads = int(cfg.get("threads") or 0)  # the CLI's choice, in every rank it starts too
+    member = stacking.current.get()  # a run of a stacked sweep (hydra/launcher=stacked)
+    if member is not None:  # the merged client work takes them, the run's own steps one
+        member.stack.use_threads(threads)  # (fedexp.engine.round.stacking)
+        torch.set_num_threads(1)
+    elif threads > 0:
+        torch.set_num_threads(threads)
     nodes = cfg.get("distributed", {}).get("nodes", 1)
     if nodes > 1 and Ranks.current() is None:  # the CLI starts them: torchrun or SLURM
         raise ConfigError(f"distributed.nodes={nodes}: no process group spans the nodes")
@@ -392,7 +399,6 @@ def run(
         place, procs = launch.start(cfg, str(out_dir), _rank_entry)
     failed = True
     engine: Engine | None = None
-    member = stacking.current.get()  # a run of a stacked sweep (hydra/launcher=stacked)
     try:
         engine, data = _build(cfg, place)
         engine.stack = member
