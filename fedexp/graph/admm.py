@@ -13,10 +13,11 @@ solved by ADMM (Boyd et al., 2011) on the split ``W = ZQ`` with the *unscaled* d
     Ω^{k+1} = Ω^k + ρ (Z^{k+1}Q − W^{k+1})
 
 The authors' released code anchored the Z-update on ``Z^k`` instead of ``Z_t``; that solves a
-different problem. ``ZQ``/``WQᵀ`` are gather/scatter operations (:mod:`fedexp.graph.incidence`)
-and ``(I + ηρL)⁻¹`` comes from one eigendecomposition of ``L`` per graph (or a sparse
-factorisation for large ``N``). The column proxes of the W-update are
-:mod:`fedexp.graph.prox`'s. See ``docs/pfednet_math.md`` for the derivation.
+different problem. ``ZQ``/``WQᵀ`` are gather/scatter operations, or products with a dense
+``Q`` on a small graph (:class:`fedexp.graph.incidence.RowOps`), and ``(I + ηρL)⁻¹`` comes
+from one eigendecomposition of ``L`` per graph (or a sparse factorisation for large ``N``).
+The column proxes of the W-update are :mod:`fedexp.graph.prox`'s. See ``docs/pfednet_math.md``
+for the derivation.
 
 Stopping is Boyd et al.'s residual test followed by a duality-gap certificate: the Z-step's
 dual is explicit, ADMM's ``Ω`` is dual feasible after every iteration, so ``F(Z) − D(Ω)``
@@ -50,7 +51,7 @@ from fedexp.graph.admm_stopping import (
     _objective_offset,
     _Residuals,
 )
-from fedexp.graph.incidence import apply_Q, as_edge_tensor, q_rows, qt_rows
+from fedexp.graph.incidence import RowOps, apply_Q, as_edge_tensor
 from fedexp.graph.knn import Graph, laplacian
 from fedexp.graph.prox import PNorm, parse_p, prox_columns
 
@@ -185,6 +186,7 @@ class ZStepSolver:
         self.method = method
         self.work_dtype = work_dtype
         self._edges_on: dict[torch.device, torch.Tensor] = {}
+        self._ops_on: dict[tuple[torch.device, torch.dtype | None], RowOps] = {}
         self._a_cache: OrderedDict[tuple[float, str, torch.dtype], torch.Tensor] = OrderedDict()
         self._factor_cache: OrderedDict[float, Callable[[np.ndarray], np.ndarray]] = OrderedDict()
         self.backend = "eigh"
@@ -222,6 +224,20 @@ class ZStepSolver:
         if device not in self._edges_on:
             self._edges_on[device] = self.edges.to(device)
         return self._edges_on[device]
+
+    def _row_ops(self, edges: torch.Tensor, dtype: torch.dtype, width: int) -> RowOps:
+        """``Q``'s row-layout products on ``edges``' device: dense for a small Z-step.
+
+        A dense ``Q`` (:meth:`RowOps.fits`: ``N · M · d2`` small) with the ``"eigh"`` method,
+        whose ``A`` is dense already; gathers and scatters otherwise. Made once per device,
+        dtype and choice.
+        """
+        dense = self.method == "eigh" and RowOps.fits(self.num_nodes, self.num_edges, width)
+        key = (edges.device, dtype if dense else None)
+        ops = self._ops_on.get(key)
+        if ops is None:
+            ops = self._ops_on[key] = RowOps(edges, self.num_nodes, dtype if dense else None)
+        return ops
 
     def _dense_a(self, c: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (c, str(device), dtype)
@@ -411,8 +427,9 @@ class ZStepSolver:
         else:
             w_var = torch.zeros((m, d2), dtype=wd, device=device)
             omega = torch.zeros((m, d2), dtype=wd, device=device)
-        wqt = q_rows(w_var, edges, n)  # (W Qᵀ)ᵀ
-        oqt = q_rows(omega, edges, n)  # (Ω Qᵀ)ᵀ
+        ops = self._row_ops(edges, wd, d2)
+        wqt = ops.q(w_var)  # (W Qᵀ)ᵀ
+        oqt = ops.q(omega)  # (Ω Qᵀ)ᵀ
         wqt_new = torch.empty_like(wqt)
         rhs = torch.empty_like(base)
         z = torch.empty_like(base)
@@ -440,7 +457,7 @@ class ZStepSolver:
             rhs.sub_(oqt, alpha=eta)
             rhs.add_(base)
             self._apply_a_rows(rhs, eta * rho, out=z)
-            qt_rows(z, edges, out=zq, tmp=v)  # (Z Q)ᵀ
+            ops.qt(z, out=zq, tmp=v)  # (Z Q)ᵀ
             # W-update: column prox (rows here) with thresholds λ w_m / ρ.
             torch.add(zq, omega, alpha=1.0 / rho, out=v)
             tau = lam / rho if w_pen is None else (lam / rho) * w_pen
@@ -451,8 +468,8 @@ class ZStepSolver:
             # Ω-update with r = ZQ − W (zq becomes r in place).
             r = zq.sub_(w_new)
             omega.add_(r, alpha=rho)
-            q_rows(w_new, edges, n, out=wqt_new)
-            q_rows(omega, edges, n, out=oqt)
+            ops.q(w_new, out=wqt_new)
+            ops.q(omega, out=oqt)
             if check:  # the five norms read from the device at once
                 norms = torch.stack(
                     [
@@ -472,7 +489,7 @@ class ZStepSolver:
                 continue
             converged = res.small()
             if converged and cert is not None:
-                converged, rel_gap = cert.check(z, omega, oqt, base, edges, (rhs, zq, v))
+                converged, rel_gap = cert.check(z, omega, oqt, base, ops, (rhs, zq, v))
             if converged:
                 break
             if adaptive_rho and it - last_update >= _RHO_PERIOD and rho_updates < _RHO_MAX_UPDATES:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedexp.graph.incidence import qt_rows
+from fedexp.graph.incidence import RowOps
 
 
 def _objective_offset(
@@ -41,7 +41,7 @@ def _duality_gap(
     omega: torch.Tensor,
     oqt: torch.Tensor,
     base: torch.Tensor,
-    edges: torch.Tensor,
+    ops: RowOps,
     lam_w: float | torch.Tensor,
     eta: float,
     ordp: float,
@@ -65,7 +65,7 @@ def _duality_gap(
         omega: ``(M, d2)`` dual iterate.
         oqt: ``(N, d2)`` ``(Ω Qᵀ)ᵀ`` of that dual iterate.
         base: ``(N, d2)`` ``Bᵀ``.
-        edges: ``(M, 2)`` edge list on the iterates' device.
+        ops: the graph's ``Q`` products on the iterates' device and dtype.
         lam_w: ``λ`` or the ``(M,)`` tensor ``λ w_m``.
         eta: ``η``.
         ordp: ``1``, ``2`` or ``inf`` as a float.
@@ -80,7 +80,7 @@ def _duality_gap(
     distance = torch.linalg.vector_norm(buf_n)
     buf_n.add_(oqt, alpha=eta)
     stationary = torch.linalg.vector_norm(buf_n)
-    qt_rows(z, edges, out=zq, tmp=tmp)
+    ops.qt(z, out=zq, tmp=tmp)
     norms = torch.linalg.vector_norm(zq, ord=ordp, dim=1)
     coupled = torch.mul(omega, zq, out=tmp).sum()
     values = torch.stack([distance, stationary, (norms * lam_w).sum(), coupled]).tolist()
@@ -114,13 +114,11 @@ class _GapCertificate:
         omega: torch.Tensor,
         oqt: torch.Tensor,
         base: torch.Tensor,
-        edges: torch.Tensor,
+        ops: RowOps,
         scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> tuple[bool, float]:
         """Return ``(passed, relative gap)`` (arguments as in :func:`_duality_gap`)."""
-        gap, obj = _duality_gap(
-            z, omega, oqt, base, edges, self.lam_w, self.eta, self.ordp, scratch
-        )
+        gap, obj = _duality_gap(z, omega, oqt, base, ops, self.lam_w, self.eta, self.ordp, scratch)
         scale = abs(obj + self.offset)
         rel = gap / scale if scale > 0 else (0.0 if gap <= 0 else math.inf)
         return gap <= self.tol * scale, rel

@@ -275,6 +275,41 @@ def test_warm_start_reduces_iterations(p: int | str) -> None:
 
 
 @pytest.mark.parametrize("p", P_VALUES)
+def test_dense_incidence_products_take_the_scatters_steps(p: int | str, monkeypatch) -> None:
+    """A small Z-step multiplies by a dense ``Q``; it stops at the same iteration, same point.
+
+    Rounds of warm-started solves (pFedNet's server), with the dense products and with the
+    gathers and scatters (``RowOps.fits`` false): the sums differ by rounding only.
+    """
+    from fedexp.graph.incidence import RowOps
+
+    n, d2, eta, lam = 7, 6, 0.5, 0.3
+    e, zt, grad = _instance(5, n, d2)
+    kw = {"p": p, "max_iter": 2000, "eps_abs": 1e-7, "eps_rel": 1e-5}
+    gen = torch.Generator().manual_seed(11)
+    grads = [
+        grad + 0.1 * t * torch.randn(d2, n, generator=gen, dtype=torch.float64) for t in range(6)
+    ]
+
+    def rounds() -> tuple[list[torch.Tensor], list[int], ZStepSolver]:
+        solver, state, z, out, its = ZStepSolver(e, n), None, zt, [], []
+        for g in grads:
+            z, state, info = solver.solve(z, g, lam, eta, warm=state, **kw)
+            out.append(z)
+            its.append(info["iterations"])
+        return out, its, solver
+
+    dense, dense_its, solver = rounds()
+    assert all(ops.q_dense is not None for ops in solver._ops_on.values())
+    monkeypatch.setattr(RowOps, "fits", staticmethod(lambda *a: False))
+    scatter, scatter_its, solver = rounds()
+    assert all(ops.q_dense is None for ops in solver._ops_on.values())
+    assert dense_its == scatter_its
+    for a, b in zip(dense, scatter, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("p", P_VALUES)
 def test_sparse_path_matches_eigh(p: int | str) -> None:
     n, d2 = 40, 3
     e, zt, grad = _instance(4, n, d2)

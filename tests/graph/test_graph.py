@@ -25,7 +25,7 @@ from fedexp.graph import (
     model_sketch,
     sketch_distances,
 )
-from fedexp.graph.incidence import q_rows, qt_rows
+from fedexp.graph.incidence import DENSE_MAX, RowOps, q_rows, qt_rows
 
 
 def _random_distances(n: int, seed: int) -> torch.Tensor:
@@ -194,6 +194,34 @@ def test_qqt_is_laplacian(seed: int) -> None:
     z = torch.randn(3, n, dtype=torch.float64)
     assert torch.allclose(apply_Qt(apply_Q(z, e), e, n), z @ laplacian(e, n), atol=1e-12)
     assert torch.allclose(apply_Qt(apply_Q(z, e), e, n, wts), z @ laplacian(e, n, wts), atol=1e-12)
+
+
+@pytest.mark.parametrize("dense", [None, torch.float64])
+def test_row_ops_are_the_incidence_products(dense) -> None:
+    """:class:`RowOps` gives ``Q Y`` and ``Qᵀ X`` by scatters or by a dense ``Q`` alike."""
+    n = 9
+    e = _random_graph(n, 5)
+    m = e.shape[0]
+    q = incidence_matrix(e, n)
+    ops = RowOps(e, n, dense)
+    assert (ops.q_dense is not None) == (dense is not None)
+    x = torch.randn(n, 6, dtype=torch.float64)
+    y = torch.randn(m, 6, dtype=torch.float64)
+    assert torch.allclose(ops.qt(x), q.T @ x, atol=1e-12)
+    assert torch.allclose(ops.q(y), q @ y, atol=1e-12)
+    out, tmp = torch.empty(m, 6, dtype=torch.float64), torch.empty(m, 6, dtype=torch.float64)
+    assert ops.qt(x, out=out, tmp=tmp) is out
+    assert torch.allclose(out, q.T @ x, atol=1e-12)
+    buf = torch.full((n, 6), 7.0, dtype=torch.float64)  # overwritten, not accumulated
+    assert ops.q(y, out=buf) is buf
+    assert torch.allclose(buf, q @ y, atol=1e-12)
+
+
+def test_row_ops_go_dense_on_small_products_only() -> None:
+    assert RowOps.fits(5, 9, 31)  # pFedNet's tabular tables: 5 clients, k = 3, 31 weights
+    assert RowOps.fits(8, 8, DENSE_MAX // 64)
+    assert not RowOps.fits(8, 8, DENSE_MAX // 64 + 1)
+    assert not RowOps.fits(1000, 3000, 1)
 
 
 def test_row_layout_ops_match_dense() -> None:
