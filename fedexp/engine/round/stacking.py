@@ -14,7 +14,7 @@ The runs are threads of one process (``hydra/launcher=stacked``,
 ``hydra_plugins.fedexp_stacked``); each calls :meth:`Member.work` where it would call
 ``client_update``, and once the last one of the group arrives the merged call runs on the
 stack's own thread, with the process's intra-op threads (:meth:`Stack.use_threads`), while
-each run's own steps take one (:func:`fedexp.cli._set_threads`). OpenMP gives every thread
+each run's own steps take one (:func:`fedexp.engine.runner.run`). OpenMP gives every thread
 that enters a parallel region a team of its own: twenty runs at two threads each kept twenty
 teams waking and spinning on two cores, and an ``index_add_`` of pFedNet's ADMM took 120 µs
 instead of 9 (a group of 20 pFedNet runs: 52 s at two threads a run, 24 s at one). A run that
