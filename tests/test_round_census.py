@@ -14,6 +14,11 @@ first round of a client reads its initial state: the same ops, but other branche
 The clients' evaluation (``Engine.evaluate``: their vectors by ``eval_stack``, their test
 splits gathered from the pool, one batched forward pass) is counted the same way.
 
+pFedNet's Z-step multiplies by a dense incidence matrix on a small graph (``RowOps``: one
+kernel a product whatever the cohort) and gathers and scatters on a large one: the comparison
+holds it to the gathers and scatters, the path large cohorts take, at both sizes
+(:func:`scatters`), and the dense path's count at the small cohort is checked on its own.
+
 What is left to do is listed in :data:`GROWING` and :data:`EVAL_GROWING` with the reason; a
 listed case must still grow (the test fails the day it stops, so that it leaves the list). The
 1,000-client cases and the listed ones are marked slow; 10 against 40 run in ``make test``.
@@ -129,6 +134,26 @@ def _cases() -> list:
     ]
 
 
+@pytest.fixture
+def scatters(monkeypatch):
+    """pFedNet's Z-step on gathers and scatters at every size (``RowOps.fits`` false)."""
+    from fedexp.graph.incidence import RowOps
+
+    monkeypatch.setattr(RowOps, "fits", staticmethod(lambda *size: False))
+
+
+def test_pfednets_dense_incidence_products_dispatch_fewer_ops_and_as_many_reads(monkeypatch):
+    """At 10 clients pFedNet's Z-step takes the dense products: fewer ops, the same reads."""
+    dense = census("pfednet", 10, [])[0]
+    from fedexp.graph.incidence import RowOps
+
+    monkeypatch.setattr(RowOps, "fits", staticmethod(lambda *size: False))
+    scattered = census("pfednet", 10, [])[0]
+    assert dense.total_ops < scattered.total_ops, (dense.summary(), scattered.summary())
+    assert dense.total_reads == scattered.total_reads
+
+
+@pytest.mark.usefixtures("scatters")
 @pytest.mark.parametrize(("case", "extra", "big"), _cases())
 def test_a_round_dispatches_as_many_ops_and_host_reads_for_any_cohort(case, extra, big):
     """Training round and evaluation: equal counts at 10 and ``big`` clients.
