@@ -128,7 +128,7 @@ def _submit(name: str, args: tuple[Any, ...]) -> _Drawing:
     if helper is not None:
         try:
             return _Drawing(name, args, helper.submit(_call, name, *args), True)
-        except (cf.process.BrokenProcessPool, RuntimeError):  # (dead, or shut down)
+        except RuntimeError:  # dead (BrokenProcessPool is one), or shut down
             _helper_lost()
     return _Drawing(name, args, _THREAD.submit(_call, name, *args), False)
 
