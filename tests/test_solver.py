@@ -220,6 +220,29 @@ def test_a_linear_models_stacked_losses_are_what_vmap_gives(small_cfg, model, ob
     assert torch.equal(grads, ref_g) and torch.equal(got_v, ref_v)
 
 
+@pytest.mark.parametrize("outputs", [1, 3, 15, 16, 40])
+def test_a_linear_layers_stacked_logits_are_x_w_plus_b_as_vmap_computes_them(outputs):
+    """``tabular.linear``: m stacked models' ``x Wᵀ + b`` (within float order of the product
+    in float64), and vmap of the one-model layer the same bits as the stacked one (the
+    algorithms whose objectives stay vmapped), narrow (``(W xᵀ)ᵀ``) or not."""
+    from torch.func import vmap
+
+    from fedexp.models.tabular import NARROW, linear
+
+    gen = torch.Generator().manual_seed(outputs)
+    m, b, d = 40, 32, 30
+    x, w = torch.randn(m, b, d, generator=gen), torch.randn(m, outputs, d, generator=gen)
+    bias = torch.randn(m, outputs, generator=gen)
+    got = linear(x, w, bias)
+    want = torch.einsum("mbi,moi->mbo", x.double(), w.double()) + bias.double()[:, None]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(vmap(linear)(x, w, bias), got)
+    if outputs < NARROW:  # the orientation taken
+        assert torch.equal(got, torch.bmm(w, x.transpose(1, 2)).transpose(1, 2) + bias[:, None])
+    else:
+        assert torch.equal(got, torch.bmm(x, w.transpose(1, 2)) + bias[:, None])
+
+
 @pytest.mark.parametrize(
     "model",
     [("model=mlp", "model.norm=batch"), ("model=mlp", "model.dropout=0.2")],

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from fedexp.config.ranges import OpenFraction, PositiveInt, Range
 
@@ -34,15 +35,53 @@ def logistic_regression(
     return LogisticRegression(math.prod(input_shape), 1 if num_classes == 2 else num_classes, bias)
 
 
+#: layers with fewer outputs than this compute ``(W xᵀ)ᵀ`` (:func:`linear`)
+NARROW = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x Wᵀ + b`` of one model or of m stacked ones.
+
+    One model: ``x [B, in]``, ``weight [out, in]``; m stacked: ``x [m, B, in]``,
+    ``weight [m, out, in]``, ``bias [m, out]``.
+
+    A layer of fewer than :data:`NARROW` outputs (a logistic regression's logit, a few
+    classes' scores) is computed as ``(W xᵀ)ᵀ``: its products are then a row (or a few) times
+    a matrix, whose batched kernels are 1.4-5.6× faster on the CPU, forward and backward
+    together, than the matrix times a column or a few that ``x Wᵀ`` makes (``torch.bmm`` of
+    100 and 1,000 clients, 16 and 64 samples, 30 and 784 inputs; from 16 outputs on the two
+    are within 10 %). The one-model form is the same expression, so :func:`torch.func.vmap`
+    of a module (an algorithm's own objective) makes the same batched product as
+    :func:`stacked_linear`, and their figures agree bit for bit. Wider layers are
+    ``F.linear``, of which vmap makes ``x Wᵀ`` then the bias: what :func:`stacked_linear`
+    computes for them.
+    """
+    stacked = weight.dim() == 3
+    if weight.shape[-2] < NARROW:
+        out = (weight @ x.transpose(-1, -2)).transpose(-1, -2)
+    elif stacked:
+        out = torch.bmm(x, weight.transpose(1, 2))
+    else:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return out
+    return out + (bias.unsqueeze(1) if stacked else bias)
+
+
 def stacked_linear(params: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear`` ``name`` of m stacked models on their inputs ``x`` ``[m, B, in]``.
 
-    ``x Wᵀ + b`` row by row as one batched product then the bias: the operations
-    :func:`torch.func.vmap` makes of ``F.linear`` on stacked weights.
+    :func:`linear` of the stacked weights.
     """
-    out = torch.bmm(x, params[f"{name}.weight"].transpose(1, 2))
-    bias = params.get(f"{name}.bias")
-    return out if bias is None else out + bias.unsqueeze(1)
+    return linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed by :func:`linear` (a narrow layer as ``(W xᵀ)ᵀ``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ + b``."""
+        return linear(x, self.weight, self.bias)
 
 
 class LogisticRegression(nn.Module):
@@ -53,7 +92,7 @@ class LogisticRegression(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
-        self.linear = nn.Linear(in_features, out_features, bias=bias)
+        self.linear = Linear(in_features, out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the flattened input."""
@@ -87,8 +126,11 @@ def mlp(
         raise ValueError(f"norm={norm!r}: expected 'none' or 'batch'")
     blocks: list[nn.Module] = []
     width = math.prod(input_shape)
+    # the stacked forward's layers where it holds (BodyHead.stacks), else torch's own: a
+    # BatchNorm model's figures hang on the float order of its layers (its golden cases)
+    layer = Linear if norm == "none" and dropout == 0 else nn.Linear
     for _ in range(layers):
-        blocks.append(nn.Linear(width, hidden))
+        blocks.append(layer(width, hidden))
         if norm == "batch":
             blocks.append(nn.BatchNorm1d(hidden))
         blocks.append(nn.ReLU())
@@ -97,7 +139,7 @@ def mlp(
         width = hidden
     body = nn.Sequential(*blocks)
     out = 1 if num_classes == 2 else num_classes
-    return BodyHead(body, nn.Linear(width, out))
+    return BodyHead(body, layer(width, out))
 
 
 class BodyHead(nn.Module):
