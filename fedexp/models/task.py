@@ -35,6 +35,19 @@ def valid_rows(y: torch.Tensor) -> torch.Tensor:
     return y.reshape(y.shape[0], -1)[:, 0] != PADDING
 
 
+def binary_cross_entropy(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of logits ``z`` and targets ``t`` in [0, 1], per entry.
+
+    ``-t log σ(z) - (1 - t) log(1 - σ(z)) = softplus(-z) + (1 - t) z``: one fused, stable
+    softplus forward and backward, where ``F.binary_cross_entropy_with_logits`` is a
+    composite of eight element-wise operations (fifteen backward), which dominated a logistic
+    regression's step over a cohort's ``[m, B]`` logits. Its gradient is ``σ(z) - t`` to
+    float precision; the loss is exact to within half an ulp of ``z`` (where ``σ(z)`` is on
+    the target's side, a loss near 0 is an absolute ``|z|·2⁻²⁴`` off at most).
+    """
+    return F.softplus(-z).add((1 - t.to(z.dtype)).mul(z))
+
+
 class Task(Protocol):
     """Loss and evaluation of one kind of prediction."""
 
@@ -63,9 +76,7 @@ class ClassificationTask:
         """
         if logits.shape[-1] == 1:
             valid = y != PADDING
-            per_sample = F.binary_cross_entropy_with_logits(
-                logits[:, 0], torch.where(valid, y, 0).to(logits.dtype), reduction="none"
-            )
+            per_sample = binary_cross_entropy(logits[:, 0], torch.where(valid, y, 0))
             return torch.where(valid, per_sample, 0.0).sum() / valid.sum()  # none: NaN, as a mean
         return F.cross_entropy(logits, y, ignore_index=PADDING)
 
@@ -80,10 +91,8 @@ class ClassificationTask:
         is not :data:`PADDING`), without :func:`torch.func.vmap`'s wrapping.
         """
         valid = y != PADDING
-        if logits.shape[-1] == 1:  # binary cross-entropy with logits, as vmap decomposes it
-            z, t = logits[..., 0], torch.where(valid, y, 0).to(logits.dtype)
-            top = (-z).clamp_min(0)
-            per_sample = (1 - t).mul(z).add(top).add((-top).exp().add((-z - top).exp()).log())
+        if logits.shape[-1] == 1:
+            per_sample = binary_cross_entropy(logits[..., 0], torch.where(valid, y, 0))
         else:  # cross-entropy: -log softmax at the label
             logp = torch.log_softmax(logits, dim=-1)
             picked = logp.gather(-1, torch.where(valid, y, 0).long().unsqueeze(-1)).squeeze(-1)
@@ -107,9 +116,7 @@ class ClassificationTask:
         valid = torch.arange(n, device=logits.device) < lengths.to(logits.device)[:, None]
         y = y.to(logits.device)
         if c == 1:
-            per_sample = F.binary_cross_entropy_with_logits(
-                logits[..., 0], y.to(logits.dtype), reduction="none"
-            )
+            per_sample = binary_cross_entropy(logits[..., 0], y)
         else:
             labels = torch.where(valid, y.long(), 0)  # padding's label: anything valid
             per_sample = F.cross_entropy(

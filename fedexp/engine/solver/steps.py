@@ -110,16 +110,22 @@ class Ahead:
     def __init__(self, ctx: Context, cohort: Cohort, steps: int) -> None:
         self.ctx, self.cohort, self.left = ctx, cohort, steps
         self.idx: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
         self.at = 0
 
-    def next(self) -> torch.Tensor:
-        """The indices ``[m, B]`` of every client's next draw (made ahead when needed)."""
+    def next(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every client's next draw: its indices ``[m, B]``, and which are samples.
+
+        Both made ahead when needed; the second is :func:`fedexp.engine.rng.pass_valid` of
+        the draw, None where every batch is full.
+        """
         if self.idx is None or self.at == self.idx.shape[1]:
             self._block()
         assert self.idx is not None
         self.at += 1
         self.left -= 1
-        return self.idx[:, self.at - 1]
+        valid = None if self.valid is None else self.valid[:, self.at - 1]
+        return self.idx[:, self.at - 1], valid
 
     def _block(self) -> None:
         cohort, size = self.cohort, self.ctx.batch_size
@@ -131,6 +137,8 @@ class Ahead:
         keys = cohort.keys.repeat_interleave(k)
         idx = minibatch_indices(keys, ahead, size, num, self.ctx.sampling)
         self.idx, self.at = idx.view(m, k, size), 0
+        if self.ctx.sampling == "shuffle" and not cohort.pool.fills(size):
+            self.valid = pass_valid(ahead, size, num).view(m, k, size)
 
 
 def draw_batch(
@@ -156,17 +164,20 @@ def draw_batch(
         )
     num = cohort.pool.size[cohort.rows]
     draws = cohort.draws
+    valid = None
     if ahead is None:
         idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling)
     else:
-        idx = ahead.next()
+        idx, valid = ahead.next()
     cohort.draws = draws + 1
     x, y = cohort.pool.gather(cohort.rows, idx)
     if ctx.augment.active:  # per (stream key, draw, position): as the client alone draws it
         x, y = ctx.augment(x, y, cohort.keys, draws)
     if ctx.sampling != "shuffle" or cohort.pool.fills(size):
         return x, y  # every batch of every client full
-    valid = pass_valid(draws, size, num).to(y.device)
+    if valid is None:
+        valid = pass_valid(draws, size, num)
+    valid = valid.to(y.device)
     valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
     return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING)
 
