@@ -197,6 +197,19 @@ def _sweep_configs(jobs: list[list[str]]) -> tuple:
     return loader, master
 
 
+class _Recording:
+    """A stand-in config loader that pickles: gives a copy of one config, and counts."""
+
+    def __init__(self, config) -> None:  # noqa: ANN001
+        self.config, self.calls = config, 0
+
+    def load_sweep_config(self, master_config, overrides):  # noqa: ANN001, ANN201
+        import copy
+
+        self.calls += 1
+        return copy.deepcopy(self.config)
+
+
 def test_a_groups_configs_are_derived_from_its_first_as_hydra_composes_them():
     """``derived_config`` gives, for a value that differs (seed, partition.*), the config Hydra
     composes (values, ``hydra.overrides.task``, ``override_dirname``, flags, the ``${now:}`` of
@@ -257,7 +270,17 @@ def test_a_groups_configs_are_derived_from_its_first_as_hydra_composes_them():
         assert composed == [first, *valid]
         with pytest.raises(ConfigCompositionException, match="already at 'seed'"):
             deriving.load_sweep_config(master, other[3])  # composed, and refused as Hydra does
-        unpickled = pickle.loads(pickle.dumps(DerivingLoader(loader)))
+        # pickled for the launcher's worker processes: without the configs it keeps (a worker
+        # composes its own). Around a loader of this module's: Hydra's own is pickled by the
+        # launcher's end-to-end tests, in the CLI's process (in this one, another test may
+        # have made Hydra's plugin registry again, which re-runs its plugins' modules and
+        # leaves every loader's config sources of classes pickle cannot find)
+        kept = DerivingLoader(_Recording(like))
+        kept.load_sweep_config(master, first)
+        assert kept._composed and kept.loader.calls == 1
+        unpickled = pickle.loads(pickle.dumps(kept))
+        assert unpickled._composed == {} and unpickled.loader.calls == 1
         assert unpickled.load_sweep_config(master, first).seed == 0
+        assert unpickled.loader.calls == 2  # composed: nothing kept came along
     finally:
         GlobalHydra.instance().clear()
