@@ -45,12 +45,17 @@ def main(rank: int, size: int, port: int, out: str, jobs: list[tuple[str, list[s
         for name, overrides in jobs:
             tracker = NullTracker()
             cfg = compose_config(*overrides)
-            vectors = {}
-            run(cfg, tracker=tracker, callbacks=[last_vectors(cfg.rounds, vectors)])
+            vectors, sliced = {}, []
+
+            def slices(engine, metrics, into=sliced) -> None:  # noqa: ANN001
+                into.append(engine._slices_told)
+
+            run(cfg, tracker=tracker, callbacks=[last_vectors(cfg.rounds, vectors), slices])
             if rank == 0:
                 metrics = {
                     k: {str(s): v for s, v in steps.items()} for k, steps in tracker.metrics.items()
                 }
+                metrics["test/round_slices"] = {"0": float(any(sliced))}  # (Engine._round_slices)
                 (Path(out) / f"{name}.json").write_text(json.dumps(metrics))
                 save_file(vectors, str(Path(out) / f"{name}.safetensors"))
         done = True

@@ -26,6 +26,11 @@ DP_OTHER = {
     "ditto+local": ["privacy=local"],
     "fedamp+fixed": ["privacy=central", "privacy.sampling=fixed"],
 }
+#: rounds in slices of one client over the ranks (every client each round: three a rank)
+SLICED = {
+    "fedavg+sliced": ["participation=1"],
+    "ditto+stc+sliced": ["participation=1", "compressor=stc"],
+}
 #: two rounds: the second starts from state the first left on every rank (a third adds time,
 #: not coverage: ~30 runs on one process and on two)
 BASE = [
@@ -37,6 +42,15 @@ BASE = [
 def _overrides(algorithm: str, out: Path, *extra: str) -> list[str]:
     k = ["algorithm.k=2"] if algorithm == "pfednet" else []
     return [*BASE, f"algorithm={algorithm}", *k, *extra, f"output_dir={out}"]
+
+
+def _one_client_budget(algorithm: str, *extra: str) -> float:
+    """A ``memory_budget`` (GiB) whose round slices hold one client (``Engine._round_slices``)."""
+    from fedexp.engine.round import engine as round_engine
+    from fedexp.engine.runner import build_engine
+
+    x0 = build_engine(compose_config(*_overrides(algorithm, Path("unused"), *extra))).x0
+    return 1.5 * round_engine._ROUND_COPIES * x0.numel() * x0.element_size() / 2**30
 
 
 def _two_ranks(jobs: list[tuple[str, list[str]]], out: Path) -> dict[str, dict]:
@@ -86,6 +100,10 @@ def both(tmp_path_factory) -> tuple[dict, dict, dict]:
     for name, extra in DP_OTHER.items():
         algorithm = name.split("+")[0]
         jobs.append((name, _overrides(algorithm, root / "runs" / name, *extra)))
+    for name, extra in SLICED.items():
+        algorithm = name.split("+")[0]
+        budget = f"memory_budget={_one_client_budget(algorithm, *extra)}"
+        jobs.append((name, _overrides(algorithm, root / "runs" / name, *extra, budget)))
     two = _two_ranks(jobs, root)
     one, vectors = {}, {}
     for name, o in jobs:
@@ -102,6 +120,20 @@ def test_two_processes_log_what_one_does(both, name):
     assert one[name].keys() <= two[name].keys()
     assert not _differences(one[name], two[name])
     assert "acc/mean" in two[name] and "bytes/up_cum" in two[name]
+
+
+@pytest.mark.parametrize("name", sorted(SLICED))
+def test_two_processes_slice_their_rounds_to_the_memory_budget_as_one_does(both, name):
+    """Each rank goes through its own clients in slices of the budget, summing their weighted
+    uploads as it goes, and the ranks add their sums: what one process logs running the same
+    rounds whole (the bytes exactly, the rest up to the order of the sums)."""
+    one, two, jobs, _ = both
+    assert two[name]["test/round_slices"] == {"0": 1.0}  # (rank 0 sliced its rounds)
+    whole = [o for o in jobs[name] if not o.startswith(("memory_budget", "output_dir"))]
+    alone = _one_rank([*whole, f"output_dir={Path(jobs[name][-1].split('=', 1)[1]).parent}/w"])
+    assert alone.keys() <= two[name].keys()
+    assert not _differences(alone, two[name])
+    assert not _differences(one[name], two[name])
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

@@ -272,17 +272,18 @@ class Engine(Transport, Evaluation):
 
         A round holds ``_ROUND_COPIES`` ``[m, d]`` stacks of its cohort (1,000 ResNet-18
         clients: 45 GB each). Where the server reads the uploads only through Σ_n ω_n u_n
-        (``server_reads="mean"``), without DP, in one process and not stacked with other runs,
-        the cohort can go through its client work and the senders' side of the uplink slice
-        by slice, each slice's weighted sum added as the ranks' are (:class:`RankExchange`),
-        so that no stack of the whole cohort is ever made.
+        (``server_reads="mean"``), without DP, and the run is not stacked with others, the
+        cohort can go through its client work and the senders' side of the uplink slice by
+        slice, each slice's weighted sum added, so that no stack of the whole cohort is ever
+        made. Over several processes each slices its own clients, and the processes add
+        their sums as they add their uploads' (:class:`RankExchange`, whose ``mean`` holds
+        exactly then).
         """
         budget = self.ctx.memory_budget
         if (
             budget <= 0
             or self.algorithm.server_reads != "mean"
             or self.privacy is not None
-            or not isinstance(self.exchange, Alone)
             or self.stack is not None
         ):
             return None
@@ -303,8 +304,10 @@ class Engine(Transport, Evaluation):
 
         Each slice's decoded uploads are weighted (ω_n among the round's senders) and summed,
         then freed; the sum goes to the server as the upload of the first sender, which then
-        weighs 1 (as :func:`fedexp.engine.processes.ranks.reduce_uploads` gives it). Metrics
-        are the slices' sums; the ledger counts every message as it is sent.
+        weighs 1 (as :func:`fedexp.engine.processes.ranks.reduce_uploads` gives it); over
+        several processes it is this process's sum (``Uplink.summed``), which the exchange
+        adds to the others'. Metrics are the slices' sums; the ledger counts every message as
+        it is sent.
         """
         total: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
@@ -319,6 +322,8 @@ class Engine(Transport, Evaluation):
                 for k, v in weighted_sums(update_parts(up.updates, part.senders), weights).items():
                     total[k] = total[k] + v if k in total else v
             del up
+        if not isinstance(self.exchange, Alone):  # the processes add their sums
+            return Uplink(None, None, metrics, uploaded=uploaded, summed=total)
         first = who.sampled[:1]
         updates = parts_updates({k: v[None] for k, v in total.items()}, first) if total else {}
         return Uplink(None, None, metrics, updates=updates, uploaded=uploaded)

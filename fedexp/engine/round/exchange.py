@@ -79,7 +79,9 @@ class RankExchange:
         small), then the uploads' rows (or a larger sum's ``all_reduce``).
         """
         own = {}
-        if self.mean and up.updates:
+        if self.mean and up.summed is not None:  # a round in slices: summed as it went
+            own = up.summed
+        elif self.mean and up.updates:
             weights = self.weights(who.senders, who.sampled)
             own = weighted_sums(update_parts(up.updates, who.senders), weights)
         records = self.ranks.gather_json([up.metrics, mine.round_record(), sums_record(own)])

@@ -97,6 +97,9 @@ class Uplink:
         refs: the DP references of the "model" parts, stacked as the uploads.
         weights: the aggregation weights ω_n.
         report: the round's figures a server-side stage adds (``privacy/epsilon``...).
+        summed: this process's Σ_n ω_n u_n, summed slice by slice (a round in slices over
+            several processes, ``Engine._sliced``), in place of its decoded uploads: the
+            processes' exchange adds the sums (``RankExchange``).
     """
 
     uploads: Stacked | None
@@ -107,6 +110,7 @@ class Uplink:
     refs: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[int, float] = field(default_factory=dict)
     report: dict[str, float] = field(default_factory=dict)
+    summed: dict[str, torch.Tensor] | None = None
 
 
 class UplinkStage:
