@@ -38,12 +38,15 @@ def valid_rows(y: torch.Tensor) -> torch.Tensor:
 def binary_cross_entropy(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """Binary cross-entropy of logits ``z`` and targets ``t`` in [0, 1], per entry.
 
-    ``-t log σ(z) - (1 - t) log(1 - σ(z)) = softplus(-z) + (1 - t) z``: one fused, stable
-    softplus forward and backward, where ``F.binary_cross_entropy_with_logits`` is a
-    composite of eight element-wise operations (fifteen backward), which dominated a logistic
-    regression's step over a cohort's ``[m, B]`` logits. Its gradient is ``σ(z) - t`` to
-    float precision; the loss is exact to within half an ulp of ``z`` (where ``σ(z)`` is on
-    the target's side, a loss near 0 is an absolute ``|z|·2⁻²⁴`` off at most).
+    ``-t log σ(z) - (1 - t) log(1 - σ(z)) = softplus(-z) + (1 - t) z``: five operations
+    forward and seven backward, each batched by :func:`torch.func.vmap` as it is, so that an
+    algorithm's vmapped objective and the stacked loss (:meth:`ClassificationTask.loss_stacked`)
+    give the same bits. ``F.binary_cross_entropy_with_logits`` is one operation, but vmap
+    decomposes it into fifteen forward and twenty backward, which the stacked loss had to
+    repeat to give vmap's bits and which dominated a logistic regression's step over a
+    cohort's ``[m, B]`` logits. The gradient is ``σ(z) - t`` to float precision; the loss's
+    rounding is of the order of an ulp of ``z`` (a loss near 0, where ``σ(z)`` is on the
+    target's side, is off by up to about ``|z|·2⁻²⁴`` absolute).
     """
     return F.softplus(-z).add((1 - t.to(z.dtype)).mul(z))
 
