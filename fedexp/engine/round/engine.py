@@ -31,7 +31,6 @@ from fedexp.contract import (
     Stacked,
     StackedUpdates,
     State,
-    parts_updates,
     update_parts,
 )
 from fedexp.data.client import ClientData, client_ids
@@ -303,11 +302,10 @@ class Engine(Transport, Evaluation):
         """:meth:`_sending` slice by slice: the uploads' Σ_n ω_n u_n as the round's one upload.
 
         Each slice's decoded uploads are weighted (ω_n among the round's senders) and summed,
-        then freed; the sum goes to the server as the upload of the first sender, which then
-        weighs 1 (as :func:`fedexp.engine.processes.ranks.reduce_uploads` gives it); over
-        several processes it is this process's sum (``Uplink.summed``), which the exchange
-        adds to the others'. Metrics are the slices' sums; the ledger counts every message as
-        it is sent.
+        then freed; the sum (``Uplink.summed``) goes to the exchange, which gives the server
+        the processes' sum as the upload of the round's first sender, which then weighs 1
+        (``Alone.combine``, :func:`fedexp.engine.processes.ranks.reduce_uploads`). Metrics
+        are the slices' sums; the ledger counts every message as it is sent.
         """
         total: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
@@ -322,11 +320,7 @@ class Engine(Transport, Evaluation):
                 for k, v in weighted_sums(update_parts(up.updates, part.senders), weights).items():
                     total[k] = total[k] + v if k in total else v
             del up
-        if not isinstance(self.exchange, Alone):  # the processes add their sums
-            return Uplink(None, None, metrics, uploaded=uploaded, summed=total)
-        first = who.sampled[:1]
-        updates = parts_updates({k: v[None] for k, v in total.items()}, first) if total else {}
-        return Uplink(None, None, metrics, updates=updates, uploaded=uploaded)
+        return Uplink(None, None, metrics, uploaded=uploaded, summed=total)
 
     def _train(self, workers: list[int]) -> tuple[Stacked | None, CohortResult]:
         """The workers' downlink and client work: (their decoded inbox, their results).

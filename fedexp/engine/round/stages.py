@@ -97,9 +97,9 @@ class Uplink:
         refs: the DP references of the "model" parts, stacked as the uploads.
         weights: the aggregation weights ω_n.
         report: the round's figures a server-side stage adds (``privacy/epsilon``...).
-        summed: this process's Σ_n ω_n u_n, summed slice by slice (a round in slices over
-            several processes, ``Engine._sliced``), in place of its decoded uploads: the
-            processes' exchange adds the sums (``RankExchange``).
+        summed: this process's Σ_n ω_n u_n, summed slice by slice (a round in slices,
+            ``Engine._sliced``), in place of its decoded uploads: the exchange makes it the
+            round's upload (``Alone``), or adds the processes' sums (``RankExchange``).
     """
 
     uploads: Stacked | None
