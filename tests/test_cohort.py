@@ -176,6 +176,34 @@ def test_the_pool_rebinds_views_and_gathers_rows():
     assert pool.rows([clients[1]]) is None and torch.equal(clients[1].x_train, before[1][0])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.uint8, torch.int64, torch.bool, torch.bfloat16]
+)
+def test_a_pools_rows_are_taken_as_index_select_takes_them_and_read_no_device(dtype, threads):
+    """``take_rows`` (NumPy's take on one CPU thread) gives index_select's rows, dtype and
+    shape, for images and targets alike; a census counts no host read for it."""
+    from fedexp.engine.clients.pool import take_rows
+    from fedexp.engine.round.census import Census
+
+    gen = torch.Generator().manual_seed(1)
+    t = (torch.randn(50, 3, 4, generator=gen) * 100).to(dtype)
+    flat = torch.randint(0, 50, (2, 7), generator=gen).reshape(-1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Census() as census:
+            got = take_rows(t, flat)
+        want = t.index_select(0, flat)
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got, want)
+        assert census.total_reads == 0, census.summary()
+        with pytest.raises(IndexError):
+            take_rows(t, torch.tensor([0, 50]))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_pool_adopts_one_buffer_and_shares_a_test_split_that_is_the_training_set():
     xs, ys = torch.randn(7, 2), torch.arange(7)
     cuts = [(0, 3), (3, 7)]
