@@ -24,12 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+import matplotlib
 import numpy as np
+import PIL.Image
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
+from PIL.PngImagePlugin import PngInfo
 
 if TYPE_CHECKING:  # (what to draw is chosen there; everything arrives as arguments)
     from fedexp.plots import ModelPCA
@@ -67,8 +70,24 @@ def _figure(width: float, height: float, dpi: int) -> Figure:
 
 
 def _save(fig: Figure, path: Path) -> None:
-    """``fig`` as a PNG at its own dpi."""
-    fig.savefig(path, dpi=fig.dpi)
+    """``fig`` as a PNG at its own dpi, what ``fig.savefig(path)`` draws, without alpha.
+
+    The figures' backgrounds are opaque, so the alpha channel that ``savefig`` writes is 255
+    everywhere: without it the PNG is a quarter smaller to encode and to store, and PNG's
+    fastest compression (zlib level 1) gives about the size of ``savefig``'s default one.
+    The encoding was about a quarter of a figure's time (24 ms of curves.png's 94; now 12).
+    A figure with any transparent pixel keeps its alpha channel.
+    """
+    canvas = fig.canvas
+    canvas.draw()
+    rgba = np.asarray(canvas.buffer_rgba())
+    opaque = bool(rgba[..., 3].min() == 255)
+    image = PIL.Image.fromarray(np.ascontiguousarray(rgba[..., :3]) if opaque else rgba)
+    info = PngInfo()
+    info.add_text(
+        "Software", f"Matplotlib version{matplotlib.__version__}, https://matplotlib.org/"
+    )
+    image.save(path, format="png", dpi=(fig.dpi, fig.dpi), pnginfo=info, compress_level=1)
 
 
 def _rescale(axes: list[Axes]) -> None:
@@ -242,8 +261,10 @@ def warm() -> None:
     matplotlib's first figure imports and builds more than matplotlib's import itself (the
     axes' tick machinery, legends, the mathtext parser of an axis's offset text, the fonts):
     about half a second on this project's 2-core machine. The figures' helper
-    (:mod:`fedexp.drawer`) pays it while the run trains. The figures are then forgotten
-    (:data:`_KEPT` cleared): a run's first figure is built for it, as without this.
+    (:mod:`fedexp.drawer`) pays it while the run trains. The figures stay kept
+    (:data:`_KEPT`): a run's curves.png of accuracy, the default metric, refills the one drawn
+    here (the PNG a fresh figure gives, as any kept figure's), which saves the run's end the
+    75 ms of building it.
     """
     import io
     from types import SimpleNamespace
@@ -266,4 +287,3 @@ def warm() -> None:
     coords = np.array([[0.0, 1.0], [1.0, 0.0]])
     pca = SimpleNamespace(coords=coords, explained=[0.6, 0.4], spread=1.0, equal=False)
     draw_client_models(pca, 2, io.BytesIO(), [[0, 1]], 1e-10)  # type: ignore[arg-type]
-    _KEPT.clear()

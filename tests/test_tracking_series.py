@@ -141,6 +141,35 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
         kept = drawn(f"{name}-kept.png", draw(1))
         assert len(figures._KEPT) == 1 and kept == fresh, name
         assert kept != drawn(f"{name}-other.png", draw(0)), name  # (the data do show)
+    curves = cases[0][1](1)
+    figures._KEPT.clear()
+    fresh = drawn("curves-fresh-again.png", curves)
+    figures.warm()  # (the helper's start: its curves.png of accuracy stays kept)
+    assert ("rounds", "acc") in figures._KEPT
+    assert drawn("curves-after-warm.png", curves) == fresh
+
+
+def test_a_figures_png_holds_the_pixels_savefig_draws_without_its_opaque_alpha(tmp_path):
+    """``figures._save`` writes savefig's pixels as RGB (the alpha was 255 everywhere), at the
+    figure's dpi; a figure with transparent pixels keeps its alpha."""
+    import numpy as np
+    from PIL import Image
+
+    from fedexp import figures, plots
+
+    plots.plot_rounds(_history(2, 9), tmp_path / "ours.png")
+    drawn = figures._KEPT[("rounds", "acc")].fig
+    drawn.savefig(tmp_path / "savefig.png", dpi=drawn.dpi)
+    with Image.open(tmp_path / "ours.png") as ours, Image.open(tmp_path / "savefig.png") as theirs:
+        assert ours.mode == "RGB" and theirs.mode == "RGBA"
+        assert np.asarray(theirs)[..., 3].min() == 255
+        assert np.array_equal(np.asarray(ours), np.asarray(theirs)[..., :3])
+        assert ours.info["dpi"] == theirs.info["dpi"]
+    see_through = figures._figure(2, 1, dpi=50)
+    see_through.patch.set_alpha(0.0)
+    figures._save(see_through, tmp_path / "clear.png")
+    with Image.open(tmp_path / "clear.png") as clear:
+        assert clear.mode == "RGBA" and np.asarray(clear)[..., 3].min() == 0
 
 
 def test_figures_false_writes_the_tables_and_no_figure(small_cfg, tmp_path, monkeypatch):
