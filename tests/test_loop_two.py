@@ -488,13 +488,13 @@ def test_a_real_study_is_plain_in_a_file_and_warns_at_the_edge(tmp_path):
 def _drawn(monkeypatch) -> list:
     """The figures the plotting functions save (to read what they drew)."""
     saved = []
-    save = figures.Figure.savefig
+    save = figures._save
 
-    def keep(fig, *args, **kwargs):
+    def keep(fig, path):
         saved.append(fig)
-        return save(fig, *args, **kwargs)
+        return save(fig, path)
 
-    monkeypatch.setattr(figures.Figure, "savefig", keep)
+    monkeypatch.setattr(figures, "_save", keep)
     return saved
 
 

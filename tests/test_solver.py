@@ -256,6 +256,19 @@ def test_models_without_a_stacked_forward_go_through_vmap(small_cfg, model):
     assert ctx.proximal_objective(torch.zeros(3), 0.5).stacked is None
 
 
+def test_only_fedexps_linear_layers_stack_as_the_modules_compute():
+    """``BodyHead.stacks`` holds for fedexp's ``Linear`` and ReLU layers only: torch's
+    ``nn.Linear`` computes a narrow layer in the other orientation (other bits)."""
+    from torch import nn
+
+    from fedexp.models.tabular import BodyHead, Linear, mlp
+
+    assert mlp([6], 2).stacks and not mlp([6], 2, dropout=0.1).stacks
+    assert BodyHead(nn.Sequential(Linear(6, 4), nn.ReLU()), Linear(4, 1)).stacks
+    assert not BodyHead(nn.Sequential(nn.Linear(6, 4), nn.ReLU()), nn.Linear(4, 1)).stacks
+    assert not BodyHead(nn.Sequential(Linear(6, 4), nn.ReLU()), nn.Linear(4, 1)).stacks
+
+
 def test_a_loss_that_does_not_reach_the_parameters_has_zero_gradients():
     from fedexp.engine.solver import steps
     from fedexp.engine.solver.objective import Objective

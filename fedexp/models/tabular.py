@@ -126,8 +126,8 @@ def mlp(
         raise ValueError(f"norm={norm!r}: expected 'none' or 'batch'")
     blocks: list[nn.Module] = []
     width = math.prod(input_shape)
-    # the stacked forward's layers where it holds (BodyHead.stacks), else torch's own: a
-    # BatchNorm model's figures hang on the float order of its layers (its golden cases)
+    # fedexp's layers where the model stacks (linear layers and ReLUs: BodyHead.stacks), else
+    # torch's own: a BatchNorm model's figures hang on the float order of its layers (golden)
     layer = Linear if norm == "none" and dropout == 0 else nn.Linear
     for _ in range(layers):
         blocks.append(layer(width, hidden))
@@ -149,9 +149,11 @@ class BodyHead(nn.Module):
         super().__init__()
         self.body = body
         self.head = head
-        #: linear layers and ReLUs only (no dropout, no BatchNorm): :meth:`stacked_forward`
-        self.stacks = isinstance(head, nn.Linear) and all(
-            isinstance(m, nn.Linear | nn.ReLU) for m in body.children()
+        #: fedexp's linear layers (:class:`Linear`) and ReLUs only, no dropout nor BatchNorm:
+        #: :meth:`stacked_forward` then computes what the modules do, bit for bit (torch's
+        #: ``nn.Linear`` computes a narrow layer in the other orientation: :func:`linear`)
+        self.stacks = isinstance(head, Linear) and all(
+            isinstance(m, Linear | nn.ReLU) for m in body.children()
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
