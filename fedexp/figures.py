@@ -29,9 +29,10 @@ import numpy as np
 import PIL.Image
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.text import Text
+from matplotlib.text import Annotation, Text
 from PIL.PngImagePlugin import PngInfo
 
 if TYPE_CHECKING:  # (what to draw is chosen there; everything arrives as arguments)
@@ -91,11 +92,23 @@ def _save(fig: Figure, path: Path) -> None:
 
 
 def _rescale(axes: list[Axes]) -> None:
-    """Limits from the lines' new data, as if they had been drawn on fresh axes."""
+    """Limits from the lines' new data, as if they had been drawn on fresh axes.
+
+    Axes that share their x and y axes are scaled once: ``autoscale_view`` of one sets the
+    limits of all its siblings from all their data (clients.png's panels: once, not once a
+    panel over every panel).
+    """
     for ax in axes:
         ax.relim()
+    scaled = set()
     for ax in axes:
-        ax.autoscale_view()
+        shared = tuple(
+            frozenset(map(id, group.get_siblings(ax)))
+            for group in (ax.get_shared_x_axes(), ax.get_shared_y_axes())
+        )
+        if shared not in scaled:
+            scaled.add(shared)
+            ax.autoscale_view()
 
 
 def _margins(fig: Figure, left: float, right: float, bottom: float, top: float, **space) -> None:
@@ -161,16 +174,44 @@ def draw_rounds(history: list[dict[str, float]], path: Path, metric: str) -> Pat
     return path
 
 
+@dataclass
+class _ModelsFigure:
+    """client_models_pca.png's figure for n clients, its points, edges and labels unplaced."""
+
+    fig: Figure
+    ax: Axes
+    edges: LineCollection
+    points: PathCollection
+    #: each client's number beside its point (up to 30 clients; none beyond)
+    labels: list[Annotation]
+
+
+def _models_figure(n: int) -> _ModelsFigure:
+    fig = _figure(5.2, 4.6, dpi=110)
+    ax = fig.subplots()
+    edges = ax.add_collection(LineCollection([], colors="0.75", linewidths=0.8, zorder=1))
+    points = ax.scatter(np.zeros(n), np.zeros(n), c=range(n), cmap="viridis", zorder=2)
+    labels = [
+        ax.annotate(str(i), (0.0, 0.0), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for i in range(n if n <= 30 else 0)
+    ]
+    ax.set_title("clients' evaluated models (PCA)", y=1.0)
+    _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
+    return _ModelsFigure(fig, ax, edges, points, labels)
+
+
 def draw_client_models(
     pca: ModelPCA, n: int, path: Path, edges: list | None, tolerance: float
 ) -> Path:
     """client_models_pca.png (:func:`fedexp.plots.plot_client_models`).
 
-    ``tolerance``: the relative spread below which the models are said to be equal.
+    ``tolerance``: the relative spread below which the models are said to be equal. The
+    figure of n clients' points is kept (:func:`_kept`); the models said equal get a figure
+    of their own, a line of text.
     """
-    fig = _figure(5.2, 4.6, dpi=110)
-    ax = fig.subplots()
     if pca.equal:
+        fig = _figure(5.2, 4.6, dpi=110)
+        ax = fig.subplots()
         ax.text(
             0.5,
             0.5,
@@ -181,19 +222,21 @@ def draw_client_models(
             va="center",
         )
         ax.set(xticks=[], yticks=[], xlabel="PC1", ylabel="PC2")
-    else:
-        coords = pca.coords
-        if edges is not None:
-            for i, j in edges:
-                ax.plot(coords[[i, j], 0], coords[[i, j], 1], color="0.75", lw=0.8, zorder=1)
-        ax.scatter(coords[:, 0], coords[:, 1], c=range(n), cmap="viridis", zorder=2)
-        if n <= 30:
-            for i, (a, b) in enumerate(coords.tolist()):
-                ax.annotate(str(i), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set(xlabel=f"PC1 ({pca.explained[0]:.0%})", ylabel=f"PC2 ({pca.explained[1]:.0%})")
-    ax.set_title("clients' evaluated models (PCA)", y=1.0)
-    _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
-    _save(fig, path)
+        ax.set_title("clients' evaluated models (PCA)", y=1.0)
+        _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
+        _save(fig, path)
+        return path
+    drawn = _kept(("models", n), lambda: _models_figure(n))
+    coords = np.asarray(pca.coords, dtype=float)
+    drawn.edges.set_segments([coords[[i, j]] for i, j in edges] if edges is not None else [])
+    drawn.points.set_offsets(coords)
+    for label, xy in zip(drawn.labels, coords.tolist(), strict=False):
+        label.xy = (xy[0], xy[1])
+    drawn.ax.set(xlabel=f"PC1 ({pca.explained[0]:.0%})", ylabel=f"PC2 ({pca.explained[1]:.0%})")
+    drawn.ax.relim()  # (the points' extent, whether or not relim reads collections)
+    drawn.ax.update_datalim(coords)
+    drawn.ax.autoscale_view()
+    _save(drawn.fig, path)
     return path
 
 
@@ -220,6 +263,8 @@ def _clients_figure(panels: int, ncols: int) -> _ClientsFigure:
         (client,) = ax.plot([], [], ".-", lw=1.2, ms=3)
         shown.append((mean, client, ax.set_title("", fontsize=8, y=1.0)))
         ax.tick_params(labelsize=7)
+        for axis in (ax.xaxis, ax.yaxis):  # (no label: no placement pass around the ticks)
+            axis.set_label_coords(0.5, 0.5)
     for i, ax in enumerate(axes.flat):
         if i >= panels:
             ax.set_visible(False)

@@ -7,6 +7,7 @@ import math
 import struct
 
 import pytest
+import torch
 from omegaconf import open_dict
 
 from fedexp.engine.runner import loggable, run
@@ -117,6 +118,14 @@ def _client_rows(clients: int, seed: int) -> list[dict[str, float]]:
     ]
 
 
+def _models(seed: int) -> torch.Tensor:
+    return torch.randn(6, 40, generator=torch.Generator().manual_seed(seed)) * (1 + seed)
+
+
+def _edges(seed: int) -> torch.Tensor:
+    return torch.tensor([[0, 1], [1, 2], [3, 4]] if seed else [[0, 5]])  # (as many or fewer)
+
+
 def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
     """A figure built once and refilled by the next run (``figures._KEPT``) saves the same bytes
     as one built for that run alone: limits, ticks, titles and gaps of the new data only."""
@@ -131,6 +140,7 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
         ("curves", lambda s: lambda p: plots.plot_rounds(_history(s, 4 + 5 * s), p)),
         ("few", lambda s: lambda p: plot_clients(_client_rows(5, s), p, "acc")),
         ("many", lambda s: lambda p: plot_clients(_client_rows(100, s), p, "acc")),
+        ("pca", lambda s: lambda p: plots.plot_client_models(_models(s), p, _edges(s))),
     ]
     for name, draw in cases:
         figures._KEPT.clear()
