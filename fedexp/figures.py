@@ -200,31 +200,40 @@ def _models_figure(n: int) -> _ModelsFigure:
     return _ModelsFigure(fig, ax, edges, points, labels)
 
 
+@dataclass
+class _EqualModelsFigure:
+    """client_models_pca.png when the models are equal: a line of text, not a projection."""
+
+    fig: Figure
+    text: Text
+
+
+def _equal_models_figure() -> _EqualModelsFigure:
+    fig = _figure(5.2, 4.6, dpi=110)
+    ax = fig.subplots()
+    text = ax.text(0.5, 0.5, "", transform=ax.transAxes, ha="center", va="center")
+    ax.set(xticks=[], yticks=[], xlabel="PC1", ylabel="PC2")
+    ax.set_title("clients' evaluated models (PCA)", y=1.0)
+    _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
+    return _EqualModelsFigure(fig, text)
+
+
 def draw_client_models(
     pca: ModelPCA, n: int, path: Path, edges: list | None, tolerance: float
 ) -> Path:
     """client_models_pca.png (:func:`fedexp.plots.plot_client_models`).
 
-    ``tolerance``: the relative spread below which the models are said to be equal. The
-    figure of n clients' points is kept (:func:`_kept`); the models said equal get a figure
-    of their own, a line of text.
+    ``tolerance``: the relative spread below which the models are said to be equal (then the
+    figure is a line of text). Both figures are kept (:func:`_kept`): n clients' points, and
+    the line.
     """
     if pca.equal:
-        fig = _figure(5.2, 4.6, dpi=110)
-        ax = fig.subplots()
-        ax.text(
-            0.5,
-            0.5,
+        said = _kept(("models", "equal"), _equal_models_figure)
+        said.text.set_text(
             f"all {n} client models equal\n(relative spread {pca.spread:.2g}, "
-            f"below the tolerance {tolerance:g})",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
+            f"below the tolerance {tolerance:g})"
         )
-        ax.set(xticks=[], yticks=[], xlabel="PC1", ylabel="PC2")
-        ax.set_title("clients' evaluated models (PCA)", y=1.0)
-        _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
-        _save(fig, path)
+        _save(said.fig, path)
         return path
     drawn = _kept(("models", n), lambda: _models_figure(n))
     coords = np.asarray(pca.coords, dtype=float)

@@ -141,6 +141,7 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
         ("few", lambda s: lambda p: plot_clients(_client_rows(5, s), p, "acc")),
         ("many", lambda s: lambda p: plot_clients(_client_rows(100, s), p, "acc")),
         ("pca", lambda s: lambda p: plots.plot_client_models(_models(s), p, _edges(s))),
+        ("equal", lambda s: lambda p: plots.plot_client_models(torch.ones(4 + s, 9), p)),
     ]
     for name, draw in cases:
         figures._KEPT.clear()
