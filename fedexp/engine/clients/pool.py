@@ -36,8 +36,9 @@ def take_rows(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
     On the CPU with one torch thread (a stacked or parallel sweep's runs, the benchmarks,
     every test) NumPy's ``take`` copies them: about twice as fast as ``index_select`` for a
-    cohort's minibatch rows (32,000 rows of 30 floats from a 12 MB pool, fresh indices each
-    time: 0.3-0.4 ms against 0.75-0.85 ms, `scripts/bench_peers.py`'s logistic regression).
+    cohort's minibatch rows (32,000 rows of 30 floats from a 12 MB pool and their targets,
+    fresh indices each time: 0.3-0.4 ms against 0.75-0.85 ms, `scripts/bench_peers.py`'s
+    logistic regression at 1,000 clients). ``flat`` holds row numbers in [0, len(t)).
     With more threads torch's kernel shares the rows among them and is the faster; on a
     device it is the only one.
     """
