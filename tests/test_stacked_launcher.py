@@ -8,12 +8,14 @@ import csv
 import json
 import pickle
 import re
+import subprocess
+import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from fedexp.sweep.stacked import groups, stack_key, stackable
-from helpers import compose_config, run_cli
+from helpers import ROOT, compose_config, run_cli
 
 TINY = ["rounds=3", "num_clients=4", "device=cpu", "checkpoint_every=0", "progress=log"]
 
@@ -168,6 +170,65 @@ def test_ctrl_c_stops_every_run_of_a_stacked_group(tmp_path):
         assert status["status"] == "killed", status
         assert f"resume={tmp_path}/sweep/{n}/checkpoints" in err
     assert "3 stopped so far" in out, out[-2000:]
+
+
+_CALLBACKS = """
+import math, sys, types
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
+from fedexp.config.instantiate import register_resolvers
+from fedexp.config.schema import register_configs
+from fedexp.sweep import stacked
+from fedexp.tuning import NaNTrialsFail
+
+register_resolvers()
+register_configs()
+initialize_config_dir(sys.argv[1], version_base="1.3")
+loader = GlobalHydra.instance().config_loader()
+master = loader.load_configuration(
+    "config", ["hydra/launcher=stacked", "hydra.sweep.dir=sweep"], RunMode.MULTIRUN
+)
+seen = []
+
+class Callbacks:  # (as Hydra's: every callback of hydra.callbacks, here a recorder and NaN's)
+    def on_job_start(self, config, task_function, **kwargs):
+        seen.append(f"start {config.seed} {config.hydra.job.num}")
+
+    def on_job_end(self, config, job_return, **kwargs):
+        NaNTrialsFail().on_job_end(config, job_return)
+        seen.append(f"end {config.seed} {job_return.status.name}")
+
+context = types.SimpleNamespace(config_loader=loader, callbacks=Callbacks())
+task = lambda cfg: math.nan if cfg.seed == 1 else float(cfg.seed)
+launcher = types.SimpleNamespace(
+    hydra_context=context, task_function=task, config=master, max_runs=64, processes=1
+)
+jobs = [(n, [f"seed={n}"]) for n in range(3)]
+assert stacked.stack_key(jobs[0][1]) == stacked.stack_key(jobs[2][1])  # one group
+returns = stacked._group(launcher, jobs)
+print("STATUS", [r.status.name for r in returns], sorted(seen))
+"""
+
+
+def test_a_stacked_groups_jobs_meet_hydras_callbacks_as_run_job_calls_them(tmp_path):
+    """Each job of a stacked group meets the sweep's ``on_job_start`` and ``on_job_end`` (in
+    its thread), as Hydra's ``run_job`` calls them: tuning's NaN callback fails a NaN job."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CALLBACKS, str(ROOT / "conf")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("STATUS"))
+    assert line == (
+        "STATUS ['COMPLETED', 'FAILED', 'COMPLETED'] ['end 0 COMPLETED', 'end 1 FAILED', "
+        "'end 2 COMPLETED', 'start 0 0', 'start 1 1', 'start 2 2']"
+    ), line
+    for n in range(3):  # each job its own record, as run_job leaves it
+        assert (tmp_path / "sweep" / str(n) / ".hydra" / "overrides.yaml").is_file()
 
 
 def test_a_group_cap_below_one_is_refused_in_one_line(tmp_path):

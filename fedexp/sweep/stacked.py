@@ -6,7 +6,9 @@ threads of this process whose client work is merged into one cohort a round
 (:mod:`fedexp.engine.round.stacking`); a job alone in its group runs as Hydra's basic launcher
 runs it. Every job stays a job: its folder, ``.hydra/`` record, log file, rounds.csv,
 checkpoints, MLflow run (nested under the sweep's parent), status file and line in the
-terminal, exactly as the other launchers leave them.
+terminal, exactly as the other launchers leave them; Hydra's callbacks meet each job
+(``on_job_start`` and ``on_job_end``, in the job's thread, as ``run_job`` calls them: tuning's
+``NaNTrialsFail`` fails a job that returned NaN).
 
 Which keys may differ inside a group, and why:
 
@@ -445,6 +447,9 @@ def _run_group(
     HydraConfig.instance().set_config(lead)  # the sweep's mode and sweeper, for global readers
     stack = Stack(len(prepared))
     returns = [JobReturn() for _ in prepared]
+    #: Hydra's callbacks of the sweep (``hydra.callbacks``): each job's ``on_job_start`` and
+    #: ``on_job_end`` in its own thread, as ``run_job`` calls them around its task
+    callbacks = launcher.hydra_context.callbacks
     log.debug("stacking %d runs: jobs %s", len(prepared), ", ".join(str(j.idx) for j in prepared))
 
     def body(i: int) -> None:
@@ -458,6 +463,7 @@ def _run_group(
         ret.working_dir = os.getcwd()
         ret.task_name = str(job.config.hydra.job.name)
         try:
+            callbacks.on_job_start(config=job.config, task_function=launcher.task_function)
             with stack.members[i].turns():
                 ret.return_value = launcher.task_function(job.task_cfg)
             ret.status = JobStatus.COMPLETED
@@ -466,6 +472,13 @@ def _run_group(
             ret.status = JobStatus.FAILED
         finally:
             stack.members[i].leave()
+        try:  # (as run_job: not for a job stopped by Ctrl-C or an exit)
+            if not isinstance(ret._return_value, KeyboardInterrupt | SystemExit):
+                callbacks.on_job_end(config=job.config, job_return=ret)
+        except Exception as exc:  # noqa: BLE001 - a callback's error fails its job
+            ret.return_value = exc
+            ret.status = JobStatus.FAILED
+        finally:
             ended[i].set()
 
     ended = [threading.Event() for _ in prepared]
@@ -487,10 +500,12 @@ def _run_group(
         root.removeHandler(router)
         router.close()
         HydraConfig.instance().cfg = before
-    stopped = [r.return_value for r in returns if isinstance(r.return_value, KeyboardInterrupt)]
+    # (``_return_value``: the getter raises a failed job's error; the sweeper reads it, as of
+    # any launcher's jobs)
+    stopped = [r._return_value for r in returns if isinstance(r._return_value, KeyboardInterrupt)]
     if stopped:  # Ctrl-C or SIGTERM in a job: the sweep stops, as with the other launchers
         raise stopped[0]
-    exits = [r.return_value for r in returns if isinstance(r.return_value, SystemExit)]
+    exits = [r._return_value for r in returns if isinstance(r._return_value, SystemExit)]
     if exits:
         raise exits[0]
     return returns
