@@ -173,7 +173,7 @@ def test_ctrl_c_stops_every_run_of_a_stacked_group(tmp_path):
 
 
 _CALLBACKS = """
-import math, sys, types
+import math, os, sys, types
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
@@ -187,7 +187,9 @@ register_configs()
 initialize_config_dir(sys.argv[1], version_base="1.3")
 loader = GlobalHydra.instance().config_loader()
 master = loader.load_configuration(
-    "config", ["hydra/launcher=stacked", "hydra.sweep.dir=sweep"], RunMode.MULTIRUN
+    "config",
+    ["hydra/launcher=stacked", "hydra.sweep.dir=sweep", "+hydra.job.env_set.FEDEXP_SAID=yes"],
+    RunMode.MULTIRUN,
 )
 seen = []
 
@@ -200,20 +202,24 @@ class Callbacks:  # (as Hydra's: every callback of hydra.callbacks, here a recor
         seen.append(f"end {config.seed} {job_return.status.name}")
 
 context = types.SimpleNamespace(config_loader=loader, callbacks=Callbacks())
-task = lambda cfg: math.nan if cfg.seed == 1 else float(cfg.seed)
+def task(cfg):
+    seen.append(f"env {os.environ.get('FEDEXP_SAID')}")
+    return math.nan if cfg.seed == 1 else float(cfg.seed)
+
 launcher = types.SimpleNamespace(
     hydra_context=context, task_function=task, config=master, max_runs=64, processes=1
 )
 jobs = [(n, [f"seed={n}"]) for n in range(3)]
 assert stacked.stack_key(jobs[0][1]) == stacked.stack_key(jobs[2][1])  # one group
 returns = stacked._group(launcher, jobs)
-print("STATUS", [r.status.name for r in returns], sorted(seen))
+print("STATUS", [r.status.name for r in returns], sorted(seen), os.environ.get("FEDEXP_SAID"))
 """
 
 
 def test_a_stacked_groups_jobs_meet_hydras_callbacks_as_run_job_calls_them(tmp_path):
     """Each job of a stacked group meets the sweep's ``on_job_start`` and ``on_job_end`` (in
-    its thread), as Hydra's ``run_job`` calls them: tuning's NaN callback fails a NaN job."""
+    its thread), as Hydra's ``run_job`` calls them: tuning's NaN callback fails a NaN job; and
+    its ``hydra.job.env_set``."""
     proc = subprocess.run(
         [sys.executable, "-c", _CALLBACKS, str(ROOT / "conf")],
         cwd=tmp_path,
@@ -225,7 +231,8 @@ def test_a_stacked_groups_jobs_meet_hydras_callbacks_as_run_job_calls_them(tmp_p
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("STATUS"))
     assert line == (
         "STATUS ['COMPLETED', 'FAILED', 'COMPLETED'] ['end 0 COMPLETED', 'end 1 FAILED', "
-        "'end 2 COMPLETED', 'start 0 0', 'start 1 1', 'start 2 2']"
+        "'end 2 COMPLETED', 'env yes', 'env yes', 'env yes', 'start 0 0', 'start 1 1', "
+        "'start 2 2'] None"  # (hydra.job.env_set: set for the jobs, then unset)
     ), line
     for n in range(3):  # each job its own record, as run_job leaves it
         assert (tmp_path / "sweep" / str(n) / ".hydra" / "overrides.yaml").is_file()

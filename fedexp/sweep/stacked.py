@@ -425,7 +425,7 @@ def _run_group(
     ``first``: the first job's sweep config if already composed.
     """
     from hydra.core.hydra_config import HydraConfig
-    from hydra.core.utils import JobReturn, JobStatus, configure_log
+    from hydra.core.utils import JobReturn, JobStatus, configure_log, env_override
 
     from fedexp.engine.round.stacking import Stack
     from fedexp.engine.round.stacking import current as current_member
@@ -487,10 +487,14 @@ def _run_group(
         for i, j in enumerate(prepared)
     ]
     previous = signal.signal(signal.SIGTERM, _terminated)  # stops the group as Ctrl-C does
+    # the jobs' ``hydra.job.env_set``, as run_job sets it around each job (a hydra.* override
+    # is no stackable key: the group's jobs share it)
+    environment = env_override(lead.hydra.job.env_set)
     try:
-        for t in threads:
-            t.start()
-        _wait(ended)
+        with environment:
+            for t in threads:
+                t.start()
+            _wait(ended)
     except BaseException:
         stack.stop()  # every run ends as a stopped run (KILLED, its checkpoint kept)
         _wait(ended)
