@@ -41,6 +41,17 @@ def test_runs_over_several_processes_are_never_threads_of_one():
     assert not stackable(compose_config("distributed.nodes=2"))
 
 
+def test_jobs_that_change_into_their_folders_are_never_threads_of_one():
+    """A process has one working directory: ``hydra.job.chdir=true`` jobs run one by one."""
+    from omegaconf import open_dict
+
+    for chdir in (False, True):
+        config = compose_config()
+        with open_dict(config):
+            config.hydra = {"job": {"chdir": chdir}}
+        assert stackable(config) is not chdir
+
+
 def _rows(folder):
     with open(folder / "rounds.csv") as fh:
         return list(csv.DictReader(fh))

@@ -241,10 +241,14 @@ def stackable(config: DictConfig) -> bool:
     """Whether the runs of a group like ``config``'s may be threads of one process.
 
     Not a run over several processes (``distributed.nproc`` or ``distributed.nodes`` > 1):
-    each of its processes joins the one torch.distributed group a process can hold. The
-    group's runs share this setting (it is not a stackable key), so the first job's decides.
+    each of its processes joins the one torch.distributed group a process can hold. Nor jobs
+    that change into their folders (``hydra.job.chdir=true``): a process has one working
+    directory, and threads would share it. The group's runs share these settings (they are
+    not stackable keys), so the first job's decide.
     """
     distributed = OmegaConf.select(config, "distributed", default=None) or {}
+    if bool(OmegaConf.select(config, "hydra.job.chdir", default=False)):
+        return False
     return int(distributed.get("nproc", 1) or 1) <= 1 and int(distributed.get("nodes", 1) or 1) <= 1
 
 
