@@ -14,7 +14,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from fedexp.sweep.stacked import groups, stack_key, stackable
+from fedexp.sweep.stacked import balanced, groups, stack_key, stackable
 from helpers import ROOT, compose_config, run_cli
 
 TINY = ["rounds=3", "num_clients=4", "device=cpu", "checkpoint_every=0", "progress=log"]
@@ -32,6 +32,18 @@ def test_jobs_group_by_everything_but_seed_and_partition():
     assert stack_key(jobs[0]) == stack_key(jobs[3]) == stack_key(jobs[4]) == ("algorithm=fedavg",)
     assert groups(jobs, 64) == [[0, 1, 3, 4], [2], [5]]
     assert groups(jobs, 2) == [[0, 1], [2], [3, 4], [5]]
+
+
+def test_the_last_group_is_split_to_keep_every_process_busy_at_the_end():
+    tables = [list(range(20 * g, 20 * g + 20)) for g in range(15)]  # pfednet_tables' groups
+    split = balanced(tables, 2)
+    assert [len(g) for g in split] == [20] * 14 + [10, 10]
+    assert sum(split, []) == sum(tables, [])  # every job once, in order
+    assert balanced(tables[:14], 2) == tables[:14]  # a multiple of the processes: as it was
+    assert [len(g) for g in balanced([[0, 1, 2]] * 5, 4)] == [3, 3, 3, 3, 1, 1, 1]
+    assert [len(g) for g in balanced([[0, 1, 2, 3]] * 3, 4)] == [4, 4, 2, 2]
+    assert balanced([[0], [1], [2]], 2) == [[0], [1], [2]]  # a job alone is not split
+    assert balanced(tables[:3], 1) == tables[:3]
 
 
 def test_runs_over_several_processes_are_never_threads_of_one():
