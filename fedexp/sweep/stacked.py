@@ -31,8 +31,10 @@ data are held at once (the solver slices the cohort to the memory budget).
 A group's runs share one process, and so one core's Python: with several groups (several
 algorithms) ``hydra.launcher.n_jobs`` of them run at a time, each in a worker process
 (joblib's, as ``hydra/launcher=parallel``); the default, -1, is a process a core (at most one
-a group), 1 every group in this process. Each job's ``hydra.launcher.n_jobs`` reads the
-processes that run at once, so that its torch threads share the cores among them.
+a group), 1 every group in this process; the last group of a count that is no multiple of
+the processes is split over those of the last turn (:func:`balanced`). Each job's
+``hydra.launcher.n_jobs`` reads the processes that run at once, so that its torch threads
+share the cores among them.
 """
 
 from __future__ import annotations
