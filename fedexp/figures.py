@@ -186,17 +186,23 @@ class _ModelsFigure:
     labels: list[Annotation]
 
 
-def _models_figure(n: int) -> _ModelsFigure:
+def _models_axes() -> tuple[Figure, Axes]:
+    """client_models_pca.png's figure and axes: its size, title and margins."""
     fig = _figure(5.2, 4.6, dpi=110)
     ax = fig.subplots()
+    ax.set_title("clients' evaluated models (PCA)", y=1.0)
+    _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
+    return fig, ax
+
+
+def _models_figure(n: int) -> _ModelsFigure:
+    fig, ax = _models_axes()
     edges = ax.add_collection(LineCollection([], colors="0.75", linewidths=0.8, zorder=1))
     points = ax.scatter(np.zeros(n), np.zeros(n), c=range(n), cmap="viridis", zorder=2)
     labels = [
         ax.annotate(str(i), (0.0, 0.0), textcoords="offset points", xytext=(4, 4), fontsize=8)
         for i in range(n if n <= 30 else 0)
     ]
-    ax.set_title("clients' evaluated models (PCA)", y=1.0)
-    _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
     return _ModelsFigure(fig, ax, edges, points, labels)
 
 
@@ -209,12 +215,9 @@ class _EqualModelsFigure:
 
 
 def _equal_models_figure() -> _EqualModelsFigure:
-    fig = _figure(5.2, 4.6, dpi=110)
-    ax = fig.subplots()
+    fig, ax = _models_axes()
     text = ax.text(0.5, 0.5, "", transform=ax.transAxes, ha="center", va="center")
     ax.set(xticks=[], yticks=[], xlabel="PC1", ylabel="PC2")
-    ax.set_title("clients' evaluated models (PCA)", y=1.0)
-    _margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.35)
     return _EqualModelsFigure(fig, text)
 
 
