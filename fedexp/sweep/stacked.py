@@ -92,7 +92,7 @@ def balanced(todo: list[list[Any]], processes: int) -> list[list[Any]]:
 
     Worker processes take the groups in order as they come free, so with a number of groups
     that is no multiple of the processes the last group runs alone while the others wait (the
-    15 groups of ``pfednet_tables`` on two processes: about 7 s of one core idle). Its runs
+    15 groups of ``pfednet_tables`` on two processes: about 9 s of one core idle). Its runs
     are split into as many parts as there are processes left for the last turn: two halves on
     two processes. Which runs share a group changes none of a run's figures beyond what
     stacking itself may (a run's accuracies are those of the run alone, its losses within
@@ -514,18 +514,18 @@ def _run_group(
         for i, j in enumerate(prepared)
     ]
     previous = signal.signal(signal.SIGTERM, _terminated)  # stops the group as Ctrl-C does
-    # the jobs' ``hydra.job.env_set``, as run_job sets it around each job (a hydra.* override
-    # is no stackable key: the group's jobs share it)
-    environment = env_override(lead.hydra.job.env_set)
+    # the jobs' ``hydra.job.env_set``, as run_job sets it around each job, until every job has
+    # ended, stopped ones too (a hydra.* override is no stackable key: the jobs share it)
     try:
-        with environment:
-            for t in threads:
-                t.start()
-            _wait(ended)
-    except BaseException:
-        stack.stop()  # every run ends as a stopped run (KILLED, its checkpoint kept)
-        _wait(ended)
-        raise
+        with env_override(lead.hydra.job.env_set):
+            try:
+                for t in threads:
+                    t.start()
+                _wait(ended)
+            except BaseException:
+                stack.stop()  # every run ends as a stopped run (KILLED, its checkpoint kept)
+                _wait(ended)
+                raise
     finally:
         signal.signal(signal.SIGTERM, previous)
         root.removeHandler(router)
