@@ -262,6 +262,12 @@ def test_a_documented_command_runs_for_one_round(command, fedexp_main, tmp_path)
     from fedexp.config.schema import override_errors
 
     args = [a for a in command.args if not a.startswith("tracker.")]
+    # the run starts in an empty folder: the data and checkpoints it reads are the checkout's
+    reads = {"dataset.path": _dataset_folder(command.args), "resume": _setting(args, "resume")}
+    for key, found in reads.items():
+        if found is not None and not Path(found).is_absolute():
+            args = [a for a in args if a.split("=", 1)[0].lstrip("+") != key]
+            args.append(f"{key}={ROOT / found}")
     # the whole sweep passes the checks made before Hydra starts
     assert not _group_option_errors(args) + unknown_key_errors(args, CONF) + override_errors(args)
     if "dataset.path=bc.csv" in args:  # README's own table, written as the README says
