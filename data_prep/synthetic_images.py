@@ -11,8 +11,9 @@ random images whose mean brightness of one colour depends on the class (learnabl
 
 Usage::
 
-    python -m data_prep.synthetic_images mnist --out DIR [--n-train N] [--n-test N] [--seed S]
-    python -m data_prep.synthetic_images cifar10|cifar100|tiny_imagenet --out DIR
+    python -m data_prep.synthetic_images mnist|cifar100 --out DIR [--n-train N] [--n-test N]
+        [--seed S]
+    python -m data_prep.synthetic_images cifar10|tiny_imagenet --out DIR [--seed S]
 """
 
 from __future__ import annotations
@@ -121,14 +122,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("kind", choices=["mnist", "cifar10", "cifar100", "tiny_imagenet"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-train", type=int, help="mnist, cifar100: training images")
+    parser.add_argument("--n-test", type=int, help="mnist, cifar100: test images")
     args = parser.parse_args(argv)
+    sizes = {k: v for k, v in (("n_train", args.n_train), ("n_test", args.n_test)) if v is not None}
+    if sizes and args.kind not in ("mnist", "cifar100"):
+        parser.error(f"--n-train and --n-test are for mnist and cifar100, not {args.kind}")
+    if any(v < 1 for v in sizes.values()):
+        parser.error(f"--n-train and --n-test: expected at least 1 image, got {sizes}")
     writer = {
         "mnist": write_mnist,
         "cifar10": write_cifar10,
         "cifar100": write_cifar100,
         "tiny_imagenet": write_tiny_imagenet,
     }[args.kind]
-    print(writer(args.out, seed=args.seed))
+    print(writer(args.out, seed=args.seed, **sizes))
     return 0
 
 

@@ -554,6 +554,9 @@ def main() -> None:
         _refuse(refused, code)
     sys.argv = [sys.argv[0], *hydra_args]
     _early_helper(hydra_args)
+    sweep = sys.modules.get("fedexp.sweep")
+    if sweep is not None:  # the exit code is this command's: an earlier sweep's summary is not
+        sweep.last = None
     try:
         _hydra_main()()
     except (SystemExit, KeyboardInterrupt) as exc:  # Hydra reported an error, or Ctrl-C

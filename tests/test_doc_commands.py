@@ -145,6 +145,8 @@ def skip_reason(command: Command) -> str | None:
     args = command.args
     if any("..." in a for a in args):
         return "it has a '...' for the reader to fill in"
+    if any("$" in a for a in args):  # a shell variable the document leaves to the reader
+        return "it has a $VARIABLE for the reader to fill in (...)"
     folder = _dataset_folder(args)
     if folder is not None and not (ROOT / folder).exists():
         return f"it reads the prepared data set {folder}, which is not here"
@@ -250,6 +252,15 @@ def test_the_documents_have_commands_and_every_skip_says_why():
     skipped = {c.where: skip_reason(c) for c in COMMANDS if skip_reason(c)}
     assert all("prepared data set" in r or "SLURM" in r or "server" in r or "..." in r
                or "checkpoints" in r or "scale" in r for r in skipped.values())  # fmt: skip
+
+
+def test_a_run_after_a_failed_sweep_in_the_same_process_exits_0(fedexp_main):
+    """The exit code is the command's own: a failed sweep's summary does not outlive it (it
+    made the next command of the process exit 1 after its results, with no line saying why)."""
+    code, err = fedexp_main("-m", "batch_size=500", *ONE_ROUND)  # the job is refused
+    assert code == 1 and "batch_size=500: larger than every client's training data" in err
+    code, err = fedexp_main(*ONE_ROUND)
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])

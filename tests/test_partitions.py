@@ -65,8 +65,11 @@ def test_label_imbalance_ratios(num_clients, delta):
 
 
 def test_label_imbalance_rejects_non_binary_labels():
-    with pytest.raises(DataError, match="binary"):
+    with pytest.raises(DataError, match="binary.*use partition=dirichlet or partition=shards"):
         P.label_imbalance(MULTI, 5, seed=0, delta=2.0)
+    # one class (3-D BraTS crops, each around its tumour): nothing to imbalance, nor to split by
+    with pytest.raises(DataError, match=r"classes \[1\]; use partition=iid or partition=natural"):
+        P.label_imbalance(np.ones(40, dtype=np.int64), 5, seed=0, delta=2.0)
 
 
 def test_label_imbalance_rejects_delta_below_one():

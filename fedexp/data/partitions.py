@@ -116,9 +116,13 @@ def label_imbalance(
     del groups
     classes = np.unique(labels)
     if not set(classes.tolist()) <= {0, 1} or len(classes) != 2:
+        other = (  # one class (3-D BraTS crops: every one holds a tumour) has no imbalance
+            "partition=iid or partition=natural" if len(classes) < 2
+            else "partition=dirichlet or partition=shards"
+        )  # fmt: skip
         raise DataError(
             f"partition label_imbalance needs a binary label (0/1), the data has classes "
-            f"{classes.tolist()}; use partition=dirichlet or partition=shards"
+            f"{classes.tolist()}; use {other}"
         )
     if not delta >= 1:  # NaN too; for direct calls (a config's δ is checked by its range)
         raise DataError(f"partition.delta={delta}: expected δ ≥ 1")

@@ -345,3 +345,18 @@ def test_digits_runs_end_to_end_through_the_config(small_cfg):
     assert all(math.isfinite(v) for v in metrics.values())
     aggregates, per_client = engine.evaluate()
     assert len(per_client) == 5 and 0.0 <= aggregates["acc/mean"] <= 1.0
+
+
+def test_the_look_alikes_command_writes_the_sizes_asked_and_refuses_the_others(tmp_path, capsys):
+    from data_prep.synthetic_images import main
+
+    assert main(["mnist", "--out", str(tmp_path / "m"), "--n-train", "30", "--n-test", "7"]) == 0
+    assert len(mnist(str(tmp_path / "m")).y) == 37
+    for argv, says in (
+        (["cifar10", "--n-train", "30"], "for mnist and cifar100, not cifar10"),
+        (["mnist", "--n-test", "0"], "expected at least 1 image"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--out", str(tmp_path / "x")])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
