@@ -146,7 +146,12 @@ def _far_from(points: np.ndarray, centres: np.ndarray, min_mm: float) -> np.ndar
 
 
 def _luna_study(
-    root: Path, index: int, rng: np.random.Generator, direction: str, n_negatives: int
+    root: Path,
+    index: int,
+    rng: np.random.Generator,
+    direction: str,
+    n_negatives: int,
+    subsets: int = 2,
 ) -> LunaStudy:
     geometry = Geometry(
         origin=tuple(np.asarray(LUNA_ORIGIN) + rng.uniform(-5, 5, 3)),
@@ -158,7 +163,7 @@ def _luna_study(
     negatives = _far_from(pool, nodules, 3 * NODULE_DIAMETER_MM)[:n_negatives]
     edge = geometry.to_world(np.array([[1.0, 2.0, geometry.size[2] // 2]]))[0]
     uid = f"{UID_PREFIX}{rng.integers(10**11, 10**12)}{index:03d}"
-    folder = root / f"subset{index % 2}"
+    folder = root / f"subset{index % subsets}"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{uid}.mhd"
     sitk.WriteImage(make_ct(geometry, nodules, rng), str(path))
@@ -182,13 +187,15 @@ def write_luna16(
     seed: int = 0,
     direction: str = "identity",
     n_negatives: int = 6,
+    subsets: int = 2,
 ) -> list[LunaStudy]:
     """Write synthetic CT studies in the official LUNA16 layout.
 
-    Creates ``out/subset0/``, ``out/subset1/`` with ``<seriesuid>.mhd`` + ``.raw`` (int16 HU,
-    non-identity origin, anisotropic spacing, chosen direction matrix), ``candidates.csv``
-    (nodule centres as class 1, random far-away points and one point near the volume corner as
-    class 0, shuffled), ``candidates_V2.csv`` (same rows) and ``annotations.csv``.
+    Creates ``out/subset0/`` to ``out/subset{subsets - 1}/`` (study ``i`` in ``i % subsets``)
+    with ``<seriesuid>.mhd`` + ``.raw`` (int16 HU, non-identity origin, anisotropic spacing,
+    chosen direction matrix), ``candidates.csv`` (nodule centres as class 1, random far-away
+    points and one point near the volume corner as class 0, shuffled), ``candidates_V2.csv``
+    (same rows) and ``annotations.csv``.
 
     Args:
         out: Folder to create the release in.
@@ -196,14 +203,18 @@ def write_luna16(
         seed: Random seed; the output is identical for equal seeds.
         direction: Direction matrix kind, see :func:`direction_matrix`.
         n_negatives: Random negative candidates per volume (besides the corner one).
+        subsets: Number of subset folders, 1 to 10 (the release has ten: the natural sites of
+            ``partition=natural``).
 
     Returns:
         The studies, with the world coordinates of what was planted.
     """
+    if not 1 <= subsets <= 10:
+        raise ValueError(f"subsets={subsets}: the release has subset0 to subset9 (1 to 10)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    studies = [_luna_study(out, i, rng, direction, n_negatives) for i in range(n_studies)]
+    studies = [_luna_study(out, i, rng, direction, n_negatives, subsets) for i in range(n_studies)]
     candidates = pd.DataFrame([row for s in studies for row in _candidate_rows(s)])
     candidates = candidates.sample(frac=1.0, random_state=seed).reset_index(drop=True)
     candidates.to_csv(out / "candidates.csv", index=False)
@@ -644,6 +655,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="LUNA16 only: direction matrix of the CT volumes",
     )
     parser.add_argument(
+        "--subsets",
+        type=int,
+        default=2,
+        help="LUNA16 only: subset folders, 1 to 10 (the release's ten are the natural sites)",
+    )
+    parser.add_argument(
         "--layout",
         choices=[*BRATS_RELEASES, "both"],
         default="brats2017",
@@ -665,8 +682,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.n_studies < 1:
         raise SystemExit("error: --n-studies must be at least 1")
+    if not 1 <= args.subsets <= 10:
+        raise SystemExit(f"error: --subsets {args.subsets}: expected 1 to 10 (subset0-subset9)")
     if args.dataset == "luna16":
-        write_luna16(args.out, args.n_studies, args.seed, args.direction)
+        write_luna16(args.out, args.n_studies, args.seed, args.direction, subsets=args.subsets)
     elif min(args.shape) < 4:
         raise SystemExit(f"error: --shape {args.shape}: every side must be at least 4 voxels")
     elif args.layout == "both":
