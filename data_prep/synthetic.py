@@ -657,6 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--subsets",
         type=int,
+        choices=range(1, 11),
+        metavar="{1..10}",
         default=2,
         help="LUNA16 only: subset folders, 1 to 10 (the release's ten are the natural sites)",
     )
@@ -682,8 +684,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.n_studies < 1:
         raise SystemExit("error: --n-studies must be at least 1")
-    if not 1 <= args.subsets <= 10:
-        raise SystemExit(f"error: --subsets {args.subsets}: expected 1 to 10 (subset0-subset9)")
     if args.dataset == "luna16":
         write_luna16(args.out, args.n_studies, args.seed, args.direction, subsets=args.subsets)
     elif min(args.shape) < 4:
