@@ -151,7 +151,7 @@ def _luna_study(
     rng: np.random.Generator,
     direction: str,
     n_negatives: int,
-    subsets: int = 2,
+    subsets: int,
 ) -> LunaStudy:
     geometry = Geometry(
         origin=tuple(np.asarray(LUNA_ORIGIN) + rng.uniform(-5, 5, 3)),
