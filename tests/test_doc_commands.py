@@ -3,16 +3,24 @@
 The commands are read from the documents' code blocks (fenced, or indented by four spaces),
 with their continuation lines joined and the shell variables the block sets (``X="..."``)
 put in, and each is run in-process through :func:`fedexp.cli.main` from an empty folder for
-one round: ``rounds=1 checkpoint_every=0 progress=none tracker=none`` are appended (and the
-command's own ``tracker.*`` settings, which only say where to log, are left out). A sweep
+one round: ``rounds=1 checkpoint_every=0 progress=none tracker=none threads=1`` are appended
+(and the command's own ``tracker.*`` settings, which only say where to log, are left out). A sweep
 (``-m``) runs one job: each swept key at its first value, the experiment file's own sweep
 too, Optuna for one trial, the parallel launcher with one job at a time; every value of the
 whole sweep still goes through the checks ``fedexp run`` makes before Hydra starts.
 
+The data the imaging commands read are made as the documents make them: every ``python -m
+data_prep.*`` line of their code blocks that needs no download (``data_prep.synthetic`` and
+``data_prep.synthetic_images`` write look-alikes of the official releases in their formats,
+``data_prep.luna16`` and ``data_prep.brats`` prepare what those wrote) runs once per test
+session, in order, in one folder (:func:`documented_data`); a command's data folder is taken
+from there, else from the checkout. A preparation line that fails fails
+:func:`test_the_documented_data_preparation_runs`.
+
 A command is skipped, with the reason, when what it needs is not here, as found out from
-the command itself: a data set folder that does not exist (the prepared BraTS and LUNA16
-arrays), a checkpoint to resume from, a tracking server, SLURM, a ``...`` left for the reader
-to fill in, or a population too large for a test (the scale examples).
+the command itself: a data set folder that neither the documents' preparation nor the
+checkout has, a checkpoint to resume from, a tracking server, SLURM, a ``...`` left for the
+reader to fill in, or a population too large for a test (the scale examples).
 """
 
 from __future__ import annotations
@@ -22,12 +30,14 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 from hydra import compose, initialize_config_dir
 
 from helpers import CONF, ROOT, without_hydra_logging
@@ -41,8 +51,10 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MAX_CLIENTS = 10_000
 MAX_SAMPLES = 1_000_000
 
-#: Appended to every command: one round, nothing kept that a test does not need.
-ONE_ROUND = ["rounds=1", "checkpoint_every=0", "progress=none", "tracker=none"]
+#: Appended to every command: one round, nothing kept that a test does not need, one torch
+#: thread (a run takes every core by default, and two test workers that each did so ran an
+#: imaging command 15x slower: 350 s against 23 s).
+ONE_ROUND = ["rounds=1", "checkpoint_every=0", "progress=none", "tracker=none", "threads=1"]
 
 
 @dataclass(frozen=True)
@@ -95,8 +107,9 @@ def _logical_lines(block: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return out
 
 
-def doc_commands() -> list[Command]:
-    """Every ``fedexp run`` command of :data:`DOCUMENTS`, shell variables put in."""
+def doc_commands(prefix: str = "fedexp run") -> list[Command]:
+    """Every ``prefix`` command of :data:`DOCUMENTS` (its words after ``prefix``), shell
+    variables put in."""
     commands = []
     for doc in DOCUMENTS:
         for block in _blocks(doc.read_text()):
@@ -106,15 +119,58 @@ def doc_commands() -> list[Command]:
                 if assignment:
                     names[assignment[1]] = shlex.split(assignment[2])[0]
                     continue
-                if not line.strip().startswith("fedexp run"):
+                if not line.strip().startswith(prefix):
                     continue
                 tokens = shlex.split(line, comments=True)
                 words = []
-                for token in tokens[2:]:
+                for token in tokens[len(prefix.split()) :]:
                     word = re.fullmatch(r"\$\{?([A-Z_][A-Z0-9_]*)\}?", token)
                     words += shlex.split(names[word[1]]) if word else [token]
                 commands.append(Command(f"{doc.relative_to(ROOT)}:{number}", tuple(words)))
     return commands
+
+
+#: The modules whose documented lines make data from nothing (look-alikes of the releases in
+#: their official formats) or from what such a line made.
+PREPARATION = ("data_prep.synthetic", "data_prep.synthetic_images", "data_prep.luna16",
+               "data_prep.brats")  # fmt: skip
+
+
+def preparation_commands() -> list[Command]:
+    """The documents' ``python -m data_prep.*`` lines that need no download, in their order,
+    each once: a line with a placeholder (``[--delta 7]``, ``RAW``) is the reader's to fill in.
+
+    A line that reads a release (``--root``) is kept; :func:`prepare` runs it only where an
+    earlier line wrote that folder.
+    """
+    kept, seen = [], set()
+    for command in doc_commands("python -m"):
+        module, *args = command.args
+        placeholder = any(a.startswith("[") or re.fullmatch(r"[A-Z]+", a) for a in args)
+        if module in PREPARATION and not placeholder and command.args not in seen:
+            seen.add(command.args)
+            kept.append(command)
+    return kept
+
+
+def prepare(folder: Path) -> list[str]:
+    """Run :func:`preparation_commands` in ``folder``: what failed (empty: nothing)."""
+    failed = []
+    for command in preparation_commands():
+        root = _option(command.args, "--root")
+        if root is not None and not (folder / root).is_dir():
+            continue  # a real release's folder (/data/LUNA16): not made here
+        done = subprocess.run(
+            [sys.executable, "-m", *command.args], cwd=folder, capture_output=True, text=True
+        )
+        if done.returncode:
+            failed.append(f"{command.where}: python -m {' '.join(command.args)}\n{done.stderr}")
+    return failed
+
+
+def _option(args: tuple[str, ...], name: str) -> str | None:
+    """The value after ``name`` in a command line's ``args``, or None."""
+    return args[args.index(name) + 1] if name in args[:-1] else None
 
 
 def _setting(args: tuple[str, ...], key: str) -> str | None:
@@ -140,15 +196,27 @@ def _dataset_folder(args: tuple[str, ...]) -> Path | None:
     return None if path is None or "/" not in str(path) else Path(str(path))
 
 
-def skip_reason(command: Command) -> str | None:
-    """Why ``command`` cannot run here (what it needs that is absent), or None."""
+def data_folder(folder: Path, prepared: Path | None) -> Path | None:
+    """Where the data set ``folder`` of a command is: made by the documents' preparation in
+    ``prepared`` (None: not asked for), else in the checkout, else None."""
+    for root in ([prepared] if prepared else []) + [ROOT]:
+        if (root / folder).exists():
+            return root / folder
+    return None
+
+
+def skip_reason(command: Command, prepared: Path | None = None) -> str | None:
+    """Why ``command`` cannot run here (what it needs that is absent), or None.
+
+    ``prepared``: the folder of the documents' data preparation (:func:`documented_data`).
+    """
     args = command.args
     if any("..." in a for a in args):
         return "it has a '...' for the reader to fill in"
     if any("$" in a for a in args):  # a shell variable the document leaves to the reader
         return "it has a $VARIABLE for the reader to fill in"
     folder = _dataset_folder(args)
-    if folder is not None and not (ROOT / folder).exists():
+    if folder is not None and data_folder(folder, prepared) is None:
         return f"it reads the prepared data set {folder}, which is not here"
     resume = _setting(args, "resume")
     if resume is not None and not (ROOT / resume).exists():
@@ -166,6 +234,23 @@ def skip_reason(command: Command) -> str | None:
 
 
 COMMANDS = doc_commands()
+
+
+@pytest.fixture(scope="session")
+def documented_data(tmp_path_factory, worker_id) -> tuple[Path, list[str]]:
+    """The documents' data preparation (:func:`prepare`), once for the session's workers:
+    (its folder, what failed)."""
+    base = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # pytest-xdist: the workers' folders share a parent
+        base = base.parent
+    folder = base / "documented-data"
+    with FileLock(str(folder) + ".lock"):
+        record = folder.with_suffix(".failed")
+        if not record.exists():
+            folder.mkdir(exist_ok=True)
+            record.write_text("\n\n".join(prepare(folder)))
+    failed = record.read_text()
+    return folder, [failed] if failed else []
 
 
 def _first(override: str) -> str:
@@ -255,6 +340,17 @@ def test_the_documents_have_commands_and_every_skip_says_why():
                for r in skipped.values())  # fmt: skip
 
 
+def test_the_documented_data_preparation_runs(documented_data):
+    """Every documented ``python -m data_prep.*`` line that needs no download runs, and they
+    make every data folder the documents' commands read (the imaging commands run in CI)."""
+    folder, failed = documented_data
+    assert not failed, failed[0]
+    assert len(preparation_commands()) >= 10
+    missing = {c.where: _dataset_folder(c.args) for c in COMMANDS
+               if "prepared data set" in (skip_reason(c, folder) or "")}  # fmt: skip
+    assert not missing, f"documented commands whose data no documented line prepares: {missing}"
+
+
 def test_a_run_after_a_failed_sweep_in_the_same_process_exits_0(fedexp_main):
     """The exit code is the command's own: a failed sweep's summary does not outlive it (it
     made the next command of the process exit 1 after its results, with no line saying why)."""
@@ -265,8 +361,10 @@ def test_a_run_after_a_failed_sweep_in_the_same_process_exits_0(fedexp_main):
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
-def test_a_documented_command_runs_for_one_round(command, fedexp_main, tmp_path):
-    reason = skip_reason(command)
+def test_a_documented_command_runs_for_one_round(command, fedexp_main, tmp_path, request):
+    folder = _dataset_folder(command.args)
+    prepared = request.getfixturevalue("documented_data")[0] if folder else None
+    reason = skip_reason(command, prepared)
     if reason:
         pytest.skip(f"{command.where}: {reason}")
     from fedexp.cli import _group_option_errors
@@ -274,12 +372,16 @@ def test_a_documented_command_runs_for_one_round(command, fedexp_main, tmp_path)
     from fedexp.config.schema import override_errors
 
     args = [a for a in command.args if not a.startswith("tracker.")]
-    # the run starts in an empty folder: the data and checkpoints it reads are the checkout's
-    reads = {"dataset.path": _dataset_folder(command.args), "resume": _setting(args, "resume")}
+    # the run starts in an empty folder: the data it reads are the documents' preparation's
+    # or the checkout's, the checkpoints it resumes from the checkout's
+    reads = {"dataset.path": folder and data_folder(folder, prepared),
+             "resume": _setting(args, "resume")}  # fmt: skip
     for key, found in reads.items():
         if found is not None and not Path(found).is_absolute():
+            found = ROOT / found
+        if found is not None:
             args = [a for a in args if a.split("=", 1)[0].lstrip("+") != key]
-            args.append(f"{key}={ROOT / found}")
+            args.append(f"{key}={found}")
     # the whole sweep passes the checks made before Hydra starts
     assert not _group_option_errors(args) + unknown_key_errors(args, CONF) + override_errors(args)
     if "dataset.path=bc.csv" in args:  # README's own table, written as the README says
