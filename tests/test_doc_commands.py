@@ -26,6 +26,7 @@ reader to fill in, or a population too large for a test (the scale examples).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -237,11 +238,11 @@ COMMANDS = doc_commands()
 
 
 @pytest.fixture(scope="session")
-def documented_data(tmp_path_factory, worker_id) -> tuple[Path, list[str]]:
+def documented_data(tmp_path_factory) -> tuple[Path, list[str]]:
     """The documents' data preparation (:func:`prepare`), once for the session's workers:
     (its folder, what failed)."""
     base = tmp_path_factory.getbasetemp()
-    if worker_id != "master":  # pytest-xdist: the workers' folders share a parent
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' folders share a parent
         base = base.parent
     folder = base / "documented-data"
     with FileLock(str(folder) + ".lock"):

