@@ -238,9 +238,9 @@ COMMANDS = doc_commands()
 
 
 @pytest.fixture(scope="session")
-def documented_data(tmp_path_factory) -> tuple[Path, list[str]]:
+def documented_data(tmp_path_factory) -> tuple[Path, str]:
     """The documents' data preparation (:func:`prepare`), once for the session's workers:
-    (its folder, what failed)."""
+    (its folder, what failed: empty when nothing did)."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' folders share a parent
         base = base.parent
@@ -250,8 +250,7 @@ def documented_data(tmp_path_factory) -> tuple[Path, list[str]]:
         if not record.exists():
             folder.mkdir(exist_ok=True)
             record.write_text("\n\n".join(prepare(folder)))
-    failed = record.read_text()
-    return folder, [failed] if failed else []
+    return folder, record.read_text()
 
 
 def _first(override: str) -> str:
@@ -345,7 +344,7 @@ def test_the_documented_data_preparation_runs(documented_data):
     """Every documented ``python -m data_prep.*`` line that needs no download runs, and they
     make every data folder the documents' commands read (the imaging commands run in CI)."""
     folder, failed = documented_data
-    assert not failed, failed[0]
+    assert not failed, failed
     assert len(preparation_commands()) >= 10
     missing = {c.where: _dataset_folder(c.args) for c in COMMANDS
                if "prepared data set" in (skip_reason(c, folder) or "")}  # fmt: skip
