@@ -102,7 +102,9 @@ class Layout:
         The parameters only (:meth:`unflatten` of each row, without :func:`torch.func.vmap`).
         """
         m = flat.shape[0]
-        parts = torch.split(flat[:, : self.num_params], self._sizes[: self._whole_params], dim=1)
+        if flat.shape[1] != self.num_params:  # buffers after the parameters
+            flat = flat[:, : self.num_params]
+        parts = torch.split(flat, self._sizes[: self._whole_params], dim=1)
         named = zip(self.names, self.shapes, parts, strict=False)
         return {n: t.view(m, *shape) for n, shape, t in named}
 

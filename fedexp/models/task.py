@@ -79,7 +79,7 @@ class ClassificationTask:
         """
         if logits.shape[-1] == 1:
             valid = y != PADDING
-            per_sample = binary_cross_entropy(logits[:, 0], torch.where(valid, y, 0))
+            per_sample = binary_cross_entropy(logits.squeeze(-1), torch.where(valid, y, 0))
             return torch.where(valid, per_sample, 0.0).sum() / valid.sum()  # none: NaN, as a mean
         return F.cross_entropy(logits, y, ignore_index=PADDING)
 
@@ -95,7 +95,7 @@ class ClassificationTask:
         """
         valid = y != PADDING
         if logits.shape[-1] == 1:
-            per_sample = binary_cross_entropy(logits[..., 0], torch.where(valid, y, 0))
+            per_sample = binary_cross_entropy(logits.squeeze(-1), torch.where(valid, y, 0))
         else:  # cross-entropy: -log softmax at the label
             logp = torch.log_softmax(logits, dim=-1)
             picked = logp.gather(-1, torch.where(valid, y, 0).long().unsqueeze(-1)).squeeze(-1)
