@@ -5,6 +5,7 @@ counter-based minibatch draws; the pooled data; batched evaluation; slices; batc
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -96,6 +97,27 @@ def test_cohort_divergence_names_the_lowest_client(small_cfg):
     with pytest.raises(DivergenceError, match=r"^client 0: training loss is (nan|inf)"):
         for _ in range(3):
             engine.run_round()
+
+
+def test_the_cohorts_finiteness_check_passes_overflowing_sums_and_names_the_first_bad_row(
+    small_cfg,
+):
+    """``steps.check_rows`` checks each row's sum first: a row of finite entries whose sum
+    overflows to inf passes, and a row with an inf or a NaN entry (whose sum is finite only
+    if it is not checked) is named, the lowest one first."""
+    from fedexp.engine.solver import steps
+
+    engine = build_engine(small_cfg())
+    cohort = types.SimpleNamespace(clients=[4, 7, 9])
+    big = torch.full((3, 5), 3e38)  # every row's sum is inf
+    steps.check_rows(engine.ctx, cohort, big, torch.zeros(3), 0.1)
+    for bad, row in ((float("inf"), 1), (float("nan"), 2), (-float("inf"), 1)):
+        params = big.clone()
+        params[row, 3] = bad
+        with pytest.raises(DivergenceError, match=rf"^client {cohort.clients[row]}: "):
+            steps.check_rows(engine.ctx, cohort, params, torch.zeros(3), 0.1)
+    with pytest.raises(DivergenceError, match=r"^client 7: training loss is nan"):
+        steps.check_rows(engine.ctx, cohort, big, torch.tensor([0.0, float("nan"), 0.0]), 0.1)
 
 
 # ------------------------------------------------------------------ the streams
