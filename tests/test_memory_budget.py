@@ -156,3 +156,44 @@ def test_a_round_whose_server_reads_each_upload_is_not_sliced(small_cfg, overrid
     engine.ctx.memory_budget = int(budget * 2**30)
     who = engine.sampler(0)
     assert len(who.workers) > 2 and engine._round_slices(who) is None
+
+
+_MAPPED_AFTER_A_FREE = """
+import ctypes, sys
+import torch
+from fedexp.engine.memory import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+t = torch.ones(2**24)  # 64 MiB
+del t
+t = torch.ones(2**24)
+print(libc.mallinfo2().hblkhd, libc.mallinfo2().arena)
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="glibc >= 2.33 only"
+)
+def test_a_runs_large_tensors_come_from_the_heap_it_keeps():
+    """``memory.keep_freed_memory`` (which ``runner.run`` calls): a 64 MiB tensor made after
+    one of its size was freed lies in malloc's heap, not in a fresh mapping from the kernel
+    (glibc's ``mallinfo2``: ``hblkhd``, the bytes in mappings; ``arena``, the heap's)."""
+    import subprocess
+    import sys
+
+    def mapped(mode: str) -> tuple[int, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", _MAPPED_AFTER_A_FREE, mode],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        hblkhd, arena = out.stdout.split()
+        return int(hblkhd), int(arena)
+
+    default, kept = mapped("default"), mapped("keep")
+    assert default[0] >= 2**26  # glibc's default: the block is a mapping of its own
+    assert kept[0] < 2**26 and kept[1] >= 2**26  # kept: in the heap

@@ -33,7 +33,7 @@ from fedexp.engine.files import checkpoint
 from fedexp.engine.files.outputs import CLIENT_TABLE, _table_rows, _write_outputs
 from fedexp.engine.files.progress import RoundProgress
 from fedexp.engine.files.resume import _change_tags, _check_resume, _resume_changes, flatten_config
-from fedexp.engine.memory import resolve_budget
+from fedexp.engine.memory import keep_freed_memory, resolve_budget
 from fedexp.engine.processes import launch
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.processes.shared_data import load_dataset
@@ -381,6 +381,7 @@ def run(
         run_name: MLflow run name.
         tags: extra MLflow tags (e.g. the sweep's overrides); they win over provenance tags.
     """
+    keep_freed_memory()  # the rounds' large tensors reuse the freed ones' memory
     threads = int(cfg.get("threads") or 0)  # the CLI's choice, in every rank it starts too
     member = stacking.current.get()  # a run of a stacked sweep (hydra/launcher=stacked)
     if member is not None:  # the merged client work takes them, the run's own steps one

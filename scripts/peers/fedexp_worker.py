@@ -118,6 +118,9 @@ def main() -> None:
     from fedexp.engine import rng
 
     rng.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
+    from fedexp.engine.memory import keep_freed_memory
+
+    keep_freed_memory()  # as a run's process does (fedexp.engine.runner.run)
     clock = common.Clock()
     from fedexp.engine.clients.pool import TrainPool
 
