@@ -119,6 +119,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 #: what freed memory glibc keeps: every block it frees up to this size, and this much free
 #: memory at the heap's top before it gives any back
 KEEP_BYTES = 2**30
+#: whether :func:`keep_freed_memory` took in this process (None: not called yet)
+_kept: bool | None = None
 
 
 def keep_freed_memory() -> bool:
@@ -157,9 +159,6 @@ def keep_freed_memory() -> bool:
     except OSError:
         pass
     return _kept
-
-
-_kept: bool | None = None
 
 
 def reset_peak(device: torch.device) -> None:
