@@ -186,8 +186,11 @@ class TrainPool:
 
     def gather(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets ``[m, B, ...]`` of each row's client-local indices ``[m, B]``."""
-        flat = (self.offset[rows][:, None] + idx).reshape(-1)
-        shape = idx.shape
+        return self.take(self.offset[rows][:, None] + idx)
+
+    def take(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets ``[*at.shape, ...]`` of the pool's rows ``at`` (any shape)."""
+        flat, shape = at.reshape(-1), at.shape
         # one index (take_rows): several times faster than advanced indexing on the CPU
         return (
             take_rows(self.x, flat).reshape(*shape, *self.x.shape[1:]),

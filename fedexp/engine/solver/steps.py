@@ -109,23 +109,25 @@ class Ahead:
 
     def __init__(self, ctx: Context, cohort: Cohort, steps: int) -> None:
         self.ctx, self.cohort, self.left = ctx, cohort, steps
-        self.idx: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.at = 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every client's next draw: its indices ``[m, B]``, and which are samples.
+        """Every client's next draw: its rows of the pool ``[m, B]``, and which are samples.
 
-        Both made ahead when needed; the second is :func:`fedexp.engine.rng.pass_valid` of
-        the draw, None where every batch is full.
+        Both made ahead when needed: the rows are the draw's indices plus each client's
+        first row (:meth:`TrainPool.gather`'s, once a block instead of once a step); the
+        second is :func:`fedexp.engine.rng.pass_valid` of the draw, None where every batch
+        is full.
         """
-        if self.idx is None or self.at == self.idx.shape[1]:
+        if self.rows is None or self.at == self.rows.shape[0]:
             self._block()
-        assert self.idx is not None
+        assert self.rows is not None
         self.at += 1
         self.left -= 1
         valid = None if self.valid is None else self.valid[:, self.at - 1]
-        return self.idx[:, self.at - 1], valid
+        return self.rows[self.at - 1], valid
 
     def _block(self) -> None:
         cohort, size = self.cohort, self.ctx.batch_size
@@ -135,8 +137,9 @@ class Ahead:
         ahead = (draws[:, None] + torch.arange(k, device=draws.device)).reshape(-1)
         num = cohort.pool.size[cohort.rows].repeat_interleave(k)
         keys = cohort.keys.repeat_interleave(k)
-        idx = minibatch_indices(keys, ahead, size, num, self.ctx.sampling)
-        self.idx, self.at = idx.view(m, k, size), 0
+        idx = minibatch_indices(keys, ahead, size, num, self.ctx.sampling).view(m, k, size)
+        first = cohort.pool.offset[cohort.rows].view(m, 1, 1)
+        self.rows, self.at = (idx + first).transpose(0, 1).contiguous(), 0  # [k, m, B]
         if self.ctx.sampling == "shuffle" and not cohort.pool.fills(size):
             self.valid = pass_valid(ahead, size, num).view(m, k, size)
 
@@ -162,21 +165,22 @@ def draw_batch(
             torch.stack([d.x_train for d in cohort.data]),
             torch.stack([d.y_train for d in cohort.data]),
         )
-    num = cohort.pool.size[cohort.rows]
     draws = cohort.draws
     valid = None
     if ahead is None:
+        num = cohort.pool.size[cohort.rows]
         idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling)
+        x, y = cohort.pool.gather(cohort.rows, idx)
     else:
-        idx, valid = ahead.next()
+        rows, valid = ahead.next()
+        x, y = cohort.pool.take(rows)
     cohort.draws = draws + 1
-    x, y = cohort.pool.gather(cohort.rows, idx)
     if ctx.augment.active:  # per (stream key, draw, position): as the client alone draws it
         x, y = ctx.augment(x, y, cohort.keys, draws)
     if ctx.sampling != "shuffle" or cohort.pool.fills(size):
         return x, y  # every batch of every client full
     if valid is None:
-        valid = pass_valid(draws, size, num)
+        valid = pass_valid(draws, size, cohort.pool.size[cohort.rows])
     valid = valid.to(y.device)
     valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
     return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING)
