@@ -93,12 +93,14 @@ _AHEAD_ENTRIES = 1 << 22
 
 
 class Ahead:
-    """A cohort's next minibatch indices, drawn for several steps in one call.
+    """A cohort's next minibatches' rows of the pool, drawn for several steps in one call.
 
     :func:`fedexp.engine.rng.minibatch_indices` is counter-based, so the indices of draws
     t..t+k-1 of every client come out of one call on ``[m·k]`` rows, equal to k calls of one
     draw each: one pass permutation (and, on a GPU, its few host synchronisations) a block
-    of steps instead of one a step. Blocks keep at most ``_AHEAD_ENTRIES`` indices.
+    of steps instead of one a step. Blocks keep at most ``_AHEAD_ENTRIES`` indices, held as
+    the pool's rows (each client's first row added), step-major so that a step's ``[m, B]``
+    is contiguous.
 
     Args:
         ctx: the run's context (batch size, sampling).
@@ -156,7 +158,7 @@ def draw_batch(
     the cohort's ``[m, B]`` shape: its padding rows have the target
     :data:`fedexp.models.task.PADDING`, which the task's loss gives no weight, and the row-by-row
     gradients of models with running statistics leave out (:func:`_rowwise`). ``ahead``:
-    the indices come from it (made for several steps at once), else from one call. The
+    the rows come from it (made for several steps at once), else from one call. The
     batch is augmented by ``ctx.augment`` (:mod:`fedexp.data.augment`).
     """
     size = ctx.batch_size
