@@ -222,9 +222,7 @@ def padded(rows: Sequence[PoolRows]) -> tuple[torch.Tensor, torch.Tensor, torch.
     index = (starts[:, None] + torch.arange(longest).minimum(lengths[:, None] - 1)).to(
         pool.x.device
     )
-    flat = index.reshape(-1)
-    xs = take_rows(pool.x, flat).reshape(*index.shape, *pool.x.shape[1:])
-    ys = take_rows(pool.y, flat).reshape(*index.shape, *pool.y.shape[1:])
+    xs, ys = pool.take(index)
     return xs, ys, lengths
 
 
