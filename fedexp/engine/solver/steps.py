@@ -168,21 +168,23 @@ def draw_batch(
             torch.stack([d.y_train for d in cohort.data]),
         )
     draws = cohort.draws
+    short = ctx.sampling == "shuffle" and not cohort.pool.fills(size)  # some batches short
     valid = None
     if ahead is None:
         num = cohort.pool.size[cohort.rows]
         idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling)
         x, y = cohort.pool.gather(cohort.rows, idx)
-    else:
+        if short:
+            valid = pass_valid(draws, size, num)
+    else:  # its rows' validity made ahead too, where some batches are short
         rows, valid = ahead.next()
         x, y = cohort.pool.take(rows)
     cohort.draws = draws + 1
     if ctx.augment.active:  # per (stream key, draw, position): as the client alone draws it
         x, y = ctx.augment(x, y, cohort.keys, draws)
-    if ctx.sampling != "shuffle" or cohort.pool.fills(size):
+    if not short:
         return x, y  # every batch of every client full
-    if valid is None:
-        valid = pass_valid(draws, size, cohort.pool.size[cohort.rows])
+    assert valid is not None
     valid = valid.to(y.device)
     valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
     return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING)
