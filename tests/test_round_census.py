@@ -7,6 +7,8 @@ registry, every codec and every privacy mode, the second round of a run is count
 small and a large cohort (every client every round, equal clients, logistic regression, or
 an MLP with a head for the algorithms that need one) and the two counts must be equal: a
 per-client select, clone or host read would show as a difference of hundreds.
+The host reads at 10 clients must also be the documented number (:data:`READS`): a read
+added to every round (a second look at the same flag) keeps both sizes equal, unseen.
 
 The second round, since the first writes every client's state and the codecs' memories (the
 first round of a client reads its initial state: the same ops, but other branches).
@@ -79,6 +81,47 @@ ALGORITHMS = [
 ]
 CODECS = ["stc", "stc_twomean", "topk", "topk_zlib", "randk", "sar", "cer", "cer_runs", "cer_stc"]
 PRIVACY = ["central", "local", "adaptive"]
+
+#: The documented host reads of each case's training round and evaluation on the CPU
+#: (docs/benchmarks.md, "A round on the device"; the CPU pass kernel's and the stream keys'
+#: reads included): a fixed number, not only one equal at both sizes. A change that adds or
+#: removes a read updates this and the table together.
+READS: dict[str, tuple[int, int]] = {
+    "fedavg": (11, 10),
+    "fedprox": (11, 10),
+    "local": (7, 10),
+    "ditto": (18, 10),
+    "fedavg_ft": (18, 16),
+    "fedprox_ft": (18, 16),
+    "fedamp": (11, 10),
+    "fpfc": (17, 10),
+    "l2gd": (14, 10),
+    "fedper": (15, 10),
+    "fedrep": (23, 10),
+    "apfl": (12, 10),
+    "fedrod": (11, 10),
+    "pfedsop": (10, 10),
+    "pfedme": (18, 10),
+    "feddwa": (19, 10),
+    "ifca": (15, 10),
+    "superfed": (11, 10),
+    "tdpfed": (19, 10),
+    "fedala": (16, 10),
+    "pfednet": (37, 10),
+    "fedbn": (15, 10),
+    "compressor=stc": (11, 10),
+    "compressor=stc_twomean": (11, 10),
+    "compressor=topk": (11, 10),
+    "compressor=topk_zlib": (11, 10),
+    "compressor=randk": (11, 10),
+    "compressor=sar": (11, 10),
+    "compressor=cer": (13, 10),
+    "compressor=cer_runs": (13, 10),
+    "compressor=cer_stc": (13, 10),
+    "privacy=central": (16, 10),
+    "privacy=local": (16, 10),
+    "privacy=adaptive": (17, 10),
+}
 
 #: not yet over stacks: case -> why it grows (a strict xfail: it must leave when it stops)
 #: what is left to do: case -> why its training round grows (each must still grow)
@@ -166,6 +209,11 @@ def test_a_round_dispatches_as_many_ops_and_host_reads_for_any_cohort(case, extr
         ("training round", small[0], large[0], GROWING),
         ("evaluation", small[1], large[1], EVAL_GROWING),
     ):
+        documented = READS[case][0 if what == "training round" else 1]
+        assert s.total_reads == documented, (
+            f"{case}'s {what}: {s.total_reads} host reads at 10 clients, documented "
+            f"{documented} (READS, docs/benchmarks.md): {s.summary()}"
+        )
         same = (g.total_ops, g.total_reads) == (s.total_ops, s.total_reads)
         if case in growing:
             assert not same, f"{case}'s {what} no longer grows: remove it from the list"

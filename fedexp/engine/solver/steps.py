@@ -582,8 +582,9 @@ def check_rows(
         DivergenceError: for the lowest client whose loss or parameters are not finite.
     """
     ok = torch.isfinite(params.sum(dim=1)) & torch.isfinite(loss)
-    if not bool(ok.all()):
-        ok = torch.isfinite(params).all(dim=1) & torch.isfinite(loss)
+    if bool(ok.all()):  # a round's one host read here
+        return
+    ok = torch.isfinite(params).all(dim=1) & torch.isfinite(loss)
     if not bool(ok.all()):
         i = int(torch.nonzero(~ok)[0, 0])
         try:
