@@ -220,8 +220,8 @@ def vmapped_round_ops(monkeypatch, cfgs) -> list[int]:  # noqa: ANN001 - pytest'
 
     made = FlatModel.__init__
 
-    def vmapped(self, module, device, channels_last=None):  # noqa: ANN001, ANN202
-        made(self, module, device, channels_last=False)
+    def vmapped(self, module, device, channels_last=None, conv_gemm=False):  # noqa: ANN001, ANN202
+        made(self, module, device, channels_last=False, conv_gemm=conv_gemm)
 
     monkeypatch.setattr(FlatModel, "__init__", vmapped)
     ops = []

@@ -258,22 +258,27 @@ def test_a_vmapped_imaging_rounds_work_is_constant_in_its_clients(
     """Where the convolutions are vmapped (on CUDA; forced here on the CPU, which runs them
     channels-last row by row), a round of DenseNet or the U-Net dispatches as many ops for 4
     clients as for 2: nothing falls back client by client (the U-Net's loss once made vmap
-    refuse it, and the GPU ran it slower than a plain loop)."""
-    cfgs = [
-        small_cfg(
-            *RUNS[dataset][:-1],
-            "partition=iid",
-            f"dataset.path={getattr(prepared, dataset.replace('16', ''))}",
-            f"num_clients={n}",
-            "local_steps=2",
-            "batch_size=4",
-            "sampling=replacement",  # (no short last batches, which depend on the sizes)
-            "lr=0.05",
-        )
-        for n in (2, 4)
-    ]
-    ops = vmapped_round_ops(monkeypatch, cfgs)
-    assert ops[0] == ops[1], ops[1] - ops[0]
+    refuse it, and the GPU ran it slower than a plain loop). So also with ``conv_gemm``
+    (the convolutions as matrix products), whose ops differ: the path was taken."""
+    counts = {}
+    for gemm in (False, True):
+        cfgs = [
+            small_cfg(
+                *RUNS[dataset][:-1],
+                "partition=iid",
+                f"dataset.path={getattr(prepared, dataset.replace('16', ''))}",
+                f"num_clients={n}",
+                "local_steps=2",
+                "batch_size=4",
+                "sampling=replacement",  # (no short last batches, which depend on the sizes)
+                "lr=0.05",
+                f"conv_gemm={str(gemm).lower()}",
+            )
+            for n in (2, 4)
+        ]
+        ops = counts[gemm] = vmapped_round_ops(monkeypatch, cfgs)
+        assert ops[0] == ops[1], (gemm, ops[1] - ops[0])
+    assert counts[True] != counts[False]
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local"])

@@ -269,7 +269,9 @@ def test_vgg8_channels_last_row_by_row_equals_vmapped(prepared, small_cfg, monke
     assert rows.ctx.model.channels_last and rows.ctx.vmap_ok
     original = FlatModel.__init__
     monkeypatch.setattr(
-        FlatModel, "__init__", lambda self, m, d, c=None: original(self, m, d, channels_last=False)
+        FlatModel,
+        "__init__",
+        lambda self, m, d, c=None, **k: original(self, m, d, channels_last=False, **k),
     )
     vmapped, _, _ = _one_round(cfg)
     assert not vmapped.ctx.model.channels_last and vmapped.ctx.vmap_ok

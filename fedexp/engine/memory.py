@@ -11,12 +11,15 @@ client's step (:func:`client_step_bytes`); the slices' results equal the whole c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 from typing import TYPE_CHECKING
 
 import torch
+
+from fedexp.models import conv_gemm
 
 if TYPE_CHECKING:
     from fedexp.engine.solver.context import Context
@@ -69,8 +72,10 @@ def client_step_bytes(ctx: Context, x: torch.Tensor, y: torch.Tensor) -> int:
 
     Measured once per shape by running the task's loss and its backward pass on the model's
     initial parameters: the distinct tensors autograd saves for the backward, other than the
-    parameters and the inputs (the activations), times :data:`OVERHEAD`, plus the
-    parameters' own rows (parameters, gradient, an optimiser's two moments).
+    parameters and the inputs (the activations), and with ``conv_gemm`` the receptive fields
+    a cohort's convolutions copy (:func:`fedexp.models.conv_gemm.counting_fields`), times
+    :data:`OVERHEAD`, plus the parameters' own rows (parameters, gradient, an optimiser's
+    two moments).
     """
     key = (tuple(x.shape), tuple(y.shape))
     cached = ctx.step_bytes.get(key)
@@ -88,10 +93,19 @@ def client_step_bytes(ctx: Context, x: torch.Tensor, y: torch.Tensor) -> int:
             seen[(t.data_ptr(), t.nbytes)] = t.nbytes
         return t
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    fields = (
+        conv_gemm.counting_fields(ctx.model.module)
+        if getattr(ctx.model, "conv_gemm", False)
+        else contextlib.nullcontext([])
+    )
+    with (
+        fields as copies,
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         loss = ctx.task.loss(ctx.model(params, x), y)
     loss.backward()
-    saved = sum(seen.values())
+    saved = sum(seen.values()) + sum(copies)  # + the cohort path's receptive fields
     out = int(saved * OVERHEAD) + 4 * params.numel() * params.element_size()
     ctx.step_bytes[key] = out
     log.info(

@@ -136,7 +136,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         cfg.model, data.x.shape[1:], data.num_classes, rng.derive_seed(cfg.seed, rng.INIT)
     )
     check_model_fits(module, data, _choice(cfg.model), _choice(cfg.dataset))
-    model = FlatModel(module, device)
+    model = FlatModel(module, device, conv_gemm=bool(cfg.get("conv_gemm", False)))
     personal = model.layout.matched(personal_patterns, "model.personal", device)
     shared_mask = torch.ones(model.layout.numel, dtype=torch.bool, device=device)
     shared_mask[personal] = False

@@ -24,6 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedexp.errors import ConfigError
+from fedexp.models.conv_gemm import install as install_conv_gemm
 from fedexp.models.norms import functional_norms, momentum, tracked_norms, updated
 
 
@@ -176,12 +177,20 @@ class FlatModel:
         device: where the module and every flat vector live.
         channels_last: hand 2-D (3-D) convolution weights over in channels-last(-3d)
             strides; None: on the CPU when the module has a ``Conv2d`` or ``Conv3d``.
+        conv_gemm: a cohort's 2-D convolutions as matrix products
+            (:mod:`fedexp.models.conv_gemm`), not vmap's grouped ones: for the GPU.
     """
 
     def __init__(
-        self, module: nn.Module, device: torch.device, channels_last: bool | None = None
+        self,
+        module: nn.Module,
+        device: torch.device,
+        channels_last: bool | None = None,
+        conv_gemm: bool = False,
     ) -> None:
         self.module = module.to(device)
+        #: whether a cohort's 2-D convolutions go as matrix products (some layer takes them)
+        self.conv_gemm = bool(conv_gemm) and install_conv_gemm(self.module) > 0
         self.layout = Layout.of(self.module)
         convs = [
             name + ".weight"
