@@ -77,11 +77,11 @@ def test_sizes_name_what_exists():
         assert set(sizes.golden) <= set(CASES), mode
         assert set(sizes.sweep_algorithms) <= algorithms, mode
         assert set(sizes.workloads) <= set(check.WORKLOADS), mode
-    # every step gets its whole budget; the device check fits its 540 s call (8 minutes of
+    # every step gets its whole budget; the device check fits its 580 s call (8 2/3 minutes of
     # steps, the wheels' installation and the last step's grace besides)
     for mode in ("gpu", "cpu"):
         assert sum(check.SIZES[mode].budgets.values()) <= check.SIZES[mode].total_s
-    assert check.SIZES["gpu"].total_s <= 480
+    assert check.SIZES["gpu"].total_s <= 520
 
 
 def test_sync_counting_reads_the_debug_mode_warnings(monkeypatch):

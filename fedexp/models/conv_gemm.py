@@ -16,7 +16,7 @@ model's go to ``F.conv2d`` as before. :func:`install` sets it on a module's ``Co
 layers (zero padding, one group); :func:`uninstall` takes it off. The run setting
 ``conv_gemm`` (off by default) installs it (:class:`fedexp.models.flat.FlatModel`).
 
-Measured on an H200 (``scripts/gpu/conv_gemm.py``, 2026-11-29; docs/benchmarks.md): the
+Measured on an H200 (2026-11-29; docs/benchmarks.md; the device check's ``conv_gemm`` step): the
 2-conv CNN's round 1.52× the grouped convolutions' client updates/s at 100 clients and 1.75×
 at 1,000; MONAI's 2-D U-Net 0.90× and 1.01×. On the CPU a model with convolutions trains row
 by row (channels-last, :mod:`fedexp.models.flat`), where weights are never batched, so the

@@ -22,6 +22,10 @@ in its step) with its own time budget; ``--smallest`` runs them all in one child
   on every client's minibatch at once), the FLOP bound (train FLOPs per sample × samples per
   update ÷ the chip's stated float32 peak) and peak GPU memory;
 * ``profile``: one CNN round under ``torch.profiler``: the top kernels;
+* ``conv_gemm``: rounds of the CNN, the U-Net and the DenseNet with their convolutions as
+  vmap's grouped ones and as matrix products (the run setting ``conv_gemm``), in turn on one
+  engine: client updates/s and peak memory of each; and the CNN's server state after two
+  rounds of 10 clients both ways (float32, TF32 off);
 * ``sweep``: a ``pfednet_tables``-style sweep (``fedexp run -m``) on the device, one job a
   run, then the same algorithms over ``sweep_seeds`` seeds with ``hydra/launcher=stacked``
   (a group of runs a cohort), and as the baseline the first ones on the CPU.
@@ -87,6 +91,7 @@ STEPS = (
     "bench_densenet3d",
     "bench_unet3d",
     "profile",
+    "conv_gemm",
     "sweep",
 )
 
@@ -132,6 +137,7 @@ class Sizes:
         sweep_rounds: rounds of each sweep job.
         sweep_cpu: algorithms of the CPU baseline sweep (the first ones), 0: none.
         sweep_seeds: seeds of the stacked sweep (each algorithm a group of that many runs).
+        gemm_cells: (workload, clients) of ``conv_gemm``, in order.
         workloads: (samples a client, steps, batch) of the imaging models, where smaller than
             :data:`WORKLOADS` (a CPU takes seconds a DenseNet step).
     """
@@ -155,6 +161,7 @@ class Sizes:
     sweep_rounds: int
     sweep_cpu: int
     sweep_seeds: int = 2
+    gemm_cells: tuple[tuple[str, int], ...] = (("cnn", 2),)
     workloads: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
     def workload(self, model: str) -> tuple[int, int, int]:
@@ -169,8 +176,8 @@ def _budgets(*seconds: float) -> dict[str, float]:
 
 SIZES: dict[str, Sizes] = {
     "gpu": Sizes(
-        total_s=480,
-        budgets=_budgets(25, 25, 25, 20, 40, 30, 90, 45, 45, 45, 15, 75),
+        total_s=520,
+        budgets=_budgets(25, 25, 25, 20, 40, 30, 90, 45, 45, 45, 15, 40, 75),
         inline=False,
         threads=0,
         clients=(100, 1000),
@@ -195,10 +202,11 @@ SIZES: dict[str, Sizes] = {
         sweep_rounds=10,
         sweep_cpu=2,
         sweep_seeds=4,
+        gemm_cells=(("cnn", 100), ("cnn", 1000), ("unet", 100), ("densenet", 100)),
     ),
     "cpu": Sizes(
-        total_s=290,
-        budgets=_budgets(15, 35, 25, 20, 20, 20, 40, 25, 25, 20, 15, 30),
+        total_s=310,
+        budgets=_budgets(15, 35, 25, 20, 20, 20, 40, 25, 25, 20, 15, 20, 30),
         inline=False,
         threads=1,
         clients=(4, 8),
@@ -215,6 +223,7 @@ SIZES: dict[str, Sizes] = {
         sweep_algorithms=("fedavg", "local"),
         sweep_rounds=2,
         sweep_cpu=1,
+        gemm_cells=(("cnn", 4), ("unet", 4)),
         workloads={
             "densenet": (10, 1, 2),
             "unet": (10, 1, 4),
@@ -224,7 +233,7 @@ SIZES: dict[str, Sizes] = {
     ),
     "smallest": Sizes(
         total_s=100,
-        budgets=_budgets(10, 30, 15, 10, 10, 10, 10, 10, 10, 10, 10, 30),
+        budgets=_budgets(10, 30, 15, 10, 10, 10, 10, 10, 10, 10, 10, 10, 30),
         inline=True,
         threads=1,
         clients=(2,),
@@ -1066,6 +1075,67 @@ def _kernels(prof: Any) -> dict[str, tuple[int, float]]:
     return out
 
 
+# ====================================================================== step: conv_gemm
+def step_conv_gemm(s: Step) -> None:
+    """Grouped convolutions against matrix products (``conv_gemm``), cell by cell."""
+    import torch
+
+    from fedexp.models import conv_gemm
+
+    dev = _device()
+    s.result.update(cells={})
+    tmp = Path(tempfile.mkdtemp(prefix="gemm-", dir=s.work))
+    try:
+        # the same server state both ways (float32: TF32 off for the grouped convolutions)
+        torch.backends.cudnn.allow_tf32 = False
+        states = []
+        for gemm in (False, True):
+            engine = _workload("cnn", 10, dev, tmp, s.sizes.workload("cnn"))[0]
+            if gemm:
+                conv_gemm.install(engine.ctx.model.module)
+            engine.run_round()
+            engine.run_round()
+            states.append(
+                torch.cat([v.detach().double().cpu().reshape(-1) for v in engine.server.values()])
+            )
+        torch.backends.cudnn.allow_tf32 = True
+        gap = float((states[0] - states[1]).abs().max() / states[0].abs().max())
+        s.result["cnn_state_gap"] = gap
+        s.say(f"cnn, 10 clients, two rounds: server states {gap:.2e} apart (relative)")
+        s.save()
+        cells = s.sizes.gemm_cells
+        for i, (model, n) in enumerate(cells):
+            cell_end = time.monotonic() + s.left() / (len(cells) - i)
+            cell: dict[str, Any] = {"model": model, "clients": n}
+            s.result["cells"][f"{model}_{n}"] = cell
+            try:
+                engine = _workload(model, n, dev, tmp, s.sizes.workload(model))[0]
+                for variant in ("grouped", "gemm"):
+                    if variant == "gemm":
+                        conv_gemm.install(engine.ctx.model.module)
+                    _reset_peak(dev)
+                    end = time.monotonic() + (cell_end - time.monotonic()) / (
+                        2 if variant == "grouped" else 1
+                    )
+                    cell[variant] = _fedexp_rate(engine, n, s.sizes, dev, end)
+                    cell[f"{variant}_peak_mib"] = _peak_mib(dev)
+                cell["ratio"] = cell["gemm"] / cell["grouped"]
+                s.say(
+                    f"{model}, {n} clients: grouped {cell['grouped']:,.0f} updates/s, "
+                    f"products {cell['gemm']:,.0f} ({cell['ratio']:.2f}x)"
+                )
+            except Exception as exc:  # an out-of-memory, say: the next cell
+                cell["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                s.say(f"{model}, {n} clients: {cell['error']}")
+            finally:
+                engine = None
+                _free(dev)
+            s.save()
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # ====================================================================== step: sweep
 class _Sweep:
     """``fedexp run -m +experiment=pfednet_tables`` over ``algorithms`` (δ = 1, seed 0), its
@@ -1203,6 +1273,7 @@ STEP_FUNCTIONS: dict[str, Callable[[Step], None]] = {
     "bench_densenet3d": lambda s: bench(s, "densenet3d"),
     "bench_unet3d": lambda s: bench(s, "unet3d"),
     "profile": step_profile,
+    "conv_gemm": step_conv_gemm,
     "sweep": step_sweep,
 }
 
@@ -1509,6 +1580,25 @@ def summary(doc: dict[str, Any]) -> str:
                 f"- {e['name']}: {e['calls']} calls, "
                 + (f"{e['device_ms']:.2f} ms" if "device_ms" in e else f"{e['cpu_ms']:.2f} ms CPU")
                 for e in p["top"][:8]
+            ),
+        ]
+    cg = steps.get("conv_gemm", {})
+    if cg.get("cells"):
+        lines += [
+            "",
+            "## Convolutions as matrix products (`conv_gemm`) against vmap's grouped ones",
+            "",
+            f"CNN, 10 clients, two rounds: server states {_f(cg.get('cnn_state_gap'), '.2e')} "
+            "apart (relative to the largest entry; float32, TF32 off).",
+            "",
+            "| model | clients | grouped | products | ratio | peak MiB grouped | products |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            *(
+                f"| {c['model']} | {c['clients']} | {_f(c.get('grouped'))} | "
+                f"{_f(c.get('gemm'))} | {_f(c.get('ratio'), '.2f')}x | "
+                f"{_f(c.get('grouped_peak_mib'))} | {_f(c.get('gemm_peak_mib'))} |"
+                + (f" {c['error'][:80]}" if c.get("error") else "")
+                for c in cg["cells"].values()
             ),
         ]
     sw = steps.get("sweep", {})
