@@ -118,3 +118,11 @@ def test_the_memory_estimate_counts_the_receptive_fields_the_path_copies():
     # conv1: 1 channel, 5x5, 28x28 outputs; conv2: 16 channels, 5x5, 10x10 outputs; float32
     fields = 4 * (1 * 25 * 28 * 28 + 16 * 25 * 10 * 10) * 4
     assert abs(sizes[1] - sizes[0] - fields * memory.OVERHEAD) <= 1  # (int() of each sum)
+
+
+def test_the_setting_does_nothing_where_cohorts_train_row_by_row():
+    """On the CPU a convolutional model goes channels-last, one client at a time: no layer
+    gets the path (and the memory estimate counts no fields)."""
+    model = FlatModel(_cnn(), torch.device("cpu"), conv_gemm=True)
+    assert model.channels_last and not model.conv_gemm
+    assert not any("_conv_forward" in m.__dict__ for m in model.module.modules())

@@ -178,7 +178,8 @@ class FlatModel:
         channels_last: hand 2-D (3-D) convolution weights over in channels-last(-3d)
             strides; None: on the CPU when the module has a ``Conv2d`` or ``Conv3d``.
         conv_gemm: a cohort's 2-D convolutions as matrix products
-            (:mod:`fedexp.models.conv_gemm`), not vmap's grouped ones: for the GPU.
+            (:mod:`fedexp.models.conv_gemm`), not vmap's grouped ones: for the GPU (with
+            ``channels_last`` it does nothing).
     """
 
     def __init__(
@@ -189,8 +190,6 @@ class FlatModel:
         conv_gemm: bool = False,
     ) -> None:
         self.module = module.to(device)
-        #: whether a cohort's 2-D convolutions go as matrix products (some layer takes them)
-        self.conv_gemm = bool(conv_gemm) and install_conv_gemm(self.module) > 0
         self.layout = Layout.of(self.module)
         convs = [
             name + ".weight"
@@ -202,6 +201,11 @@ class FlatModel:
         #: whether 2-D convolution weights are handed over in channels-last strides
         self.channels_last = bool(channels_last and convs)
         self._nhwc = frozenset(convs) if self.channels_last else frozenset()
+        #: whether a cohort's 2-D convolutions go as matrix products (some layer takes them;
+        #: never channels-last, whose cohorts train row by row, one model at a time)
+        self.conv_gemm = (
+            bool(conv_gemm) and not self.channels_last and install_conv_gemm(self.module) > 0
+        )
         float_names = set(self.layout.names[len(self._param_names()) :])
         #: integer buffers (e.g. ``num_batches_tracked``), copied fresh into every call
         self.int_buffers = {k: v for k, v in self.module.named_buffers() if k not in float_names}

@@ -1111,8 +1111,10 @@ def step_conv_gemm(s: Step) -> None:
             try:
                 engine = _workload(model, n, dev, tmp, s.sizes.workload(model))[0]
                 for variant in ("grouped", "gemm"):
-                    if variant == "gemm":
-                        conv_gemm.install(engine.ctx.model.module)
+                    if variant == "gemm":  # (as conv_gemm=true: its fields in the estimate)
+                        flat = engine.ctx.model
+                        flat.conv_gemm = conv_gemm.install(flat.module) > 0
+                        engine.ctx.step_bytes.clear()
                     _reset_peak(dev)
                     end = time.monotonic() + (cell_end - time.monotonic()) / (
                         2 if variant == "grouped" else 1
