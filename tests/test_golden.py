@@ -44,10 +44,12 @@ _EXACT = ("bytes/", "clients/", "messages/")
 #: (``tdpfed-batchnorm``: a θ momentum) and by 2e-6 where 1e-6 is allowed (``tdpfed``,
 #: ``tdpfed-stc-partial``: Adam's moments), and apart from itself as much when held to AVX2.
 #: What amplifies (measured 2026-11-29, AVX-512 against AVX2 on the Intel machine): in
-#: ``tdpfed`` and ``tdpfed-stc-partial`` the ALS fit of the initial factors A_0
-#: (``init_sweeps``, least squares): from the factors' random start (``init_sweeps=0``) the
-#: same rounds, Adam on the factors and Nesterov θ steps at η_p·λ = 0.96 included, stay within
-#: 0.13 and 0.19 of the tolerance, against 3.4 times it with the fit; those are the
+#: ``tdpfed`` and ``tdpfed-stc-partial``, Adam's first steps on factors that start at the ALS
+#: fit of the initial model (``init_sweeps``): a stationary point of the fit, where the
+#: gradient of the factor solved last is rounding noise (1.7e-7 on an 8x30 layer, the other
+#: factor's 9e-3) and Adam normalises it into whole steps. From the factors' random start
+#: (``init_sweeps=0``) the same rounds, Nesterov θ steps at η_p·λ = 0.96 included, stay within
+#: 0.13 and 0.19 of the tolerance, against 3.4 times it from the fit; those are the
 #: ``tdpfed-random-start`` cases, compared in full everywhere (and held to AVX2, and to no
 #: vector extension, here). In ``tdpfed-batchnorm`` it is Adam on a BatchNorm model
 #: (``golden/cases.py``), with or without the fit. Elsewhere these three are held to what

@@ -69,9 +69,10 @@ VARIANTS: list[tuple[str, tuple[str, ...]]] = [
                               "algorithm.eval_lambda=0.5")),
     ("tdpfed", ("algorithm=tdpfed", "model=mlp", "model.hidden=8", "algorithm.local_rounds=2",
                 "algorithm.personal_steps=2", "algorithm.factor_steps=3", "participation=0.6")),
-    # TDPFed from the random start of its factors (no ALS fit of A_0: the least squares that
-    # carry one CPU kind's rounding into 1e-5 gaps, tests/test_golden.py), compared in full
-    # on every kind of machine, where the cases above hold only on the recording's
+    # TDPFed from the random start of its factors (no ALS fit of A_0, a stationary point of
+    # the fit where Adam's first factor steps normalise rounding noise into whole steps,
+    # tests/test_golden.py), compared in full on every kind of machine, where the cases above
+    # hold only on the recording's
     ("tdpfed-random-start", ("algorithm=tdpfed", "model=mlp", "model.hidden=8",
                              "algorithm.local_rounds=2", "algorithm.personal_steps=2",
                              "algorithm.factor_steps=3", "participation=0.6",
