@@ -26,6 +26,7 @@ from torch.func import functional_call
 from fedexp.errors import ConfigError
 from fedexp.models.conv_gemm import install as install_conv_gemm
 from fedexp.models.norms import functional_norms, momentum, tracked_norms, updated
+from fedexp.models.pool_first import pool_first
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,9 @@ class FlatModel:
         channels_last: bool | None = None,
         conv_gemm: bool = False,
     ) -> None:
-        self.module = module.to(device)
+        # ReLUs moved after their max-pooling (the same values and gradients, a quarter of
+        # the entries: fedexp.models.pool_first); the module as it is where none is
+        self.module = pool_first(module).to(device)
         self.layout = Layout.of(self.module)
         convs = [
             name + ".weight"
