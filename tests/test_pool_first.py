@@ -19,7 +19,7 @@ from torch import fx, nn
 
 from fedexp.models.flat import FlatModel
 from fedexp.models.pool_first import pool_first
-from fedexp.models.vision import vgg8
+from fedexp.models.vision import resnet9, vgg8
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "peers"))
 
@@ -55,10 +55,17 @@ def test_relu_commutes_with_max_pooling_in_values_and_gradients(pool):
 
 
 def _relus_after_pools(module: fx.GraphModule) -> int:
+    modules = dict(module.named_modules())
+
+    def pool(node: fx.Node) -> bool:
+        if node.op == "call_module":
+            return isinstance(modules[str(node.target)], nn.MaxPool2d)
+        return node.target is F.max_pool2d
+
     return sum(
         1
         for n in module.graph.nodes
-        if n.op == "call_function" and n.target is F.relu and n.args[0].target is F.max_pool2d
+        if n.op == "call_function" and n.target is F.relu and pool(n.args[0])
     )
 
 
@@ -70,6 +77,8 @@ CASES = {
         (3, 16, 16),
         4,
     ),
+    # pFedSOP's ResNet-9: ConvBN (BatchNorm, nn.ReLU) then nn.MaxPool2d modules, three times
+    "resnet9": (lambda: resnet9((3, 16, 16), 10, width=4), (3, 16, 16), 3),
 }
 
 

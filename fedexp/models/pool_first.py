@@ -5,8 +5,9 @@ entry for entry, and the gradients agree too. Where a window's maximum is positi
 the gradient to the same (first) maximal entry; where it is not, both give the window a zero
 gradient (ReLU's derivative at and below zero is 0 in PyTorch, whichever entry the pooling
 picks). Pooling first runs the ReLU and its backward on a quarter of the entries (2x2 windows):
-the 2-conv CNN of the peers' benchmark (conv, ReLU, pool twice) took 3.5 ms less a round of 10
-clients on the CPU, 64.5 against 68 ms (docs/bench_peers.md), the same bits.
+the 2-conv CNN of the peers' benchmark (conv, ReLU, pool twice) took about 3.5 ms less a round
+of 10 clients on the CPU, 5 %, to the same bits (docs/bench_peers.md: 1.45-1.52x pfl-research
+in three runs, 1.40x before).
 
 :func:`pool_first` traces a module with ``torch.fx`` and moves every ReLU whose only use is a
 max-pooling after it: ``F.relu`` / ``torch.relu`` / ``Tensor.relu`` / ``nn.ReLU``, not in
