@@ -161,3 +161,14 @@ def test_the_flat_model_runs_the_rewrite_with_the_originals_layout():
     assert isinstance(model.module, fx.GraphModule)
     assert model.layout.names == tuple(n for n, _ in _cnn().named_parameters())
     assert torch.equal(model.initial(), FlatModel(_cnn(), torch.device("cpu")).initial())
+
+
+def test_a_module_without_max_pooling_is_not_traced(monkeypatch):
+    """No ``MaxPoolNd`` layer and no ``max_poolNd`` in any ``forward``: no trace is paid for."""
+    import fedexp.models.pool_first as pf
+
+    monkeypatch.setattr(pf.fx, "symbolic_trace", lambda m: pytest.fail("traced"))
+    mlp = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    assert pool_first(mlp) is mlp
+    with pytest.raises(pytest.fail.Exception):  # one that pools is traced
+        pool_first(_TwoUses())

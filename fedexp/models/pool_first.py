@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 _RELUS = (F.relu, torch.relu)
 _POOLS = (F.max_pool1d, F.max_pool2d, F.max_pool3d)
 _POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+_POOL_NAMES = frozenset({"max_pool1d", "max_pool2d", "max_pool3d"})
 #: the position of ``return_indices`` among ``F.max_poolNd``'s arguments
 _INDICES_ARG = 6
 
@@ -65,6 +66,21 @@ def _max_pool(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     return False
 
 
+def _may_pool(module: nn.Module) -> bool:
+    """Whether ``module`` holds a max-pooling layer or code that calls ``max_poolNd``.
+
+    A look at each submodule's type and its ``forward``'s names, before a trace (the MONAI
+    DenseNet's takes about 0.1 s).
+    """
+    for sub in module.modules():
+        if isinstance(sub, _POOL_MODULES):
+            return True
+        code = getattr(type(sub).forward, "__code__", None)
+        if code is not None and _POOL_NAMES & set(code.co_names):
+            return True
+    return False
+
+
 def _trace(module: nn.Module, training: bool) -> fx.GraphModule:
     was = module.training
     try:
@@ -82,7 +98,7 @@ def pool_first(module: nn.Module) -> nn.Module:
         sharing ``module``'s submodules, parameters and buffers; ``module`` itself where
         nothing is swapped (see the module's docstring).
     """
-    if getattr(module, "stacks", False):  # a model with its own stacked forward: as it is
+    if getattr(module, "stacks", False) or not _may_pool(module):  # as it is
         return module
     try:
         traced = _trace(module, True)
