@@ -177,7 +177,7 @@ def _budgets(*seconds: float) -> dict[str, float]:
 SIZES: dict[str, Sizes] = {
     "gpu": Sizes(
         total_s=520,
-        budgets=_budgets(25, 25, 25, 20, 40, 30, 90, 45, 45, 45, 15, 40, 75),
+        budgets=_budgets(15, 25, 35, 20, 40, 30, 90, 45, 45, 45, 15, 40, 75),
         inline=False,
         threads=0,
         clients=(100, 1000),
