@@ -204,11 +204,8 @@ class FlatModel:
         #: whether 2-D convolution weights are handed over in channels-last strides
         self.channels_last = bool(channels_last and convs)
         self._nhwc = frozenset(convs) if self.channels_last else frozenset()
-        #: whether a cohort's 2-D convolutions go as matrix products (some layer takes them;
-        #: never channels-last, whose cohorts train row by row, one model at a time)
-        self.conv_gemm = (
-            bool(conv_gemm) and not self.channels_last and install_conv_gemm(self.module) > 0
-        )
+        #: whether a cohort's 2-D convolutions go as matrix products (:meth:`use_conv_gemm`)
+        self.conv_gemm = bool(conv_gemm) and self.use_conv_gemm()
         float_names = set(self.layout.names[len(self._param_names()) :])
         #: integer buffers (e.g. ``num_batches_tracked``), copied fresh into every call
         self.int_buffers = {k: v for k, v in self.module.named_buffers() if k not in float_names}
@@ -227,6 +224,18 @@ class FlatModel:
             and name.rpartition(".")[2] in ("running_mean", "running_var")
             for name in buffer_names
         )
+
+    def use_conv_gemm(self) -> bool:
+        """Send a cohort's 2-D convolutions through matrix products (:mod:`.conv_gemm`).
+
+        Never with channels-last weights, whose cohorts train row by row, one model at a
+        time, so that no layer would take the path.
+
+        Returns:
+            :attr:`conv_gemm`: whether some layer now takes it.
+        """
+        self.conv_gemm = not self.channels_last and install_conv_gemm(self.module) > 0
+        return self.conv_gemm
 
     def _param_names(self) -> list[str]:
         return [n for n, p in self.module.named_parameters() if p.requires_grad]

@@ -1080,8 +1080,6 @@ def step_conv_gemm(s: Step) -> None:
     """Grouped convolutions against matrix products (``conv_gemm``), cell by cell."""
     import torch
 
-    from fedexp.models import conv_gemm
-
     dev = _device()
     s.result.update(cells={})
     tmp = Path(tempfile.mkdtemp(prefix="gemm-", dir=s.work))
@@ -1092,7 +1090,7 @@ def step_conv_gemm(s: Step) -> None:
         for gemm in (False, True):
             engine = _workload("cnn", 10, dev, tmp, s.sizes.workload("cnn"))[0]
             if gemm:
-                conv_gemm.install(engine.ctx.model.module)
+                engine.ctx.model.use_conv_gemm()
             engine.run_round()
             engine.run_round()
             states.append(
@@ -1111,9 +1109,8 @@ def step_conv_gemm(s: Step) -> None:
             try:
                 engine = _workload(model, n, dev, tmp, s.sizes.workload(model))[0]
                 for variant in ("grouped", "gemm"):
-                    if variant == "gemm":  # (as conv_gemm=true: its fields in the estimate)
-                        flat = engine.ctx.model
-                        flat.conv_gemm = conv_gemm.install(flat.module) > 0
+                    if variant == "gemm":  # as conv_gemm=true: its fields in the estimate
+                        engine.ctx.model.use_conv_gemm()
                         engine.ctx.step_bytes.clear()
                     _reset_peak(dev)
                     end = time.monotonic() + (cell_end - time.monotonic()) / (
