@@ -220,9 +220,10 @@ def test_zeroed_channels_are_zero_in_the_validation_split_too(loaded):
 
 
 def test_a_switch_that_is_not_true_or_false_is_named_before_compose():
-    """Boolean run settings (``figures``, ``eval_participants``, ``resume_unsealed``) read
-    only true or false, in one line naming the key, before Hydra's own type error."""
-    for key in ("figures", "eval_participants", "resume_unsealed"):
+    """Boolean run settings (``figures``, ``eval_participants``, ``resume_unsealed``,
+    ``conv_gemm``) read only true or false, in one line naming the key, before Hydra's own
+    type error."""
+    for key in ("figures", "eval_participants", "resume_unsealed", "conv_gemm"):
         assert override_errors([f"{key}=maybe"]) == [f"{key}='maybe': expected true or false"]
         assert override_errors([f"{key}=false"]) == override_errors([f"{key}=true"]) == []
     assert override_errors(["figures=1"]) == ["figures=1: expected true or false"]
