@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedexp.transfer import to_device
+
 if TYPE_CHECKING:
     from fedexp.data.client import ClientData
 
@@ -265,10 +267,10 @@ def weighted_mean(updates: Mapping[int, torch.Tensor], weights: dict[int, float]
     clients = sorted(updates)
     if isinstance(updates, StackedUpdates) and isinstance(updates.stack, torch.Tensor):
         stack = updates.stack
-        w = torch.tensor([weights[n] for n in clients], dtype=stack.dtype, device=stack.device)
+        w = to_device([weights[n] for n in clients], stack.device, stack.dtype)
         return (w @ stack.reshape(len(clients), -1)).reshape(stack.shape[1:])
     stacked = torch.stack([updates[n] for n in clients])
-    w = torch.tensor([weights[n] for n in clients], dtype=stacked.dtype, device=stacked.device)
+    w = to_device([weights[n] for n in clients], stacked.device, stacked.dtype)
     return (w[:, None] * stacked).sum(dim=0)
 
 

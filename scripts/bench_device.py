@@ -20,7 +20,7 @@ The workloads are the device check's (``scripts/gpu/check.py``: ``_workload``, i
     .venv/bin/python scripts/bench_device.py                          # CPU, LR and CNN
     .venv/bin/python scripts/bench_device.py --models lr,cnn,densenet,unet --clients 10,100,1000
     python3 scripts/bench_device.py --device cuda --json out.json     # on the device machine
-    .venv/bin/python scripts/bench_device.py --models lr --tensor-draws  # the GPU's draw path
+    .venv/bin/python scripts/bench_device.py --models lr --tensor-draws  # short runs' draw path
 
 Figures and commands: docs/benchmarks.md ("A round on the device").
 """
@@ -124,8 +124,9 @@ def main() -> None:
     parser.add_argument(
         "--tensor-draws",
         action="store_true",
-        help="draw the passes with the tensor ops a GPU run takes (rng.pass_indices_tensor), "
-        "not the CPU's compiled kernel: the GPU path's ops and host reads, counted here",
+        help="draw the passes with tensor ops (rng.pass_indices_tensor: a short CPU run's "
+        "path; GPU runs took it before 2026-11-30, they take the host's kernel now), not the "
+        "compiled kernel: that path's ops and host reads, counted here",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -141,10 +141,15 @@ def test_sampling_is_a_setting(small_cfg):
     assert engine.ctx.sampling == "replacement"
 
 
-def test_the_cpu_kernel_is_the_tensor_arithmetic():
-    """On the CPU ``pass_indices`` runs a compiled loop (once it pays: ``rng._compiled``): bit
-    for bit the tensor version (the one other devices run), for every domain size, batch size
-    and draw counter."""
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_compiled_kernel_is_the_tensor_arithmetic(device):
+    """On the CPU ``pass_indices`` runs a compiled loop (once it pays: ``rng._compiled``), and
+    for a cohort on a GPU the same loop on the host (``rng.pass_indices_host``: no cycle walk
+    read back): bit for bit the tensor version, for every domain size, batch size and draw
+    counter, and on the cohort's device."""
     from fedexp.engine.solver.passes_cpu import pass_indices_cpu
 
     gen = torch.Generator().manual_seed(0)
@@ -153,11 +158,16 @@ def test_the_cpu_kernel_is_the_tensor_arithmetic():
     num = torch.randint(1, 5000, (m,), generator=gen)
     num[:12] = torch.tensor([1, 2, 3, 4, 5, 7, 8, 9, 255, 256, 257, 4096])
     draws = torch.randint(0, 200, (m,), generator=gen)
+    on = [t.to(device) for t in (keys, draws, num)]
     for size in (1, 7, 32, 129):
-        assert torch.equal(
-            pass_indices_cpu(keys, draws, size, num, rng._PASS, rng._ROUND),
-            rng.pass_indices_tensor(keys, draws, size, num),
-        ), size
+        tensor = rng.pass_indices_tensor(*on[:2], size, on[2])
+        assert tensor.device.type == device
+        assert torch.equal(pass_indices_cpu(keys, draws, size, num, rng._PASS, rng._ROUND),
+                           tensor.cpu()), size  # fmt: skip
+        host = rng.pass_indices_host(*on[:2], size, on[2])
+        assert host.device.type == device and torch.equal(host, tensor), size
+        if device != "cpu":  # every call there takes the host's kernel
+            assert torch.equal(rng.pass_indices(*on[:2], size, on[2]), tensor), size
 
 
 @pytest.mark.parametrize(
@@ -238,3 +248,21 @@ def test_a_process_loads_the_compiled_kernel_once_the_tensor_path_has_cost_as_mu
     assert len(by_tensor) > 5
     for a, b in zip(by_tensor, by_kernel, strict=True):
         assert torch.equal(a, b)
+
+
+def test_stream_keys_hash_their_fixed_part_on_the_host_as_the_tensor_hash():
+    """``rng.stream_keys`` hashes (seed, purpose, round) in Python integers
+    (``rng._mix64_int``, no tensor to copy to the ids' device): bit for bit the tensor
+    ``mix64`` of the same values, for seeds and rounds across the 64-bit range."""
+    import random
+
+    r = random.Random(0)
+    values = [0, 1, -1, 2**63 - 1, -(2**63)] + [rng._s64(r.getrandbits(64)) for _ in range(500)]
+    hashed = rng.mix64(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert [rng._mix64_int(v) for v in values] == hashed
+    ids = torch.arange(64)
+    for seed, purpose, round_ in ((0, 0, 0), (7, rng.CLIENT, 3), (2**64 - 1, 5, 10**6)):
+        head = rng.mix64(torch.tensor(rng._s64(seed)))
+        head = rng.mix64(rng.mix64(head ^ purpose) ^ round_)
+        assert torch.equal(rng.stream_keys(seed, purpose, round_, ids),
+                           rng._srl(rng.mix64(head ^ ids), 1))  # fmt: skip

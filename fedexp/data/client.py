@@ -14,16 +14,18 @@ import torch
 
 from fedexp.engine.rng import Stream
 from fedexp.errors import DataError
+from fedexp.transfer import to_device
 
 
 def client_ids(clients: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
     """``clients`` (ids) as an int64 tensor.
 
     Through numpy: ``torch.tensor`` of a list of 10^4 Python ints takes ~1 ms, five times
-    numpy's conversion, and a round converts its cohort several times.
+    numpy's conversion, and a round converts its cohort several times. To a GPU without a
+    host wait (:func:`fedexp.transfer.to_device`).
     """
     ids = torch.from_numpy(np.asarray(clients, dtype=np.int64).reshape(-1))
-    return ids if device is None else ids.to(device)
+    return ids if device is None else to_device(ids, device)
 
 
 class PoolRows:

@@ -19,6 +19,7 @@ import torch
 
 from fedexp.data.client import ClientData, PoolRows
 from fedexp.engine.clients import hugepages
+from fedexp.transfer import to_device
 
 #: ``Tensor.numpy`` as torch defines it: :func:`take_rows` reads a CPU tensor's own memory,
 #: which :class:`fedexp.engine.round.census.Census` (it patches the method while it counts)
@@ -182,7 +183,7 @@ class TrainPool:
             if found is None:
                 return None
             rows.append(found.row)
-        return torch.tensor(rows, dtype=torch.int64, device=self.x.device)
+        return to_device(rows, self.x.device, torch.int64)
 
     def gather(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets ``[m, B, ...]`` of each row's client-local indices ``[m, B]``."""

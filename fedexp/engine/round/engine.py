@@ -65,6 +65,7 @@ from fedexp.engine.round.transport import (
 )
 from fedexp.engine.solver.context import Context
 from fedexp.privacy.uplink import PrivateUplink
+from fedexp.transfer import to_device
 
 
 def _sample(seed: int, num_clients: int, rate: float, round_: int) -> list[int]:
@@ -385,7 +386,7 @@ class Engine(Transport, Evaluation):
         groups = self._cohorts(sampled, rng.CLIENT)
         works = []
         for rows, cohort, key in groups:
-            index = None if len(groups) == 1 else torch.tensor(rows, device=ctx.device)
+            index = None if len(groups) == 1 else to_device(rows, ctx.device, torch.int64)
             model_in = inbox if index is None else take_rows(inbox, index)
             states = self.client_states.rows(cohort.clients)
             works.append(Work(key, model_in, states, cohort))

@@ -33,6 +33,7 @@ from fedexp.contract import Message, StackedUpdates, State
 from fedexp.engine import rng
 from fedexp.engine.clients.part_memory import PartKey, PartMemory
 from fedexp.engine.round.ledger import ByteLedger
+from fedexp.transfer import to_device
 
 if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
@@ -418,7 +419,7 @@ class Transport:
         whether its message goes alone or in any cohort, on any device.
         """
         purpose = _UPLINK if direction == "up" else _DOWNLINK
-        ids = torch.as_tensor(clients, dtype=torch.int64, device=device)
+        ids = to_device(clients, device, torch.int64)
         keys = rng.stream_keys(self.seed, purpose, self.round, ids)
         for part in _part_key(name):
             keys = rng.mix64(keys ^ part) & _MASK63

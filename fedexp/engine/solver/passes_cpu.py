@@ -125,11 +125,19 @@ def _kernel(
 
 def pass_indices_cpu(
     keys: torch.Tensor, draws: torch.Tensor, size: int, num: torch.Tensor, tweak: int,
-    rounds: list[int],
+    rounds: list[int], pin: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """:func:`fedexp.engine.rng.pass_indices` of CPU tensors (``tweak``, ``rounds``: its keys)."""
+    """:func:`fedexp.engine.rng.pass_indices` of CPU tensors (``tweak``, ``rounds``: its keys).
+
+    ``pin``: written into page-locked memory, whose copy to a GPU need not wait.
+    """
     m = keys.shape[0]
-    out = np.empty((m, size), dtype=np.int64)
+    if pin:
+        result = torch.empty((m, size), dtype=torch.int64, pin_memory=True)
+        out = result.numpy()
+    else:
+        out = np.empty((m, size), dtype=np.int64)
+        result = torch.from_numpy(out)
     _kernel(
         keys.contiguous().numpy().view(np.uint64),
         draws.numpy().astype(np.int64),
@@ -139,4 +147,4 @@ def pass_indices_cpu(
         np.array([r % (1 << 64) for r in rounds], dtype=np.uint64),
         out,
     )
-    return torch.from_numpy(out)
+    return result
