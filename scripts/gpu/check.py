@@ -14,6 +14,8 @@ in its step) with its own time budget; ``--smallest`` runs them all in one child
 * ``syncs``: host synchronisations in one round (``torch.cuda.set_sync_debug_mode``), at two
   client counts: their difference over the clients' is the syncs per client; and the next
   round's dispatched ops and host reads (``fedexp.engine.round.census``), equal at both;
+  then LR rounds with the pass draws on the host against the tensor path GPU runs took
+  before (``compare_draws``: syncs and round time of each);
 * ``bench_cnn``, ``bench_lr``, ``bench_densenet``, ``bench_unet`` and the 3-D
   ``bench_densenet3d`` (LUNA16-shaped 32³ cubes) and ``bench_unet3d`` (BraTS-shaped 4×64³
   crops), at fewer clients (``clients_3d``): client updates/s of
@@ -694,6 +696,43 @@ def step_syncs(s: Step) -> None:
             f"(per client {row['per_client']}); ops a round "
             f"{row.get(str(lo), {}).get('ops')} and {row.get(str(hi), {}).get('ops')}"
         )
+    if s.left() > 10:
+        s.result["draws"] = compare_draws(builders["lr"](hi), dev, s)
+        s.save()
+        s.say(f"pass draws, LR at {hi} clients: {s.result['draws']}")
+
+
+def compare_draws(engine: Any, dev: torch.device, s: Step, rounds: int = 5) -> dict:
+    """Rounds with the pass draws on the host (``rng.pass_indices_host``, since 2026-11-30)
+    against the tensor path GPU runs took before (``rng.pass_indices_tensor``: its cycle
+    walks read back), alternated in blocks on one engine: each's host syncs in one round and
+    its median round time (the same indices either way, so the same rounds)."""
+    from fedexp.engine import rng
+
+    host = rng.pass_indices_host
+    paths = {"host": host, "tensor": rng.pass_indices_tensor}
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    syncs: dict[str, int | None] = {}
+    for _ in range(2):
+        engine.run_round()
+    try:
+        for block in range(3):
+            for name, path in paths.items():
+                rng.pass_indices_host = path
+                if block == 0:
+                    syncs[name] = count_syncs(engine.run_round)[0]
+                _sync(dev)
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    engine.run_round()
+                _sync(dev)
+                times[name].append((time.perf_counter() - start) / rounds)
+            if s.left() < 5:
+                break
+    finally:
+        rng.pass_indices_host = host
+    ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {"round_ms": ms, "syncs": syncs, "tensor_over_host": ms["tensor"] / ms["host"]}
 
 
 # ====================================================================== step: bench
@@ -1538,6 +1577,14 @@ def summary(doc: dict[str, Any]) -> str:
                 if isinstance(v, dict) and v.get("sites"):
                     top = "; ".join(f"{k} ×{c}" for k, c in list(v["sites"].items())[:5])
                     lines.append(f"  - at {n} clients: {top}")
+        dr = sy.get("draws")
+        if dr:
+            ms, sc = dr.get("round_ms", {}), dr.get("syncs", {})
+            lines.append(
+                f"- pass draws, LR: host kernel {_f(ms.get('host'), '.2f')} ms a round "
+                f"({sc.get('host')} syncs), tensor path {_f(ms.get('tensor'), '.2f')} ms "
+                f"({sc.get('tensor')} syncs): tensor / host {_f(dr.get('tensor_over_host'), '.2f')}"
+            )
     ct = steps.get("cuda_tests", {})
     if ct.get("counts") is not None:
         failed = [k for k, v in ct.get("tests", {}).items() if v in ("failed", "error")]
