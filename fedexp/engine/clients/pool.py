@@ -67,6 +67,8 @@ class TrainPool:
         x, y: all training inputs / targets, client after client.
         offset: int64 [N] first row of each client.
         size: int64 [N] each client's training-set size.
+        sizes: the same on the host (NumPy int64 [N]): what the round's host bookkeeping
+            reads (aggregation weights) without reading the device.
         elsewhere: when it holds the rows of a rank's own clients only (a
             :class:`ClientTable`'s over ``distributed.nproc``), what the others' rows read
             as (:class:`Elsewhere`, with the rank's ``share``); else None.
@@ -125,6 +127,7 @@ class TrainPool:
             test = (rows, rows) if tests is None else tests[n]
             clients.append(ClientData(rows, rows, *test))  # type: ignore[arg-type]
         pool.offset, pool.size = offset.to(x.device), size.to(x.device)
+        pool.sizes = size.numpy()
         return clients
 
     def __init__(self, clients: Sequence[ClientData]) -> None:
@@ -158,6 +161,7 @@ class TrainPool:
             if same:  # keep one copy
                 c.x_test = c.y_test = rows
         dev = self.x.device
+        self.sizes = self.size.numpy()
         self.offset, self.size = self.offset.to(dev), self.size.to(dev)
 
     def fills(self, size: int) -> bool:

@@ -34,6 +34,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from fedexp.contract import Cohort, CohortResult, CohortStates, Stacked, State
@@ -268,6 +269,7 @@ class Stack:
                 rows.append(rows[-1] + p.x.shape[0])
             merged.offset = torch.cat([p.offset + r for p, r in zip(unique, rows, strict=False)])
             merged.size = torch.cat([p.size for p in unique])
+            merged.sizes = np.concatenate([p.sizes for p in unique])
             firsts = [0]
             for p in unique:
                 firsts.append(firsts[-1] + len(p.size))
