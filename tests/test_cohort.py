@@ -245,6 +245,22 @@ def test_the_pool_adopts_one_buffer_and_shares_a_test_split_that_is_the_training
     assert all(c._x_test is c._x_train and c.pooled(again) is not None for c in made)
 
 
+def test_every_pool_keeps_its_clients_sizes_on_the_host_too(small_cfg):
+    """``TrainPool.sizes`` (the round's weights read it: no device read) equals ``size`` for
+    a pool of clients, one of ``clients_of``, a run's table and a stacked group's merge."""
+    from fedexp.engine.round.stacking import Stack
+
+    made = TrainPool.clients_of(torch.randn(7, 2), torch.arange(7), [3, 4])
+    pools = [TrainPool(made), made[0].pooled().pool]
+    runs = [build_engine(small_cfg("num_clients=5", f"seed={k}")).pool for k in (0, 1)]
+    stack = Stack.__new__(Stack)
+    stack._pool = None
+    merged, firsts = stack._merged_pool(runs)
+    assert firsts == [0, 5] and len(merged.sizes) == 10
+    for pool in (*pools, *runs, merged):
+        assert pool.sizes.dtype.kind == "i" and pool.sizes.tolist() == pool.size.tolist()
+
+
 # ------------------------------------------------------------- batched evaluation
 @pytest.mark.parametrize(
     "overrides",
