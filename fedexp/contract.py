@@ -132,7 +132,7 @@ class CohortStates(Sequence[State]):
                 irregular = True  # rows of different shapes: read per row only
                 continue
             if any(r is None for r in rows):
-                present[key] = torch.tensor([r is not None for r in rows], device=like.device)
+                present[key] = to_device([r is not None for r in rows], like.device)
                 zero = torch.zeros_like(like)
                 rows = [zero if r is None else r for r in rows]
             stacks[key] = torch.stack([r.detach() for r in rows])

@@ -76,6 +76,7 @@ from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.steps import stacked_gradients, unstack_states
 from fedexp.models.task import PADDING, valid_rows
+from fedexp.transfer import to_device
 
 #: stream purpose of the ALA data slice (beside ``fedexp.engine.rng``'s)
 ALA_STREAM = 41
@@ -214,7 +215,7 @@ class FedALA(FedAvg):
         start = first_draws(seeds, num - size + 1)
         chunk = size if ctx.batch_size <= 0 else np.full_like(size, ctx.batch_size)
         batches = -(-size // chunk)
-        table = torch.as_tensor(np.stack([start, size, chunk, batches]), device=ctx.device)
+        table = to_device(np.stack([start, size, chunk, batches]), ctx.device)
         names = ("start", "size", "chunk", "batches")
         return dict(zip(names, table, strict=True)), int(batches.max()), int(chunk.max())
 
@@ -227,7 +228,7 @@ class FedALA(FedAvg):
         loss); a client whose slice has fewer minibatches gets its last one again (its step
         is then not taken).
         """
-        step = torch.minimum(ala["batches"] - 1, torch.tensor(t, device=ala["batches"].device))
+        step = (ala["batches"] - 1).clamp(max=t)
         cols = torch.arange(width, device=step.device)
         pos = (step * ala["chunk"])[:, None] + cols  # position in the slice
         valid = (cols < ala["chunk"][:, None]) & (pos < ala["size"][:, None])
@@ -286,7 +287,7 @@ class FedALA(FedAvg):
         losses: list[list[float]] = [[] for _ in ids]
         ctx.model.module.train()
         while any(running):
-            on = torch.tensor(running, device=w.device)
+            on = to_device(running, w.device)
             last = torch.zeros(w.shape[0], device=w.device)
             for t in range(rounds):
                 x, y = self.minibatch(cohort, ala, t, width)
@@ -331,7 +332,7 @@ class FedALA(FedAvg):
                     ctx, glob, theta, w, cohort, ids, list(running), start_phase
                 )
                 started = torch.where(moved[:, None], torch.ones_like(started), started)
-                epochs = torch.tensor(taken, dtype=epochs.dtype, device=epochs.device)
+                epochs = to_device(taken, epochs.device, epochs.dtype)
         return self.mix(ctx, glob, theta, w).detach(), {"W": w, "started": started}, epochs
 
     def client_update(

@@ -77,6 +77,7 @@ from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
+from fedexp.transfer import to_device
 
 #: σ of FedAMP's A(x) = 1 − e^{−x/σ} when none is given: the scale of the squared distances
 #: between client models of the project's default runs (the module docstring, "Defaults").
@@ -195,7 +196,7 @@ class FedAMP(Algorithm):
 
     def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
         """The personalised cloud model u_i."""
-        rows = torch.tensor([client], device=server["W"].device)
+        rows = to_device([client], server["W"].device)
         return self.cloud_models(server["W"], rows)[0]
 
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:

@@ -63,6 +63,7 @@ from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.graph.fusion import check_penalty, prox_rows
 from fedexp.graph.incidence import q_rows, qt_rows
+from fedexp.transfer import to_device
 
 
 def complete_edges(num_nodes: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -123,7 +124,7 @@ class FPFC(Algorithm):
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
         """The clients' centres c_i, [m, d]: one gather of the server's rows."""
         centre = server["centre"]
-        rows = torch.tensor(clients, device=centre.device)
+        rows = to_device(clients, centre.device)
         return StackedUpdates(clients, centre.index_select(0, rows))
 
     def client_update(
@@ -154,7 +155,7 @@ class FPFC(Algorithm):
             return server
         clients = sorted(updates)
         n = server["theta"].shape[0]
-        sampled = torch.tensor(clients, device=server["theta"].device)
+        sampled = to_device(clients, server["theta"].device)
         received = update_parts(updates, clients)[""].to(server["theta"])
         theta = server["theta"].index_copy(0, sampled, received)
         edges = complete_edges(n, theta.device)

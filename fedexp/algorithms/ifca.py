@@ -70,6 +70,7 @@ from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.losses import train_losses
 from fedexp.engine.solver.steps import unstack_states
+from fedexp.transfer import to_device
 
 #: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
 CLUSTER_INIT = 31
@@ -217,7 +218,7 @@ class IFCA(Algorithm):
         counts = member.sum(dim=1)
         # ω_n renormalised within each cluster, in float64 (a cluster of every client: the
         # weights already sum to one, kept as they are: k = 1 is FedAvg's sums bit for bit)
-        w = torch.tensor([weights[n] for n in clients], dtype=torch.float64, device=j.device)
+        w = to_device([weights[n] for n in clients], j.device, torch.float64)
         w = member * w
         total = w.sum(dim=1, keepdim=True)
         w = w / torch.where((counts[:, None] < len(clients)) & (total > 0), total, 1.0)

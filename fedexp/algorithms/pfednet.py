@@ -54,6 +54,7 @@ from fedexp.graph import (
     sketch_distances,
 )
 from fedexp.graph.admm import ZStepSolver, ZStepState
+from fedexp.transfer import to_device
 
 _SKETCHES = ("label", "covariance", "kernel", "model")
 
@@ -145,7 +146,7 @@ class PFedNet(Algorithm):
 
     def _model_of(self, ctx: Context, server: State, n: int) -> torch.Tensor:
         """y⁽ⁿ⁾ in the model's dtype (that of x): Z's float64 column is cast here, and only here."""
-        return self._models_of(ctx, server, torch.tensor([n], device=server["Z"].device))[0]
+        return self._models_of(ctx, server, to_device([n], server["Z"].device))[0]
 
     def _models_of(self, ctx: Context, server: State, clients: torch.Tensor) -> torch.Tensor:
         """[m, d] the models y⁽ⁿ⁾ of ``clients`` (int64 [m]): one gather of Z's columns."""
@@ -223,7 +224,7 @@ class PFedNet(Algorithm):
 
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
         """Every y⁽ⁿ⁾ of the round, [m, d]: one gather of Z's columns."""
-        rows = torch.tensor(clients, device=server["Z"].device)
+        rows = to_device(clients, server["Z"].device)
         return StackedUpdates(clients, self._models_of(ctx, server, rows))
 
     def client_update(
@@ -266,13 +267,13 @@ class PFedNet(Algorithm):
         out = dict(server)
         if phase in ("joint", "x") and d1 > 0:
             g = stack[:, ctx.shared_idx] if full else stack
-            w = torch.tensor([weights[n] for n in clients], dtype=g.dtype, device=g.device)
+            w = to_device([weights[n] for n in clients], g.device, g.dtype)
             eta_x = ctx.lr if self.eta_x is None else self.eta_x
             out["x"] = server["x"] - eta_x * (w[:, None] * g).sum(dim=0)
         if phase in ("joint", "z") and d2 > 0:
             Z = server["Z"]  # noqa: N806
             G = torch.zeros(Z.shape, dtype=server_dtype(ctx.device), device=Z.device)  # noqa: N806
-            rows = torch.tensor(clients, device=Z.device)  # the uploads fit float64 exactly
+            rows = to_device(clients, Z.device)  # the uploads fit float64 exactly
             G[:, rows] = (stack[:, ctx.personal_idx] if full else stack).T.to(G.dtype)
             out.update(self._z_step(ctx, server, G))
         return out
@@ -318,7 +319,7 @@ class PFedNet(Algorithm):
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
         """Every y⁽ⁿ⁾ at once: one gather of Z's columns."""
-        return self._models_of(ctx, server, torch.tensor(clients, device=server["Z"].device))
+        return self._models_of(ctx, server, to_device(clients, server["Z"].device))
 
     def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
         """Spread of the personal parts (mean ‖z⁽ⁿ⁾ − z̄‖₂) and the last ADMM's figures."""

@@ -65,6 +65,7 @@ from fedexp.engine.solver.optim import SGD, Adam, Optimizer, stack_states
 from fedexp.engine.solver.steps import draw_batch, unstack_states
 from fedexp.models.cp import CPLayout, als, compose
 from fedexp.models.flat import Layout
+from fedexp.transfer import to_device
 
 
 @functools.lru_cache(maxsize=8)
@@ -176,7 +177,7 @@ class TDPFed(Algorithm):
         buffers = ctx.model.buffer_mask if ctx.model.has_buffers else None
         frozen_a = None if buffers is None else cp.model_mask(buffers)
         dense_src = None if buffers is None else cp.dense_source(a.device)
-        lam = torch.tensor(float(self.lam), device=a.device, dtype=a.dtype)
+        lam = torch.full((), float(self.lam), device=a.device, dtype=a.dtype)
         total = torch.zeros(len(cohort), device=a.device)
         for _ in range(rounds):
             batch = draw_batch(ctx, cohort)
@@ -229,7 +230,7 @@ class TDPFed(Algorithm):
         new = afm.clone()
         clients = sorted(updates)
         stack = update_parts(updates, clients)[""]  # [m, numel] the uploaded factors
-        w = torch.tensor([weights[n] for n in clients], dtype=a.dtype, device=a.device)
+        w = to_device([weights[n] for n in clients], a.device, a.dtype)
         for e in cp.entries:
             if e.rank == 0:
                 continue

@@ -54,7 +54,7 @@ def _norm_forward(
         per_row = math.prod(x.shape[2:])
         if rows is None:
             weight = torch.ones((), dtype=x.dtype, device=x.device)
-            count = torch.tensor(float(x.shape[0] * per_row), dtype=x.dtype, device=x.device)
+            count = torch.full((), float(x.shape[0] * per_row), dtype=x.dtype, device=x.device)
         else:
             weight = rows.to(x.dtype).view(-1, *[1] * (x.dim() - 1))
             count = rows.to(x.dtype).sum() * per_row

@@ -21,6 +21,7 @@ from fedexp.data.client import ClientData, client_ids
 from fedexp.engine import rng
 from fedexp.engine.clients.pool import padded
 from fedexp.metrics import LOWER_IS_BETTER, aggregate
+from fedexp.transfer import to_device
 
 if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
@@ -111,7 +112,7 @@ class Evaluation:
         if params.stride(0) == 0:  # one vector for all
             val_params = params[:1].expand(len(val_who), *params.shape[1:])
         else:
-            val_params = params[torch.as_tensor(val_who, device=params.device)]
+            val_params = params[to_device(val_who, params.device, torch.int64)]
         val = self._evaluate_many(val_params, [data[i].validation() for i in val_who])
         return rows, val, [local[i] for i in val_who]
 

@@ -393,7 +393,7 @@ class Transport:
         if not has.any():
             return initial
         stack = memory.stack(clients, name)
-        index = torch.as_tensor(fresh, dtype=torch.int64, device=stack.device)
+        index = to_device(fresh, stack.device, torch.int64)
         return stack.index_copy(0, index, initial.to(stack))
 
     def _reference(
@@ -407,7 +407,7 @@ class Transport:
         stack = memory.stack(clients, name)
         if has.all():
             return stack
-        mask = torch.as_tensor(has, device=held.device)[:, None]
+        mask = to_device(has, held.device)[:, None]
         return torch.where(mask, stack, held)
 
     def _stream_keys(

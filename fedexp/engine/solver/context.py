@@ -155,7 +155,7 @@ class Context:
         """Task loss + (μ/2)‖θ − anchor‖² (μ = 0 is :meth:`model_objective`)."""
         if mu == 0:
             return self.model_objective()
-        aux = {"anchor": anchor.detach(), "mu": torch.tensor(float(mu), device=anchor.device)}
+        aux = {"anchor": anchor.detach(), "mu": torch.full((), float(mu), device=anchor.device)}
         stacked = self.proximal_loss_stacked if self._stacks() else None
         return Objective(self.proximal_loss, aux=aux, frozen=self._frozen(), stacked=stacked)
 
