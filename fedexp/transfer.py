@@ -21,11 +21,14 @@ def to_device(
     device: torch.device | str,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``values`` (host) as a tensor on ``device``; to a GPU without a host wait."""
+    """``values`` as a tensor on ``device``; from the host to a GPU without a host wait.
+
+    A tensor already on a device is moved as ``Tensor.to`` moves it (nothing to pin).
+    """
     host = torch.as_tensor(values, dtype=dtype)
     device = torch.device(device)
-    if device.type == "cpu":
-        return host
+    if host.device.type != "cpu" or device.type == "cpu":
+        return host.to(device)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)

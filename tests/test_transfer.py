@@ -40,3 +40,36 @@ def test_a_copy_to_the_gpu_does_not_synchronise():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert out.tolist() == [1, 2, 3]
+
+
+#: where fedexp still makes a tensor on a device from host values in one call, and why
+DIRECT = {
+    "fedexp/engine/processes/ranks.py": "a collective's message length (the gather waits anyway)",
+    "fedexp/engine/rng.py": "one client's stream alone (Stream.indices), outside a cohort's round",
+    "fedexp/engine/solver/steps.py": "one client alone (steps.alone), outside a cohort's round",
+    "fedexp/graph/prox.py": "a threshold that is a tensor already",
+    "fedexp/graph/incidence.py": "a graph's edges when it is built (device None: theirs)",
+}
+
+
+def test_host_values_reach_a_device_through_to_device():
+    """``torch.tensor(..., device=...)`` / ``torch.as_tensor(..., device=...)`` of host values
+    copies from pageable memory, which a GPU's host waits for: fedexp's code sends them
+    through :func:`fedexp.transfer.to_device` instead, but where :data:`DIRECT` says why not."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found: dict[str, list[int]] = {}
+    for path in sorted((root / "fedexp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and node.func.attr in ("tensor", "as_tensor")
+                and any(k.arg == "device" for k in node.keywords)
+            ):
+                found.setdefault(str(path.relative_to(root)), []).append(node.lineno)
+    assert set(found) <= set(DIRECT), {p: v for p, v in found.items() if p not in DIRECT}

@@ -202,7 +202,7 @@ class FedAMP(Algorithm):
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
         """All ``clients``' cloud models at once, [m, d] (pairwise terms [m, N], not [m, N, d])."""
         W = server["W"]
-        rows = torch.tensor(clients, device=W.device)
+        rows = to_device(clients, W.device)
         return StackedUpdates(clients, self.cloud_models(W, rows))
 
     def client_update(
@@ -233,7 +233,7 @@ class FedAMP(Algorithm):
             return server
         W = server["W"]
         clients = sorted(updates)
-        idx = torch.tensor(clients, device=W.device)
+        idx = to_device(clients, W.device)
         return {**server, "W": W.index_copy(0, idx, update_parts(updates, clients)[""].to(W))}
 
     def eval_params(
@@ -247,4 +247,4 @@ class FedAMP(Algorithm):
     ) -> torch.Tensor:
         """The clients' rows of W, [m, d]: one gather."""
         W = server["W"]
-        return W.index_select(0, torch.as_tensor(clients, device=W.device))
+        return W.index_select(0, to_device(clients, W.device, torch.int64))

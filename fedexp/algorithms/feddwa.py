@@ -64,6 +64,7 @@ from fedexp.config.ranges import PositiveInt, Range
 from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
+from fedexp.transfer import to_device
 
 
 def dwa_weights(
@@ -134,7 +135,7 @@ class FedDWA(Algorithm):
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
         """The clients' personalised models, [m, d]: one gather of the server's rows."""
         personal = server["personal"]
-        rows = torch.tensor(clients, device=personal.device)
+        rows = to_device(clients, personal.device)
         return StackedUpdates(clients, personal.index_select(0, rows))
 
     # ----------------------------------------------------------------- client
@@ -171,7 +172,7 @@ class FedDWA(Algorithm):
         p = ctx.model.layout.num_params
         w = dwa_weights(guides[:, :p], models[:, :p], self.topk, self.eps)
         personal = server["personal"]
-        idx = torch.tensor(clients, device=personal.device)
+        idx = to_device(clients, personal.device)
         mixed = (w.T.to(models.dtype) @ models).to(personal.dtype)
         return {**server, "personal": personal.index_copy(0, idx, mixed)}
 
@@ -189,6 +190,6 @@ class FedDWA(Algorithm):
         """:meth:`eval_params` of every client at once (one gather of the server's rows)."""
         if self.evaluate == "personal":
             personal = server["personal"]
-            rows = torch.tensor(clients, device=personal.device)
+            rows = to_device(clients, personal.device)
             return personal.index_select(0, rows)
         return states.stack(self.evaluate)

@@ -55,6 +55,7 @@ from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.optim import State as OptState
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.models.flat import FlatModel
+from fedexp.transfer import to_device
 
 #: the evaluation grid of the authors' code
 LAMBDA_GRID = tuple(i / 10 for i in range(11))
@@ -185,7 +186,7 @@ class SuPerFed(FedAvg):
         if self.eval_lambda is None:
             lams = select_lambdas(ctx, g, w_l, cohort.data)
         halves = [split_state(out.opt_state, d, h) for h in (0, 1)]
-        lam = torch.tensor(lams, dtype=w_l.dtype, device=w_l.device)[:, None]
+        lam = to_device(lams, w_l.device, w_l.dtype)[:, None]
         new_states = unstack_states(states, opt, halves[0], local=w_l, lam_eval=lam)
         new_states = unstack_states(new_states, opt, halves[1], "opt_l")
         metrics = {"train_loss": out.loss, "lam_eval": lam[:, 0]}

@@ -53,6 +53,7 @@ import torch
 from numba import njit
 
 from fedexp.config.ranges import Range
+from fedexp.transfer import to_device
 
 ArrayOrTensor = np.ndarray | torch.Tensor
 
@@ -170,7 +171,7 @@ def difference_rows(x: torch.Tensor, segments: Sequence[int] | None = None) -> t
     out = torch.empty_like(x)
     out[:, :-1] = x[:, :-1] - x[:, 1:]
     ends = np.cumsum([x.shape[1]] if segments is None else list(segments)) - 1
-    ends = torch.as_tensor(ends[ends >= 0], dtype=torch.int64, device=x.device)
+    ends = to_device(ends[ends >= 0], x.device, torch.int64)
     out[:, ends] = x[:, ends]
     return out
 

@@ -54,6 +54,7 @@ from fedexp.graph.admm_stopping import (
 from fedexp.graph.incidence import RowOps, apply_Q, as_edge_tensor
 from fedexp.graph.knn import Graph, laplacian
 from fedexp.graph.prox import PNorm, parse_p, prox_columns
+from fedexp.transfer import to_device
 
 __all__ = ["ZStepSolver", "ZStepState", "zstep_objective"]
 
@@ -100,7 +101,7 @@ def zstep_objective(
         ordp = {"1": 1.0, "2": 2.0, "inf": float("inf")}[key]
         norms = torch.linalg.vector_norm(diff, ord=ordp, dim=0)
         if weights is not None:
-            norms = norms * torch.as_tensor(weights, dtype=torch.float64, device=z.device)
+            norms = norms * to_device(weights, z.device, torch.float64)
         val = val + lam * norms.sum()
     return float(val)
 

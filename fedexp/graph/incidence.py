@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from fedexp.transfer import to_device
+
 __all__ = [
     "DENSE_MAX",
     "RowOps",
@@ -72,7 +74,7 @@ def as_edge_tensor(edges: torch.Tensor, device: torch.device | str | None = None
 def _check_weights(weights: torch.Tensor | None, m: int, like: torch.Tensor) -> torch.Tensor | None:
     if weights is None:
         return None
-    w = torch.as_tensor(weights, device=like.device, dtype=like.dtype)
+    w = to_device(weights, like.device, like.dtype)
     if w.shape != (m,):
         raise ValueError(f"weights must have shape ({m},), got {tuple(w.shape)}")
     return w

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedexp.graph.incidence import as_edge_tensor
+from fedexp.transfer import to_device
 
 __all__ = ["Graph", "canonical_edges", "knn_edges", "laplacian"]
 
@@ -110,7 +111,7 @@ def laplacian(
     w = (
         torch.ones(m, dtype=dtype, device=e.device)
         if weights is None
-        else torch.as_tensor(weights, dtype=dtype, device=e.device)
+        else to_device(weights, e.device, dtype)
     )
     if w.shape != (m,):
         raise ValueError(f"weights must have shape ({m},), got {tuple(w.shape)}")

@@ -64,7 +64,7 @@ def _column_tau(tau: float | torch.Tensor, V: torch.Tensor) -> torch.Tensor:  # 
     if isinstance(tau, (int, float)):  # checked on the host: no read of the device
         if tau < 0:
             raise ValueError("tau must be nonnegative")
-        return torch.as_tensor(tau, dtype=V.dtype, device=V.device)
+        return torch.full((), tau, dtype=V.dtype, device=V.device)
     t = torch.as_tensor(tau, dtype=V.dtype, device=V.device)
     if t.dim() == 0:
         if bool(t < 0):

@@ -16,6 +16,7 @@ import torch
 
 from fedexp.engine.clients.pool import padded
 from fedexp.engine.solver.steps import _refused
+from fedexp.transfer import to_device
 
 if TYPE_CHECKING:
     from fedexp.data.client import ClientData
@@ -97,7 +98,7 @@ def _run_losses(ctx, candidates, count: int, data, rows: slice) -> torch.Tensor:
                 ]
             )
         device = part[0].x_train.device if len(part) else None
-        return torch.tensor(table, dtype=torch.float64, device=device).T
+        return to_device(table, device or "cpu", torch.float64).T
     gathered = padded([d.pooled() for d in part])
     if gathered is not None:
         xs, ys, lengths = gathered
