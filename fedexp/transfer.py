@@ -26,9 +26,6 @@ def to_device(
     A tensor already on a device is moved as ``Tensor.to`` moves it (nothing to pin).
     """
     host = torch.as_tensor(values, dtype=dtype)
-    device = torch.device(device)
-    if host.device.type != "cpu" or device.type == "cpu":
-        return host.to(device)
-    if device.type == "cuda":
+    if host.device.type == "cpu" and torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
