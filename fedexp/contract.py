@@ -45,10 +45,16 @@ class Cohort:
     clients by :meth:`fedexp.engine.solver.context.Context.work_key` into sub-cohorts), so their
     steps stack.
 
+    ``rows``, ``keys`` and ``draws`` live on the host whatever the run's device: the draws'
+    bookkeeping (which minibatch each stream draws next, the noise streams' seeds) is then
+    read without waiting for a GPU, and what a step needs on the device goes over in a copy
+    the host does not wait for (:func:`fedexp.transfer.to_device`; :meth:`TrainPool.gather
+    <fedexp.engine.clients.pool.TrainPool.gather>` takes host rows).
+
     Attributes:
         clients: their ids, ascending.
         data: their data (rows of ``pool``).
-        rows: int64 [m] the clients' pool rows on the device.
+        rows: int64 [m] the clients' pool rows.
         keys: int64 [m] their round streams' keys (:func:`fedexp.engine.rng.stream_keys`).
         draws: int64 [m] minibatches each stream has drawn so far this round.
         pool: the run's training data (:class:`fedexp.engine.clients.pool.TrainPool`).

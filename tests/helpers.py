@@ -104,13 +104,13 @@ def cohort_of(engine, clients, round_: int | None = None):  # noqa: ANN001, ANN2
     from fedexp.engine import rng
 
     t = engine.round if round_ is None else round_
-    ids = torch.tensor(list(clients), dtype=torch.int64, device=engine.ctx.device)
+    ids = torch.tensor(list(clients), dtype=torch.int64)  # on the host, as the engine's
     return Cohort(
         clients=list(clients),
         data=[engine.clients[n] for n in clients],
         rows=ids,
         keys=rng.stream_keys(engine.seed, rng.CLIENT, t, ids),
-        draws=torch.zeros(len(ids), dtype=torch.int64, device=ids.device),
+        draws=torch.zeros(len(ids), dtype=torch.int64),
         pool=engine.pool,
     )
 

@@ -166,8 +166,36 @@ def test_the_compiled_kernel_is_the_tensor_arithmetic(device):
                            tensor.cpu()), size  # fmt: skip
         host = rng.pass_indices_host(*on[:2], size, on[2])
         assert host.device.type == device and torch.equal(host, tensor), size
+        # a cohort's way: keys, counters and sizes on the host, the indices on the device
+        sent = rng.pass_indices(keys, draws, size, num, device)
+        assert sent.device.type == device and torch.equal(sent, tensor), size
         if device != "cpu":  # every call there takes the host's kernel
             assert torch.equal(rng.pass_indices(*on[:2], size, on[2]), tensor), size
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sampling", ["shuffle", "replacement"])
+def test_a_gpu_cohort_draws_its_minibatches_without_waiting_for_the_device(small_cfg, sampling):
+    """A cohort keeps its rows, keys and draw counters on the host (``Cohort``'s docstring):
+    its minibatches' indices are drawn there and reach the GPU in copies the host does not
+    wait for, so that drawing a block of steps and a single step makes no synchronisation
+    (``torch.cuda.set_sync_debug_mode("error")`` raises at one)."""
+    from fedexp.engine.solver.steps import Ahead, draw_batch
+
+    engine = build_engine(small_cfg("device=cuda", f"sampling={sampling}", "batch_size=8"))
+    ctx = engine.ctx
+    cohort = cohort_of(engine, list(range(len(engine.clients))), 0)
+    assert {t.device.type for t in (cohort.rows, cohort.keys, cohort.draws)} == {"cpu"}
+    cohort.pool.fills(8)  # the pool's one read of its sizes, kept
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x, y = draw_batch(ctx, cohort, Ahead(ctx, cohort, 6))
+        x1, y1 = draw_batch(ctx, cohort)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert x.device.type == x1.device.type == "cuda"
+    assert cohort.draws.tolist() == [2] * len(cohort)
 
 
 @pytest.mark.parametrize(

@@ -45,8 +45,6 @@ def test_a_copy_to_the_gpu_does_not_synchronise():
 #: where fedexp still makes a tensor on a device from host values in one call, and why
 DIRECT = {
     "fedexp/engine/processes/ranks.py": "a collective's message length (the gather waits anyway)",
-    "fedexp/engine/rng.py": "one client's stream alone (Stream.indices), outside a cohort's round",
-    "fedexp/engine/solver/steps.py": "one client alone (steps.alone), outside a cohort's round",
     "fedexp/graph/prox.py": "a threshold that is a tensor already",
     "fedexp/graph/incidence.py": "a graph's edges when it is built (device None: theirs)",
 }
@@ -73,3 +71,5 @@ def test_host_values_reach_a_device_through_to_device():
             ):
                 found.setdefault(str(path.relative_to(root)), []).append(node.lineno)
     assert set(found) <= set(DIRECT), {p: v for p, v in found.items() if p not in DIRECT}
+    gone = set(DIRECT) - set(found)
+    assert not gone, f"no longer direct, to leave DIRECT: {gone}"

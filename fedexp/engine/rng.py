@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from fedexp.transfer import to_device
+
 # Purposes: separate streams for the same (round, client).
 SAMPLING, CLIENT, INIT, SERVER = 1, 2, 3, 4
 #: the streams of work done to evaluate a client (fine-tuning before the test: FedAvg-FT)
@@ -225,7 +227,11 @@ def _permute(
 
 
 def pass_indices(
-    keys: torch.Tensor, draws: torch.Tensor, size: int, num: torch.Tensor
+    keys: torch.Tensor,
+    draws: torch.Tensor,
+    size: int,
+    num: torch.Tensor,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Minibatch indices of many clients at once, a shuffling ``DataLoader``'s epochs.
 
@@ -244,17 +250,25 @@ def pass_indices(
         draws: int64 [m] how many minibatches each stream has drawn before.
         size: indices per row.
         num: int64 [m] the clients' training-set sizes (≥ 1).
+        device: where the indices go (default: ``keys``' device). A cohort keeps its keys
+            and counters on the host (:class:`fedexp.contract.Cohort`), so that a GPU's
+            indices are drawn there without reading the device (:func:`pass_indices_host`).
 
     Returns:
-        int64 [m, size] on ``keys``' device.
+        int64 [m, size] on ``device``.
     """
-    if size > 0 and (keys.device.type != "cpu" or _compiled(keys.shape[0] * size)):
-        return pass_indices_host(keys, draws, size, num)
-    return pass_indices_tensor(keys, draws, size, num)
+    dev = keys.device if device is None else torch.device(device)
+    if size > 0 and (dev.type != "cpu" or _compiled(keys.shape[0] * size)):
+        return pass_indices_host(keys, draws, size, num, dev)
+    return pass_indices_tensor(keys, draws, size, num).to(dev)
 
 
 def pass_indices_host(
-    keys: torch.Tensor, draws: torch.Tensor, size: int, num: torch.Tensor
+    keys: torch.Tensor,
+    draws: torch.Tensor,
+    size: int,
+    num: torch.Tensor,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """:func:`pass_indices` by the compiled kernel on the host, for a cohort on any device.
 
@@ -262,17 +276,25 @@ def pass_indices_host(
     the Feistel network and as many again for each cycle walk, and reads the count of walked
     entries on the host after each walk: the device check measured a logistic regression's
     round of 100 clients at 1,381 dispatched operations and 16 host synchronisations, 6-7 of
-    them the walks (docs/benchmarks.md). Here the keys, counters and sizes come to the host
-    in one read, the kernel (:mod:`fedexp.engine.solver.passes_cpu`, bit for bit the tensor
-    arithmetic) draws there, and the indices go to the device from page-locked memory in a
-    copy the host does not wait for: one synchronisation and three operations a call.
+    them the walks (docs/benchmarks.md). Here the kernel
+    (:mod:`fedexp.engine.solver.passes_cpu`, bit for bit the tensor arithmetic) draws on
+    the host, and the indices go to ``device`` (default: ``keys``') from page-locked memory
+    in a copy the host does not wait for. Keys, counters and sizes on the host (a cohort's,
+    :class:`fedexp.contract.Cohort`) are read as they are: no synchronisation at all; those
+    on a device come over in one read.
     """
     from fedexp.engine.solver.passes_cpu import pass_indices_cpu
 
-    dev = keys.device
+    dev = keys.device if device is None else torch.device(device)
+    on = {t.device for t in (keys, draws, num)}
+    if on == {torch.device("cpu")}:
+        host = (keys, draws.to(torch.int64), num.to(torch.int64))
+    else:
+        at = keys.device
+        both = torch.stack((keys, draws.to(at, torch.int64), num.to(at, torch.int64)))
+        host = tuple(both.cpu())
     if dev.type == "cpu":
-        return pass_indices_cpu(keys, draws.cpu(), size, num.cpu(), _PASS, _ROUND)
-    host = torch.stack((keys, draws.to(dev, torch.int64), num.to(dev, torch.int64))).cpu()
+        return pass_indices_cpu(host[0], host[1], size, host[2], _PASS, _ROUND)
     out = pass_indices_cpu(host[0], host[1], size, host[2], _PASS, _ROUND, dev.type == "cuda")
     return out.to(dev, non_blocking=True)
 
@@ -361,12 +383,24 @@ SAMPLINGS = ("shuffle", "replacement")
 
 
 def minibatch_indices(
-    keys: torch.Tensor, draws: torch.Tensor, size: int, num: torch.Tensor, sampling: str
+    keys: torch.Tensor,
+    draws: torch.Tensor,
+    size: int,
+    num: torch.Tensor,
+    sampling: str,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """:func:`pass_indices` (``sampling="shuffle"``) or :func:`batch_indices` ("replacement")."""
+    """:func:`pass_indices` (``sampling="shuffle"``) or :func:`batch_indices` ("replacement").
+
+    On ``device`` (default: ``keys``'); draws with replacement are made there, the inputs
+    copied over without a host wait (:func:`fedexp.transfer.to_device`).
+    """
     if sampling == "shuffle":
-        return pass_indices(keys, draws, size, num)
+        return pass_indices(keys, draws, size, num, device)
     if sampling == "replacement":
+        if device is None:
+            return batch_indices(keys, draws, size, num)
+        keys, draws, num = (to_device(t, device) for t in (keys, draws, num))
         return batch_indices(keys, draws, size, num)
     raise ValueError(f"sampling={sampling!r}: expected one of {', '.join(SAMPLINGS)}")
 
@@ -403,12 +437,12 @@ class Stream(torch.Generator):
         ``size`` of them, or fewer for the short batch that ends an epoch of shuffled passes
         (:func:`pass_width`).
         """
-        keys = torch.tensor([self.key], dtype=torch.int64, device=device)
+        keys = torch.tensor([self.key], dtype=torch.int64)
         draw = self.draws
         self.draws += 1
         draws = torch.tensor([draw], dtype=torch.int64)
         nums = torch.tensor([num], dtype=torch.int64)
-        idx = minibatch_indices(keys, draws, size, nums, self.sampling)[0]
+        idx = minibatch_indices(keys, draws, size, nums, self.sampling, device)[0]
         return idx[: pass_width(draw, size, num)] if self.sampling == "shuffle" else idx
 
 

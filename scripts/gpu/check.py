@@ -703,14 +703,22 @@ def step_syncs(s: Step) -> None:
 
 
 def compare_draws(engine: Any, dev: torch.device, s: Step, rounds: int = 5) -> dict:
-    """Rounds with the pass draws on the host (``rng.pass_indices_host``, since 2026-11-30)
-    against the tensor path GPU runs took before (``rng.pass_indices_tensor``: its cycle
-    walks read back), alternated in blocks on one engine: each's host syncs in one round and
-    its median round time (the same indices either way, so the same rounds)."""
+    """Rounds with the pass draws on the host (``rng.pass_indices_host``, since 2026-11-30;
+    the cohort's keys and counters on the host too, no read at all, since the eighteenth
+    session) against the tensor path GPU runs took before (``rng.pass_indices_tensor`` on
+    the device: its cycle walks read back), alternated in blocks on one engine: each's host
+    syncs in one round and its median round time (the same indices either way, so the same
+    rounds)."""
     from fedexp.engine import rng
+    from fedexp.transfer import to_device
+
+    def on_device(keys, draws, size, num, device=None):  # noqa: ANN001, ANN202
+        at = keys.device if device is None else device
+        keys, draws, num = (to_device(t, at) for t in (keys, draws, num))
+        return rng.pass_indices_tensor(keys, draws, size, num)
 
     host = rng.pass_indices_host
-    paths = {"host": host, "tensor": rng.pass_indices_tensor}
+    paths = {"host": host, "tensor": on_device}
     times: dict[str, list[float]] = {k: [] for k in paths}
     syncs: dict[str, int | None] = {}
     for _ in range(2):

@@ -190,8 +190,15 @@ class TrainPool:
         return to_device(rows, self.x.device, torch.int64)
 
     def gather(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets ``[m, B, ...]`` of each row's client-local indices ``[m, B]``."""
-        return self.take(self.offset[rows][:, None] + idx)
+        """Inputs and targets ``[m, B, ...]`` of each row's client-local indices ``[m, B]``.
+
+        ``rows`` on the host (a cohort's) or on the pool's device.
+        """
+        return self.take(self.offset[to_device(rows, self.offset.device)][:, None] + idx)
+
+    def host_size(self, rows: torch.Tensor) -> torch.Tensor:
+        """The training-set sizes of the host ``rows`` (int64, on the host: :attr:`sizes`)."""
+        return torch.from_numpy(self.sizes)[rows]
 
     def take(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets ``[*at.shape, ...]`` of the pool's rows ``at`` (any shape)."""

@@ -261,7 +261,7 @@ class Engine(Transport, Evaluation):
         """The workers' downlink, client work and states, and the senders' side of the uplink."""
         inbox, result = self._train(who.workers)
         self.client_states.write(who.workers, result.states)
-        sums = {f"train/{k}": float(v.sum()) for k, v in result.metrics.items()}
+        sums = _sums(result.metrics)
         up = Uplink(rows_of(result.updates, who.workers, who.senders), inbox, sums)
         for stage in self.stages:  # clip, local noise, codec, wire and ledger, decode
             up = stage.client(t, who, up)
@@ -415,13 +415,13 @@ class Engine(Transport, Evaluation):
         out = []
         for key, rows in groups.items():
             members = [clients[i] for i in rows]
-            ids = client_ids(members, ctx.device)
+            ids = client_ids(members)  # on the host, as Cohort's docstring says
             cohort = Cohort(
                 clients=members,
                 data=[data[i] for i in rows],
                 rows=ids,
                 keys=rng.stream_keys(self.seed, purpose, self.round, ids),
-                draws=torch.zeros(len(members), dtype=torch.int64, device=ctx.device),
+                draws=torch.zeros(len(members), dtype=torch.int64),
                 pool=self.pool,
             )
             out.append((rows, cohort, key))
@@ -602,3 +602,15 @@ def _merge(results: list[tuple[list[int], CohortResult]], m: int) -> CohortResul
 
 
 RoundCallback = Callable[[Engine, dict[str, float]], None]
+
+
+def _sums(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """``train/<name>``: the cohort's sum of each per-client metric, read in one copy.
+
+    A round's training metrics go to the host together (issue 39: each read of a GPU's value
+    waits for its queue), as float64: the same numbers as one ``float`` each.
+    """
+    if not metrics:
+        return {}
+    values = torch.stack([v.sum().to(torch.float64) for v in metrics.values()]).tolist()
+    return {f"train/{k}": x for k, x in zip(metrics, values, strict=True)}

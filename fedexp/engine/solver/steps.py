@@ -40,6 +40,7 @@ from fedexp.engine.solver.optim import Optimizer, stack_states
 from fedexp.engine.solver.optim import State as OptState
 from fedexp.errors import DivergenceError
 from fedexp.models.task import PADDING
+from fedexp.transfer import to_device
 
 if TYPE_CHECKING:
     from fedexp.data.client import ClientData
@@ -135,15 +136,17 @@ class Ahead:
         cohort, size = self.cohort, self.ctx.batch_size
         m = len(cohort)
         k = max(1, min(self.left, _AHEAD_ENTRIES // max(1, m * size)))
+        dev = cohort.pool.offset.device
+        # the counters, keys and sizes on the host (a GPU's indices drawn there, unwaited)
         draws = cohort.draws
         ahead = (draws[:, None] + torch.arange(k, device=draws.device)).reshape(-1)
-        num = cohort.pool.size[cohort.rows].repeat_interleave(k)
+        num = cohort.pool.host_size(cohort.rows).repeat_interleave(k)
         keys = cohort.keys.repeat_interleave(k)
-        idx = minibatch_indices(keys, ahead, size, num, self.ctx.sampling).view(m, k, size)
-        first = cohort.pool.offset[cohort.rows].view(m, 1, 1)
+        idx = minibatch_indices(keys, ahead, size, num, self.ctx.sampling, dev).view(m, k, size)
+        first = cohort.pool.offset[to_device(cohort.rows, dev)].view(m, 1, 1)
         self.rows, self.at = (idx + first).transpose(0, 1).contiguous(), 0  # [k, m, B]
         if self.ctx.sampling == "shuffle" and not cohort.pool.fills(size):
-            self.valid = pass_valid(ahead, size, num).view(m, k, size)
+            self.valid = to_device(pass_valid(ahead, size, num), dev).view(m, k, size)
 
 
 def draw_batch(
@@ -170,9 +173,10 @@ def draw_batch(
     draws = cohort.draws
     short = ctx.sampling == "shuffle" and not cohort.pool.fills(size)  # some batches short
     valid = None
+    dev = cohort.pool.offset.device
     if ahead is None:
-        num = cohort.pool.size[cohort.rows]
-        idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling)
+        num = cohort.pool.host_size(cohort.rows)
+        idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling, dev)
         x, y = cohort.pool.gather(cohort.rows, idx)
         if short:
             valid = pass_valid(draws, size, num)
@@ -181,11 +185,11 @@ def draw_batch(
         x, y = cohort.pool.take(rows)
     cohort.draws = draws + 1
     if ctx.augment.active:  # per (stream key, draw, position): as the client alone draws it
-        x, y = ctx.augment(x, y, cohort.keys, draws)
+        x, y = ctx.augment(x, y, to_device(cohort.keys, dev), to_device(draws, dev))
     if not short:
         return x, y  # every batch of every client full
     assert valid is not None
-    valid = valid.to(y.device)
+    valid = to_device(valid, y.device)
     valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
     return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING)
 
@@ -199,9 +203,8 @@ def alone(data: ClientData, key: int) -> Cohort:
 
     rows = data.pooled()
     pool, row = (rows.pool, rows.row) if rows is not None else (TrainPool.of([data]), 0)
-    dev = pool.x.device
-    one = torch.full((1,), row, dtype=torch.int64, device=dev)
-    keys = torch.tensor([key], dtype=torch.int64, device=dev)
+    one = torch.full((1,), row, dtype=torch.int64)  # on the host, as every cohort's
+    keys = torch.tensor([key], dtype=torch.int64)
     return Cohort([row], [data], one, keys, torch.zeros_like(one), pool)
 
 
