@@ -38,4 +38,6 @@ class FedBN(FedPer):
 
     def personal_idx(self, ctx: Context) -> torch.Tensor:
         """Flat coordinates of every BatchNorm layer: γ, β, running mean and variance."""
-        return ctx.model.module_indices((_BatchNorm,), ctx.device)
+        return ctx.model.indices_once(
+            ("norms", str(ctx.device)), lambda: ctx.model.module_indices((_BatchNorm,), ctx.device)
+        )

@@ -60,16 +60,27 @@ class FedPer(FedAvg):
 
     # ------------------------------------------------------------------ the split
     def personal_idx(self, ctx: Context) -> torch.Tensor:
-        """Flat coordinates of the personal part (FedPer: the head)."""
+        """Flat coordinates of the personal part (FedPer: the head), made once a run."""
         if self.head is None:
             return ctx.personal_idx
-        return ctx.model.layout.matched(self.head, "algorithm.head", ctx.device)
+        head = self.head
+        return ctx.model.indices_once(
+            ("head", tuple(head), str(ctx.device)),
+            lambda: ctx.model.layout.matched(head, "algorithm.head", ctx.device),
+        )
 
     def body_idx(self, ctx: Context) -> torch.Tensor:
-        """Flat coordinates of the shared part: every coordinate not personal."""
-        shared = torch.ones(ctx.model.layout.numel, dtype=torch.bool, device=ctx.device)
-        shared[self.personal_idx(ctx)] = False
-        return torch.nonzero(shared).flatten()
+        """Flat coordinates of the shared part: every coordinate not personal (made once)."""
+
+        def complement() -> torch.Tensor:
+            shared = torch.ones(ctx.model.layout.numel, dtype=torch.bool, device=ctx.device)
+            shared[self.personal_idx(ctx)] = False
+            return torch.nonzero(shared).flatten()
+
+        head = None if self.head is None else tuple(self.head)
+        return ctx.model.indices_once(
+            ("body", type(self).__qualname__, head, str(ctx.device)), complement
+        )
 
     def assemble(self, ctx: Context, body: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """The full model vector of a body and a head (rows of them: [m, ...] each)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from fedexp.errors import ConfigError
 from fedexp.models.conv_gemm import install as install_conv_gemm
 from fedexp.models.norms import functional_norms, momentum, tracked_norms, updated
 from fedexp.models.pool_first import pool_first
+from fedexp.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class Layout:
                 idx.append(torch.arange(off, off + size))
         if not idx:
             return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat(idx).to(device)
+        return to_device(torch.cat(idx), device)
 
 
 def _nhwc(weight: torch.Tensor) -> torch.Tensor:
@@ -224,6 +225,8 @@ class FlatModel:
             and name.rpartition(".")[2] in ("running_mean", "running_var")
             for name in buffer_names
         )
+        #: index sets made once (:meth:`indices_once`): key -> coordinates
+        self._indices: dict[Hashable, torch.Tensor] = {}
 
     def use_conv_gemm(self) -> bool:
         """Send a cohort's 2-D convolutions through matrix products (:mod:`.conv_gemm`).
@@ -244,6 +247,19 @@ class FlatModel:
     def has_buffers(self) -> bool:
         """Whether the flat vector holds running statistics."""
         return self.layout.num_buffers > 0
+
+    def indices_once(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, made the first time ``key`` is asked for, then kept with the model.
+
+        For coordinate sets that depend only on this model and a choice fixed for the run (an
+        algorithm's personal part and its complement): made once, not in every round, where
+        each making copies from the host and, for a complement, reads a mask's ``nonzero``
+        back, which on a GPU waits for the device's queue.
+        """
+        found = self._indices.get(key)
+        if found is None:
+            found = self._indices[key] = make()
+        return found
 
     def module_indices(self, types: tuple[type, ...], device: torch.device | str = "cpu"):
         """Flat coordinates of the entries of every submodule that is one of ``types``."""
