@@ -291,11 +291,11 @@ class PrivateUplink:
             return uploads, {}
         norms = joint_norms(list(changes.values()))
         factors = clip_factors(norms, self.clip)
-        clipped = bool((factors < 1).any())
-        counts = {
-            "privacy/uploads": float(len(clients)),
-            "privacy/unclipped": float((norms <= self.clip).sum()),
-        }
+        # whether any upload is clipped, and how many are within C: one read of both
+        flags = torch.stack([(factors < 1).any(), (norms <= self.clip).sum()])
+        any_clipped, unclipped = flags.to(torch.float64).tolist()
+        clipped = bool(any_clipped)
+        counts = {"privacy/uploads": float(len(clients)), "privacy/unclipped": unclipped}
         noisy = self.settings.mode == "local" and self.noise_multiplier > 0
         if not (clipped or noisy):
             return uploads, counts
