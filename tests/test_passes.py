@@ -186,7 +186,6 @@ def test_a_gpu_cohort_draws_its_minibatches_without_waiting_for_the_device(small
     ctx = engine.ctx
     cohort = cohort_of(engine, list(range(len(engine.clients))), 0)
     assert {t.device.type for t in (cohort.rows, cohort.keys, cohort.draws)} == {"cpu"}
-    cohort.pool.fills(8)  # the pool's one read of its sizes, kept
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -167,12 +167,12 @@ class TrainPool:
     def fills(self, size: int) -> bool:
         """Whether every client's training set is whole batches of ``size``.
 
-        Then no epoch ends in a short batch. One reduction the first time a size is asked,
-        then remembered.
+        Then no epoch ends in a short batch. One reduction of the host's sizes the first time
+        a size is asked, then remembered.
         """
         cache: dict[int, bool] = self.__dict__.setdefault("_fills", {})  # either constructor
         if size not in cache:
-            cache[size] = bool((self.size % size == 0).all())
+            cache[size] = bool((self.sizes % size == 0).all())
         return cache[size]
 
     def rows(self, data: Sequence[ClientData]) -> torch.Tensor | None:
