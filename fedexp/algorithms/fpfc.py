@@ -71,17 +71,18 @@ def complete_edges(num_nodes: int, device: torch.device | str | None = None) -> 
     return torch.triu_indices(num_nodes, num_nodes, offset=1, device=device).T.contiguous()
 
 
-def count_clusters(fused: torch.Tensor, edges: torch.Tensor, num_nodes: int) -> int:
-    """Connected components of the graph whose edges are the ``fused`` ones."""
-    e = edges[fused.cpu()].cpu().numpy()
-    return _components(e[:, 0], e[:, 1], num_nodes)
+def count_clusters(fused: np.ndarray, num_nodes: int) -> int:
+    """Connected components of the graph whose edges are the ``fused`` pairs.
 
-
-def _components(i: np.ndarray, j: np.ndarray, num_nodes: int) -> int:
-    """Connected components of the graph of ``num_nodes`` nodes and edges ``(i[k], j[k])``."""
+    Args:
+        fused: bool ``(M,)`` on the host, one flag a pair of :func:`complete_edges`' order.
+        num_nodes: the clients.
+    """
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
+    i, j = np.triu_indices(num_nodes, 1)  # complete_edges' order (row-major, i < j)
+    i, j = i[fused], j[fused]
     adj = coo_matrix((np.ones(len(i)), (i, j)), shape=(num_nodes, num_nodes))
     return int(connected_components(adj, directed=False)[0])
 
@@ -207,9 +208,8 @@ class FPFC(Algorithm):
         both = torch.cat([(norms <= self.xi).double(), torch.linalg.vector_norm(residual)[None]])
         host = both.cpu().numpy()
         fused = host[:-1] > 0
-        i, j = np.triu_indices(n, 1)  # complete_edges' order
         return {
-            "fpfc/clusters": float(_components(i[fused], j[fused], n)),
+            "fpfc/clusters": float(count_clusters(fused, n)),
             "fpfc/fused_pairs": float(fused.sum()),
             "fpfc/primal_residual": float(host[-1]),
         }
