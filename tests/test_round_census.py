@@ -130,10 +130,18 @@ GROWING: dict[str, str] = {}
 EVAL_GROWING: dict[str, str] = {}
 
 
-def census(case: str, clients: int, extra: list[str]) -> tuple[Census, Census]:
-    """The ops and host reads of ``case``'s second training round, then of its evaluation."""
+def cases() -> list[tuple[str, list[str]]]:
+    """Every case counted: (name, its overrides): the algorithms, codecs and privacy modes."""
+    out = [(a, []) for a in ALGORITHMS]
+    out += [(f"compressor={c}", [f"compressor={c}"]) for c in CODECS]
+    out += [(f"privacy={p}", [f"privacy={p}", "privacy.noise_multiplier=1.0"]) for p in PRIVACY]
+    return out
+
+
+def overrides(case: str, clients: int, extra: list[str], device: str = "cpu") -> list[str]:
+    """The run settings of ``case`` at ``clients`` (also the device check's census on a GPU)."""
     algorithm = case if case in ALGORITHMS else "fedavg"
-    overrides = [
+    return [
         "dataset=synthetic",
         f"dataset.num_samples={20 * clients}",
         f"num_clients={clients}",
@@ -142,15 +150,20 @@ def census(case: str, clients: int, extra: list[str]) -> tuple[Census, Census]:
         "local_steps=2",
         "batch_size=5",
         "progress=none",
-        "device=cpu",
+        f"device={device}",
         "checkpoint_every=0",
         "rounds=3",
         *SETTINGS.get(algorithm, []),
         *extra,
     ]
+
+
+def census(case: str, clients: int, extra: list[str]) -> tuple[Census, Census]:
+    """The ops and host reads of ``case``'s second training round, then of its evaluation."""
+    settings = overrides(case, clients, extra)
     rng.use_compiled_passes()  # the CPU's kernel (the tensor path's cycle walks grow a little)
     torch.manual_seed(0)
-    engine = build_engine(compose_config(*overrides))
+    engine = build_engine(compose_config(*settings))
     engine.setup()
     engine.run_round()
     engine.evaluate()
@@ -167,13 +180,10 @@ def _marks(case: str, big: int) -> list:
 
 
 def _cases() -> list:
-    cases = [(a, []) for a in ALGORITHMS]
-    cases += [(f"compressor={c}", [f"compressor={c}"]) for c in CODECS]
-    cases += [(f"privacy={p}", [f"privacy={p}", "privacy.noise_multiplier=1.0"]) for p in PRIVACY]
     return [
         pytest.param(name, extra, big, marks=_marks(name, big), id=f"{name}-{big}")
         for big in (40, 1000)
-        for name, extra in cases
+        for name, extra in cases()
     ]
 
 

@@ -15,7 +15,9 @@ in its step) with its own time budget; ``--smallest`` runs them all in one child
   client counts: their difference over the clients' is the syncs per client; and the next
   round's dispatched ops and host reads (``fedexp.engine.round.census``), equal at both;
   then LR rounds with the pass draws on the host against the tensor path GPU runs took
-  before (``compare_draws``: syncs and round time of each);
+  before (``compare_draws``: syncs and round time of each); then the round census's cases
+  (every algorithm, codec and privacy mode of ``tests/test_round_census.py``, 10 clients)
+  on the device, each one's syncs a training round and an evaluation (``census_syncs``);
 * ``bench_cnn``, ``bench_lr``, ``bench_densenet``, ``bench_unet`` and the 3-D
   ``bench_densenet3d`` (LUNA16-shaped 32³ cubes) and ``bench_unet3d`` (BraTS-shaped 4×64³
   crops), at fewer clients (``clients_3d``): client updates/s of
@@ -179,7 +181,7 @@ def _budgets(*seconds: float) -> dict[str, float]:
 SIZES: dict[str, Sizes] = {
     "gpu": Sizes(
         total_s=520,
-        budgets=_budgets(15, 25, 35, 20, 40, 30, 90, 45, 45, 45, 15, 40, 75),
+        budgets=_budgets(15, 25, 35, 45, 40, 30, 65, 45, 45, 45, 15, 40, 75),
         inline=False,
         threads=0,
         clients=(100, 1000),
@@ -700,6 +702,43 @@ def step_syncs(s: Step) -> None:
         s.result["draws"] = compare_draws(builders["lr"](hi), dev, s)
         s.save()
         s.say(f"pass draws, LR at {hi} clients: {s.result['draws']}")
+    census_syncs(dev, s)
+
+
+def census_syncs(dev: torch.device, s: Step, clients: int = 10) -> None:
+    """The round census's cases on the device: each one's syncs in its second training round
+    and in the evaluation after it, and where (``tests/test_round_census.py``: every
+    algorithm, codec and privacy mode, whose CPU host reads ``READS`` pins), in order while
+    the step's time lasts; on the CPU (no syncs to count) its first case only."""
+    import test_round_census as census
+
+    from fedexp.engine import rng
+    from fedexp.engine.runner import build_engine
+    from helpers import compose_config
+
+    rows: dict[str, Any] = {}
+    s.result["census"] = rows
+    for name, extra in census.cases()[: None if dev.type == "cuda" else 1]:
+        if s.left() < 4:
+            break
+        rng.use_compiled_passes()
+        engine = build_engine(compose_config(*census.overrides(name, clients, extra, dev.type)))
+        engine.setup()
+        engine.run_round()
+        engine.evaluate()
+        _sync(dev)
+        train, where = count_syncs(engine.run_round)
+        evaluation, _ = count_syncs(engine.evaluate)
+        rows[name] = {
+            "train": train,
+            "eval": evaluation,
+            "cpu_reads": census.READS.get(name),
+            "sites": dict(where.most_common(6)),
+        }
+        del engine
+        _free(dev)
+        s.save()
+    s.say(f"syncs by case at {clients} clients: {len(rows)} of {len(census.cases())} counted")
 
 
 def compare_draws(engine: Any, dev: torch.device, s: Step, rounds: int = 5) -> dict:
@@ -1592,6 +1631,16 @@ def summary(doc: dict[str, Any]) -> str:
                 f"- pass draws, LR: host kernel {_f(ms.get('host'), '.2f')} ms a round "
                 f"({sc.get('host')} syncs), tensor path {_f(ms.get('tensor'), '.2f')} ms "
                 f"({sc.get('tensor')} syncs): tensor / host {_f(dr.get('tensor_over_host'), '.2f')}"
+            )
+        cs = sy.get("census") or {}
+        if cs:
+            lines.append(
+                "- syncs by case at 10 clients, training round / evaluation (the CPU's census "
+                "reads in brackets): "
+                + "; ".join(
+                    f"{k} {v.get('train')}/{v.get('eval')} ({v.get('cpu_reads')})"
+                    for k, v in cs.items()
+                )
             )
     ct = steps.get("cuda_tests", {})
     if ct.get("counts") is not None:
