@@ -293,10 +293,8 @@ def pass_indices_host(
         at = keys.device
         both = torch.stack((keys, draws.to(at, torch.int64), num.to(at, torch.int64)))
         host = tuple(both.cpu())
-    if dev.type == "cpu":
-        return pass_indices_cpu(host[0], host[1], size, host[2], _PASS, _ROUND)
     out = pass_indices_cpu(host[0], host[1], size, host[2], _PASS, _ROUND, dev.type == "cuda")
-    return out.to(dev, non_blocking=True)
+    return out if dev.type == "cpu" else out.to(dev, non_blocking=True)
 
 
 #: What the CPU's compiled pass kernel (numba, :mod:`fedexp.engine.solver.passes_cpu`) costs a

@@ -472,9 +472,8 @@ class Engine(Transport, Evaluation):
         if self.algorithm.weighting == "uniform":
             return torch.full((len(clients),), 1.0 / len(among), dtype=torch.float64)
         if self.pool is not None:  # the training-set sizes at once (a property call each: slow)
-            size = torch.from_numpy(self.pool.sizes)  # the host's copy: no device read
-            total = size[client_ids(among)].sum()
-            return size[client_ids(clients)].double() / total.double()
+            total = self.pool.host_size(client_ids(among)).sum()  # no device read
+            return self.pool.host_size(client_ids(clients)).double() / total.double()
         sizes = {n: self.clients[n].num_train for n in set(clients) | set(among)}
         total = sum(sizes[n] for n in among)
         return torch.tensor([sizes[n] / total for n in clients], dtype=torch.float64)
