@@ -58,6 +58,27 @@ def test_optimisers_follow_pytorch_step_by_step(ours, theirs):
         torch.testing.assert_close(p, ref.detach(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="PyTorch's scalar kernels round θ − η·g twice; its AVX2/AVX-512 ones fuse it",
+)
+def test_plain_sgd_steps_a_stack_as_pytorch_does_bit_for_bit():
+    """Plain SGD (float32, a scalar step) is torch.optim.SGD's update to the last bit, on a
+    stack of rows whose length is no multiple of a vector (the kernels' tails included)."""
+    torch.manual_seed(0)
+    p0 = torch.randn(3, 1_003)
+    grads = [torch.randn(3, 1_003) for _ in range(4)]
+    ref = p0.clone().requires_grad_(True)
+    opt = torch.optim.SGD([ref], lr=0.1)
+    ours, p, state = SGD(), p0.clone(), {}
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+        p, state = ours.step(p, g, state, 0.1)
+    assert torch.equal(p, ref.detach())
+    assert not torch.equal(p0 - 0.1 * grads[0], torch.add(p0, grads[0], alpha=-0.1))
+
+
 def test_optimiser_state_lives_in_the_client_state(small_cfg):
     e = build_engine(small_cfg("optimizer=sgd", "optimizer.momentum=0.9", "rounds=2"))
     _rounds(e, 2)

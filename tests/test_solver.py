@@ -307,12 +307,13 @@ def test_a_stacks_optimiser_step_is_each_rows_step_bit_for_bit(opt, per_coordina
     state = stack_states(make, params, [None] * m)
     if "step" in state:
         state["step"] = torch.arange(m, dtype=params.dtype)  # clients at different counts
-    lr = 0.1 * torch.rand(m, d, generator=gen) if per_coordinate else 0.1
+    scale = 2 * torch.rand(m, d, generator=gen) if per_coordinate else None
     a, b = params, params
     sa, sb = dict(state), dict(state)
     for _ in range(3):
         grad = torch.randn(m, d, generator=gen)
-        a, sa = make.step(a, grad, sa, lr)
-        b, sb = vmap(make.step, in_dims=(0, 0, 0, 0 if per_coordinate else None))(b, grad, sb, lr)
+        a, sa = make.step(a, grad, sa, 0.1, scale)
+        dims = (0, 0, 0, None, 0 if per_coordinate else None)
+        b, sb = vmap(make.step, in_dims=dims)(b, grad, sb, 0.1, scale)
         assert torch.equal(a, b)
         assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)

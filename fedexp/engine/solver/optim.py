@@ -49,13 +49,18 @@ class Optimizer(ABC):
 
     @abstractmethod
     def step(
-        self, params: torch.Tensor, grad: torch.Tensor, state: State, lr: float | torch.Tensor
+        self,
+        params: torch.Tensor,
+        grad: torch.Tensor,
+        state: State,
+        lr: float,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, State]:
         """One update; returns (new parameters, new state). Pure: nothing is modified.
 
         ``params``, ``grad`` and ``state`` are one client's (``[d]``, scalars 0-d) or a
-        cohort's stack (``[m, d]``, scalars ``[m]``); ``lr`` a float, or a tensor of
-        ``params``' shape (per-coordinate step sizes).
+        cohort's stack (``[m, d]``, scalars ``[m]``); ``lr`` the step size and ``scale``
+        per-coordinate factors of it (a tensor of ``params``' shape; None: 1 everywhere).
         """
 
     def load(self, client_state: State | CohortStates, prefix: str = "opt") -> State | None:
@@ -108,15 +113,43 @@ class SGD(Optimizer):
         return {"momentum": torch.zeros_like(params)} if self.momentum > 0 else {}
 
     def step(
-        self, params: torch.Tensor, grad: torch.Tensor, state: State, lr: float | torch.Tensor
+        self,
+        params: torch.Tensor,
+        grad: torch.Tensor,
+        state: State,
+        lr: float,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, State]:
         """θ ← θ − η·d with d = g (+ μ-momentum), g = ∇ + wd·θ."""
         g = grad + self.weight_decay * params if self.weight_decay else grad
         if self.momentum == 0:
-            return params - lr * g, state
+            return descend(params, g, lr, scale), state
         buf = self.momentum * state["momentum"] + g
         d = g + self.momentum * buf if self.nesterov else buf
-        return params - lr * d, {"momentum": buf}
+        return params - _times(lr, scale) * d, {"momentum": buf}
+
+
+def descend(
+    params: torch.Tensor, d: torch.Tensor, lr: float, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain SGD's θ − η·d as :class:`torch.optim.SGD` takes it (``add`` with ``alpha=-lr``).
+
+    That is one ``add``: one fused multiply-add an entry in PyTorch's AVX2 and AVX-512
+    kernels (the same bits on either), so plain SGD's steps equal PyTorch's bit for bit
+    there, and a cohort's step reads and writes its stack once instead of twice (``lr * d``,
+    then the difference: about 2 % of a round of issue 14's CNN, docs/bench_peers.md).
+    Per-coordinate factors multiply ``d`` first, so that a coordinate of factor 1 moves as
+    without them (APFL's global model is FedAvg's to the bit). The momentum steps keep
+    ``θ − (η·d)``: TDPFed's recorded golden figures amplify the last bit of its Nesterov
+    steps beyond their tolerance (tests/test_golden.py, the cases compared on the recording's
+    kind of machine only).
+    """
+    return torch.add(params, d if scale is None else d * scale, alpha=-lr)
+
+
+def _times(lr: float, scale: torch.Tensor | None) -> float | torch.Tensor:
+    """The step size, per coordinate where ``scale`` is given."""
+    return lr if scale is None else lr * scale
 
 
 class Adam(Optimizer):
@@ -150,7 +183,12 @@ class Adam(Optimizer):
         }
 
     def step(
-        self, params: torch.Tensor, grad: torch.Tensor, state: State, lr: float | torch.Tensor
+        self,
+        params: torch.Tensor,
+        grad: torch.Tensor,
+        state: State,
+        lr: float,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, State]:
         """One Adam step in PyTorch's order of operations."""
         g = grad + self.weight_decay * params if self.weight_decay else grad
@@ -161,7 +199,7 @@ class Adam(Optimizer):
         bc1 = 1 - self.beta1**tb
         bc2 = 1 - self.beta2**tb
         denom = v.sqrt() / bc2.sqrt() + self.eps
-        new = params - (lr / bc1) * m / denom
+        new = params - (_times(lr, scale) / bc1) * m / denom
         return new, {"exp_avg": m, "exp_avg_sq": v, "step": t}
 
 

@@ -266,7 +266,10 @@ def _rowwise(ctx: Context, obj: Objective, posts: bool) -> Callable:
     """
 
     def run(params, xb, yb, aux, u):  # noqa: ANN001, ANN202 - vmap's signature
-        grads, values, kept = [], [], []
+        values, kept = [], []
+        # each row's gradient goes into the stack as soon as it is made, while it is still in
+        # the core's cache (stacked at the end, each was read back from memory)
+        grads = torch.empty_like(params)
         widths = None
         if yb.dim() > 1 and yb.shape[1]:
             flat = yb.reshape(yb.shape[0], yb.shape[1], -1)[:, :, 0]
@@ -275,12 +278,12 @@ def _rowwise(ctx: Context, obj: Objective, posts: bool) -> Callable:
             row = replace(obj, aux={k: t[i] for k, t in aux.items()})
             x, y = (xb[i], yb[i]) if widths is None else (xb[i, : widths[i]], yb[i, : widths[i]])
             value, g, post = ctx.loss_grad_post(row, params[i], x, y, u[i])
-            grads.append(g)
+            grads[i] = g
             values.append(value)
             if posts and post is not None:
                 kept.append(post)
         post = torch.stack(kept) if kept else None
-        return torch.stack(grads), (torch.stack(values), post)
+        return grads, (torch.stack(values), post)
 
     return run
 
@@ -378,7 +381,6 @@ def train_stacked(
         (final parameters, final optimiser state, each client's mean loss over the steps).
     """
     ctx.model.module.train()
-    step_lr: float | torch.Tensor = lr if lr_scale is None else lr * lr_scale
     grad_fn = stacked_gradients(ctx, obj)
     project = None if obj.project is None else vmap(obj.project)
     total = torch.zeros(params.shape[0], device=params.device)
@@ -387,7 +389,7 @@ def train_stacked(
         grads, (values, post) = grad_fn(params, xb, yb, aux, u)
         if keep is not None:
             grads = grads.masked_fill(keep, 0.0)
-        new, state = opt.step(params, grads, state, step_lr)  # element-wise: the whole stack
+        new, state = opt.step(params, grads, state, lr, lr_scale)  # element-wise: the stack
         if obj.frozen is not None and post is not None:
             new = torch.where(obj.frozen, post, new)
         if keep is not None:
