@@ -135,9 +135,10 @@ def descend(
     """Plain SGD's θ − η·d as :class:`torch.optim.SGD` takes it (``add`` with ``alpha=-lr``).
 
     That is one ``add``: one fused multiply-add an entry in PyTorch's AVX2 and AVX-512
-    kernels (the same bits on either), so plain SGD's steps equal PyTorch's bit for bit
-    there, and a cohort's step reads and writes its stack once instead of twice (``lr * d``,
-    then the difference: about 2 % of a round of issue 14's CNN, docs/bench_peers.md).
+    kernels (the same bits on either), so SGD's steps without momentum or weight decay equal
+    PyTorch's bit for bit there, and a cohort's step reads and writes its stack once instead
+    of twice (``lr * d``, then the difference: 1-2 % of a round of issue 14's CNN,
+    docs/bench_peers.md).
     Per-coordinate factors multiply ``d`` first, so that a coordinate of factor 1 moves as
     without them (APFL's global model is FedAvg's to the bit). The momentum steps keep
     ``θ − (η·d)``: TDPFed's recorded golden figures amplify the last bit of its Nesterov
