@@ -293,3 +293,65 @@ def test_stream_keys_hash_their_fixed_part_on_the_host_as_the_tensor_hash():
         head = rng.mix64(rng.mix64(head ^ purpose) ^ round_)
         assert torch.equal(rng.stream_keys(seed, purpose, round_, ids),
                            rng._srl(rng.mix64(head ^ ids), 1))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model",
+    [("model=logreg",), ("model=mlp", "model.hidden=6", "dataset=digits")],
+    ids=["logistic", "softmax-10-classes"],
+)
+def test_steps_of_whole_batches_skip_the_masks_to_the_same_bits(small_cfg, monkeypatch, model):
+    """A step whose batches are all whole (``Ahead.short_steps`` false) takes the stacked
+    loss without its padding masks (``ClassificationTask.loss_stacked(full=True)``): fewer ops,
+    and every figure of the run the same bits as with the masks at every step."""
+    from fedexp.engine.round.census import Census
+    from fedexp.engine.solver.steps import Ahead
+
+    settings = (*model, "partition=iid", "local_steps=10", "batch_size=32", "rounds=2")
+    short_steps, seen = Ahead.short_steps, []
+
+    def recorded(valid):  # noqa: ANN001, ANN202
+        flags = short_steps(valid)
+        seen.extend(flags)
+        return flags
+
+    def run() -> tuple[Census, object]:
+        torch.manual_seed(0)
+        engine = build_engine(small_cfg(*settings))
+        assert engine.ctx.model.stacks  # the stacked loss (no vmap)
+        engine.setup()
+        with Census() as census:
+            for _ in range(2):
+                engine.run_round()
+        return census, engine
+
+    monkeypatch.setattr(Ahead, "short_steps", staticmethod(recorded))
+    skipping, engine = run()
+    assert True in seen and False in seen  # steps of both kinds were taken
+    monkeypatch.setattr(Ahead, "short_steps", staticmethod(lambda v: [True] * len(short_steps(v))))
+    masked, reference = run()
+    assert skipping.total_ops < masked.total_ops, (skipping.summary(), masked.summary())
+    assert skipping.total_reads == masked.total_reads
+    assert torch.equal(engine.server["x"], reference.server["x"])
+    for a, b in zip(engine.client_states, reference.client_states, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_stacked_loss_without_masks_gives_the_masked_bits():
+    """``loss_stacked(full=True)`` (no label is padding) gives the masked loss's values and
+    gradients bit for bit, binary (one logit) and softmax, at batch sizes with vector tails."""
+    from fedexp.models.task import ClassificationTask
+
+    for classes in (1, 3):
+        task = ClassificationTask(max(2, classes))
+        for size in (3, 4, 13, 32, 100):
+            g = torch.Generator().manual_seed(size)
+            logits = (3 * torch.randn(7, size, classes, generator=g)).requires_grad_(True)
+            y = torch.randint(0, max(2, classes), (7, size), generator=g)
+            out = []
+            for full in (False, True):
+                loss = task.loss_stacked(logits, y, full)
+                (grad,) = torch.autograd.grad(loss.sum(), logits)
+                out.append((loss.detach(), grad))
+            (a, ga), (b, gb) = out
+            assert torch.equal(a, b) and torch.equal(ga, gb), (classes, size)

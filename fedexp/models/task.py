@@ -87,12 +87,26 @@ class ClassificationTask:
         """Accuracy, balanced accuracy and AUC on one client's test split."""
         return classification_metrics(logits, y, self.num_classes)
 
-    def loss_stacked(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss_stacked(
+        self, logits: torch.Tensor, y: torch.Tensor, full: bool = False
+    ) -> torch.Tensor:
         """:meth:`loss` of m clients' minibatches at once: ``[m]`` from ``[m, B, C]`` logits.
 
         The operations ``vmap(self.loss)`` runs (a mean over each client's rows whose label
-        is not :data:`PADDING`), without :func:`torch.func.vmap`'s wrapping.
+        is not :data:`PADDING`), without :func:`torch.func.vmap`'s wrapping. ``full``: no
+        label is :data:`PADDING`, and the masks are left out: the same sums divided by the
+        same counts, so the same bits, in about ten fewer operations forward and backward.
         """
+        if full:
+            if logits.shape[-1] == 1:
+                # ×1 exactly, for the backward pass: the masked path's ``where`` hands the
+                # softplus a gradient of its own, where the sum alone would hand it a
+                # broadcast one, which torch's kernel takes element by element (other bits)
+                per_sample = binary_cross_entropy(logits.squeeze(-1), y).mul(1.0)
+            else:
+                logp = torch.log_softmax(logits, dim=-1)
+                per_sample = -logp.gather(-1, y.long().unsqueeze(-1)).squeeze(-1)
+            return per_sample.sum(-1) / y.shape[-1]
         valid = y != PADDING
         if logits.shape[-1] == 1:
             per_sample = binary_cross_entropy(logits.squeeze(-1), torch.where(valid, y, 0))

@@ -119,12 +119,15 @@ class Context:
         y: torch.Tensor,
         aux: Aux,
         u: torch.Tensor,
+        full: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`model_loss` of m clients at once: losses ``[m]``, and ``params`` as posts.
 
-        ``params`` ``[m, d]``, ``x`` ``[m, B, ...]``; no running statistics (:meth:`_stacks`).
+        ``params`` ``[m, d]``, ``x`` ``[m, B, ...]``; no running statistics (:meth:`_stacks`);
+        ``full``: no target is padding (the task's loss skips its masks).
         """
-        return self.task.loss_stacked(self.model.forward_stacked(params, x), y), params.detach()
+        logits = self.model.forward_stacked(params, x)
+        return self.task.loss_stacked(logits, y, full), params.detach()
 
     def proximal_loss_stacked(
         self,
@@ -133,9 +136,10 @@ class Context:
         y: torch.Tensor,
         aux: Aux,
         u: torch.Tensor,
+        full: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`proximal_loss` of m clients at once (``aux``: ``[m, d]`` anchors, ``[m]`` μ)."""
-        loss, post = self.model_loss_stacked(params, x, y, aux, u)
+        loss, post = self.model_loss_stacked(params, x, y, aux, u, full)
         diff = params - aux["anchor"]
         return loss + 0.5 * aux["mu"] * (diff * diff).sum(-1), post
 

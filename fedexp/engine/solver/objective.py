@@ -29,6 +29,12 @@ LossFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, Aux, torch.Tensor],
     tuple[torch.Tensor, torch.Tensor | None],
 ]
+#: stacked(params, x, y, aux, u, full) -> (losses [m], posts [m, d]) of m clients' stacked rows;
+#: ``full``: no target is :data:`fedexp.models.task.PADDING` (the loss may skip its masks).
+StackedLossFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Aux, torch.Tensor, bool],
+    tuple[torch.Tensor, torch.Tensor | None],
+]
 #: project(params, aux) -> params, applied after every step (e.g. clipping APFL's α to [0, 1]).
 ProjectFn = Callable[[torch.Tensor, Aux], torch.Tensor]
 
@@ -51,6 +57,8 @@ class Objective:
         stacked: the m clients' ``(losses [m], posts [m, d])`` from their stacked
             parameters, minibatches, ``aux`` and ``u``, as ``vmap(loss)`` gives them, computed
             by batched operations of the model's own (a linear model's); None: vmap ``loss``.
+            Its last argument says that no target is padding (every batch whole), so that
+            it may skip its masks.
     """
 
     loss: LossFn
@@ -59,4 +67,4 @@ class Objective:
     lr_scale: torch.Tensor | None = None
     noise: int = 0
     project: ProjectFn | None = None
-    stacked: LossFn | None = None
+    stacked: StackedLossFn | None = None

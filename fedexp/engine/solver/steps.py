@@ -60,8 +60,9 @@ _MIN_SLICE = 64
 #: clients of a slice at most (the gathered index and per-client rows stay small too)
 _CHUNK = 16384
 
-#: One step's (inputs [m, B, ...], targets [m, B, ...], noise [m, k]) of a cohort.
-BatchFn = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+#: One step's (inputs [m, B, ...], targets [m, B, ...], noise [m, k], full) of a cohort;
+#: ``full``: no target is :data:`fedexp.models.task.PADDING` (every batch of the step whole).
+BatchFn = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Ahead:
         self.ctx, self.cohort, self.left = ctx, cohort, steps
         self.rows: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
+        self.short: list[bool] = []  # per step of the block: whether some batch is short
         self.at = 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,15 +124,16 @@ class Ahead:
         Both made ahead when needed: the rows are the draw's indices plus each client's
         first row (:meth:`TrainPool.gather`'s, once a block instead of once a step); the
         second is :func:`fedexp.engine.rng.pass_valid` of the draw, None where every batch
-        is full.
+        of the draw is full.
         """
         if self.rows is None or self.at == self.rows.shape[0]:
             self._block()
         assert self.rows is not None
         self.at += 1
         self.left -= 1
-        valid = None if self.valid is None else self.valid[:, self.at - 1]
-        return self.rows[self.at - 1], valid
+        if self.valid is None or not self.short[self.at - 1]:
+            return self.rows[self.at - 1], None
+        return self.rows[self.at - 1], self.valid[:, self.at - 1]
 
     def _block(self) -> None:
         cohort, size = self.cohort, self.ctx.batch_size
@@ -146,13 +149,35 @@ class Ahead:
         first = cohort.pool.offset[to_device(cohort.rows, dev)].view(m, 1, 1)
         self.rows, self.at = (idx + first).transpose(0, 1).contiguous(), 0  # [k, m, B]
         if self.ctx.sampling == "shuffle" and not cohort.pool.fills(size):
-            self.valid = to_device(pass_valid(ahead, size, num), dev).view(m, k, size)
+            valid = pass_valid(ahead, size, num).view(m, k, size)  # on the host
+            self.short = self.short_steps(valid)
+            self.valid = to_device(valid, dev)
+
+    @staticmethod
+    def short_steps(valid: torch.Tensor) -> list[bool]:
+        """Which of a block's steps hold a short batch, from its validity ``[m, k, B]``.
+
+        One read of k flags, of a tensor on the host (no wait on a device). The other steps'
+        batches are all whole, and their losses skip the padding masks (``full``).
+        """
+        return (~valid).any(2).any(0).tolist()
 
 
 def draw_batch(
     ctx: Context, cohort: Cohort, ahead: Ahead | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each client's next minibatch, stacked ``[m, B, ...]``: what ``ClientData.batch`` gives it.
+
+    :func:`draw_step`'s inputs and targets.
+    """
+    x, y, _ = draw_step(ctx, cohort, ahead)
+    return x, y
+
+
+def draw_step(
+    ctx: Context, cohort: Cohort, ahead: Ahead | None = None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Each client's next minibatch, stacked ``[m, B, ...]``, and whether every batch is whole.
 
     The indices of every client's stream at its draw counter (advanced by one), in shuffled
     epochs or with replacement (``ctx.sampling``, :func:`fedexp.engine.rng.minibatch_indices`);
@@ -163,12 +188,17 @@ def draw_batch(
     gradients of models with running statistics leave out (:func:`_rowwise`). ``ahead``:
     the rows come from it (made for several steps at once), else from one call. The
     batch is augmented by ``ctx.augment`` (:mod:`fedexp.data.augment`).
+
+    Returns:
+        (inputs, targets, full): ``full`` where no target is padding (no batch of the step
+        short), which a loss may take to skip its masks.
     """
     size = ctx.batch_size
     if size <= 0:
         return (
             torch.stack([d.x_train for d in cohort.data]),
             torch.stack([d.y_train for d in cohort.data]),
+            True,
         )
     draws = cohort.draws
     short = ctx.sampling == "shuffle" and not cohort.pool.fills(size)  # some batches short
@@ -180,18 +210,17 @@ def draw_batch(
         x, y = cohort.pool.gather(cohort.rows, idx)
         if short:
             valid = pass_valid(draws, size, num)
-    else:  # its rows' validity made ahead too, where some batches are short
+    else:  # its rows' validity made ahead too, where some of this step's batches are short
         rows, valid = ahead.next()
         x, y = cohort.pool.take(rows)
     cohort.draws = draws + 1
     if ctx.augment.active:  # per (stream key, draw, position): as the client alone draws it
         x, y = ctx.augment(x, y, to_device(cohort.keys, dev), to_device(draws, dev))
-    if not short:
-        return x, y  # every batch of every client full
-    assert valid is not None
+    if valid is None:
+        return x, y, True  # every batch of every client full
     valid = to_device(valid, y.device)
     valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
-    return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING)
+    return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING), False
 
 
 def alone(data: ClientData, key: int) -> Cohort:
@@ -265,13 +294,13 @@ def _rowwise(ctx: Context, obj: Objective, posts: bool) -> Callable:
     the loss and the batch statistics are those of the client's samples alone.
     """
 
-    def run(params, xb, yb, aux, u):  # noqa: ANN001, ANN202 - vmap's signature
+    def run(params, xb, yb, aux, u, full=False):  # noqa: ANN001, ANN202 - vmap's signature
         values, kept = [], []
         # each row's gradient goes into the stack as soon as it is made, while it is still in
         # the core's cache (stacked at the end, each was read back from memory)
         grads = torch.empty_like(params)
         widths = None
-        if yb.dim() > 1 and yb.shape[1]:
+        if not full and yb.dim() > 1 and yb.shape[1]:  # full: no padding to leave out
             flat = yb.reshape(yb.shape[0], yb.shape[1], -1)[:, :, 0]
             widths = (flat != PADDING).sum(1).tolist()  # one read for the cohort
         for i in range(params.shape[0]):
@@ -313,12 +342,16 @@ def _vmapped(obj: Objective) -> Callable:
     The forward pass is the objective's own batched one where it has it (``obj.stacked``: a
     linear model's, without vmap's wrapping of every call), else ``vmap(obj.loss)``.
     """
-    forward = obj.stacked or vmap(obj.loss, randomness="different")
+    vmapped = None if obj.stacked else vmap(obj.loss, randomness="different")
 
-    def run(params, xb, yb, aux, u):  # noqa: ANN001, ANN202 - vmap's signature
+    def run(params, xb, yb, aux, u, full=False):  # noqa: ANN001, ANN202 - vmap's signature
         p = params.detach().requires_grad_(True)
         with torch.enable_grad():
-            values, post = forward(p, xb, yb, aux, u)
+            if obj.stacked is not None:  # full: no padding, the loss's masks skipped
+                values, post = obj.stacked(p, xb, yb, aux, u, full)
+            else:
+                assert vmapped is not None
+                values, post = vmapped(p, xb, yb, aux, u)
             if values.requires_grad:
                 (grads,) = torch.autograd.grad(values.sum(), p, allow_unused=True)
             else:
@@ -331,7 +364,10 @@ def _vmapped(obj: Objective) -> Callable:
 
 
 def stacked_gradients(ctx: Context, obj: Objective) -> Callable:
-    """``(params, x, y, aux, u) -> (grads, (losses, posts))`` of m clients' stacked rows."""
+    """``(params, x, y, aux, u, full=False) -> (grads, (losses, posts))`` of m clients' rows.
+
+    ``full``: no target of ``y`` is :data:`fedexp.models.task.PADDING` (:func:`draw_step`).
+    """
     if rowwise(ctx, obj):
         return _rowwise(ctx, obj, posts=obj.frozen is not None)
     return _vmapped(obj)
@@ -385,8 +421,8 @@ def train_stacked(
     project = None if obj.project is None else vmap(obj.project)
     total = torch.zeros(params.shape[0], device=params.device)
     for _ in range(steps):
-        xb, yb, u = draw()
-        grads, (values, post) = grad_fn(params, xb, yb, aux, u)
+        xb, yb, u, full = draw()
+        grads, (values, post) = grad_fn(params, xb, yb, aux, u, full)
         if keep is not None:
             grads = grads.masked_fill(keep, 0.0)
         new, state = opt.step(params, grads, state, lr, lr_scale)  # element-wise: the stack
@@ -501,17 +537,18 @@ def _train(
     size = ctx.batch_size
     fixed = batch is not None or size <= 0
     if fixed:  # every step on the same inputs: the given batch or the whole training sets
-        xs, ys = batch if batch is not None else draw_batch(ctx, cohort)
+        # (a given batch may hold padding: its masks kept)
+        xs, ys, whole = (*batch, False) if batch is not None else draw_step(ctx, cohort)
 
-        def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return xs, ys, noise(cohort, objective.noise, params.device)
+        def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+            return xs, ys, noise(cohort, objective.noise, params.device), whole
 
     else:
         ahead = Ahead(ctx, cohort, steps)
 
-        def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            xb, yb = draw_batch(ctx, cohort, ahead)  # then the noise, as alone
-            return xb, yb, noise(cohort, objective.noise, params.device)
+        def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+            xb, yb, full = draw_step(ctx, cohort, ahead)  # then the noise, as alone
+            return xb, yb, noise(cohort, objective.noise, params.device), full
 
     chunk = _slice_rows(ctx, cohort.pool, size)
     if m <= chunk or fixed:
