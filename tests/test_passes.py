@@ -355,3 +355,18 @@ def test_the_stacked_loss_without_masks_gives_the_masked_bits():
                 out.append((loss.detach(), grad))
             (a, ga), (b, gb) = out
             assert torch.equal(a, b) and torch.equal(ga, gb), (classes, size)
+
+
+def test_a_step_is_short_where_some_client_has_padding():
+    """``Ahead.short_steps``: a step holds a short batch exactly where some client's batch
+    has an entry that is not a sample (its padding is a suffix: the last entry tells)."""
+    from fedexp.engine.solver.steps import Ahead
+
+    sizes = torch.tensor([1, 5, 7, 8, 9, 16, 17, 31, 32, 33])
+    for size in (1, 3, 8, 16):
+        for group in (sizes[:1], sizes[3:4], sizes[5:6], sizes):
+            m, k = len(group), 12
+            draws = torch.arange(k).repeat(m) + torch.repeat_interleave(torch.arange(m), k)
+            valid = rng.pass_valid(draws, size, group.repeat_interleave(k)).view(m, k, size)
+            expected = (~valid).any(2).any(0).tolist()
+            assert Ahead.short_steps(valid) == expected, (size, group.tolist())

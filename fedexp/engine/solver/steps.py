@@ -157,10 +157,11 @@ class Ahead:
     def short_steps(valid: torch.Tensor) -> list[bool]:
         """Which of a block's steps hold a short batch, from its validity ``[m, k, B]``.
 
-        One read of k flags, of a tensor on the host (no wait on a device). The other steps'
-        batches are all whole, and their losses skip the padding masks (``full``).
+        A batch's padding is its suffix, so a batch is short where its last entry is not a
+        sample. One read of k flags, of a tensor on the host (no wait on a device). The other
+        steps' batches are all whole, and their losses skip the padding masks (``full``).
         """
-        return (~valid).any(2).any(0).tolist()
+        return [not whole for whole in valid[:, :, -1].all(0).tolist()]
 
 
 def draw_batch(
