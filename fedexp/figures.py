@@ -33,6 +33,7 @@ from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.text import Annotation, Text
+from matplotlib.ticker import MaxNLocator
 from PIL.PngImagePlugin import PngInfo
 
 if TYPE_CHECKING:  # (what to draw is chosen there; everything arrives as arguments)
@@ -111,6 +112,14 @@ def _rescale(axes: list[Axes]) -> None:
             ax.autoscale_view()
 
 
+def _whole_rounds(ax: Axes) -> None:
+    """Ticks at whole rounds only on ``ax``'s x axis (a 2-round run showed round 0.5, 1.5).
+
+    Axes that share their x axis share its locator: set once, it holds for every panel.
+    """
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _margins(fig: Figure, left: float, right: float, bottom: float, top: float, **space) -> None:
     """Fixed margins of ``fig``, in inches from each edge (``space``: wspace, hspace)."""
     width, height = fig.get_size_inches()
@@ -154,6 +163,8 @@ def _rounds_figure(metric: str) -> _RoundsFigure:
     axes[2].set(xlabel="round", ylabel="bytes")
     axes[2].set_title("cumulative bytes on the wire", y=1.0)
     axes[2].legend()
+    for ax in axes:
+        _whole_rounds(ax)
     _margins(fig, left=0.75, right=0.2, bottom=0.55, top=0.35, wspace=0.3)
     return _RoundsFigure(fig, axes, curves, loss, wire)
 
@@ -282,6 +293,7 @@ def _clients_figure(panels: int, ncols: int) -> _ClientsFigure:
             ax.set_visible(False)
             if i >= ncols:
                 axes.flat[i - ncols].xaxis.set_tick_params(labelbottom=True)  # the one above
+    _whole_rounds(axes.flat[0])  # (the panels share their x axis)
     title = fig.suptitle("", fontsize=9, y=1 - 0.08 / height, va="top")
     fig.supxlabel("round", fontsize=9)
     return _ClientsFigure(fig, list(axes.flat[:panels]), shown, title)

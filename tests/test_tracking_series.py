@@ -160,6 +160,20 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
     assert drawn("curves-after-warm.png", curves) == fresh
 
 
+def test_the_round_axes_tick_whole_rounds_only(tmp_path):
+    """A short run's figures put no tick at round 0.5 (every panel of clients.png too)."""
+    from fedexp import figures, plots
+
+    figures._KEPT.clear()
+    plots.plot_rounds(_history(0, 2), tmp_path / "curves.png")
+    plot_clients(_client_rows(5, 0), tmp_path / "clients.png", "acc")  # rounds 0 and 2
+    drawn = [figures._KEPT[("rounds", "acc")].axes, figures._KEPT[("clients", 5, 3)].axes]
+    for ax in (ax for axes in drawn for ax in axes):
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert len(ticks) >= 2 and all(t == round(t) for t in ticks), ticks
+
+
 def test_a_figures_png_holds_the_pixels_savefig_draws_without_its_opaque_alpha(tmp_path):
     """``figures._save`` writes savefig's pixels as RGB (the alpha was 255 everywhere), at the
     figure's dpi; a figure with transparent pixels keeps its alpha."""
