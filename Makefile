@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: the CPU build on this kind of machine, the CUDA build of 2.13.0 on GPU hosts
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# the editable package's bytecode, which pip compiles for installed packages only: where
+	# PYTHONDONTWRITEBYTECODE is set (many containers), every run compiled fedexp's sources anew
+	$(PY) -m compileall -q fedexp hydra_plugins data_prep
 	touch $(STAMP)
 
 install: $(STAMP)
