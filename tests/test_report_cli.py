@@ -341,6 +341,56 @@ def test_reach_reads_the_bytes_at_the_first_round_at_target(store, capsys, tmp_p
     assert rows["Local"][:3] == ["0/1", "nan", "nan"]
 
 
+def test_reach_with_lower_is_better_reads_the_first_round_at_or_below_target(store, capsys):
+    """A loss reaches its target from above: the first round with the metric ≤ VALUE."""
+    uri, client = store
+    kib = 1024.0
+    for seed, loss in enumerate(([0.9, 0.5, 0.3, 0.25], [0.8, 0.35, 0.28, 0.2])):
+        log_run(
+            client, "loss-reach", "fedavg", seed,
+            {"train/train_loss": loss, "bytes/up_cum": [0.0, kib, 2 * kib, 3 * kib],
+             "bytes/down_cum": [0.0, 4 * kib, 8 * kib, 12 * kib]},
+        )  # fmt: skip
+    args = ["--uri", uri, "-e", "loss-reach", "--metric", "train/train_loss", "--reach", "0.3"]
+    code, out, _ = report(capsys, *args, "--lower-is-better")
+    assert code == 0 and "train/train_loss ≤ 0.3" in out
+    # rounds 2 and 2 (0.3 ≤ 0.3; 0.28): 2 KiB up, 8 KiB down
+    assert md_rows(out)["FedAvg"][:3] == ["2/2", "2.0", "8.0"]
+    code, out, _ = report(capsys, *args)  # ≥ 0.3: round 0 of both, before any byte
+    assert code == 0 and "train/train_loss ≥ 0.3" in out
+    assert md_rows(out)["FedAvg"][:3] == ["2/2", "0.0", "0.0"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--paired", "fedavg"],
+        ["--select-by", "val/acc/mean"],
+        ["--best"],
+        ["--rank-of", "fedavg"],
+        ["--order", "fedavg"],
+        ["--scale", "1"],
+        ["--allow-pooling"],
+        ["--epsilon"],
+        ["--agg", "best"],
+        ["--format", "csv"],
+    ],
+)
+def test_reach_refuses_an_option_of_the_table_it_would_ignore(store, capsys, extra):
+    uri, _ = store
+    code, out, err = report(capsys, "--uri", uri, "-e", "bytes", "--reach", "0.9", *extra)
+    assert code == 2 and not out
+    assert f"{extra[0]}" in err.splitlines()[-1] and "not with --reach" in err
+
+
+def test_plot_without_reach_is_refused(store, capsys, tmp_path):
+    uri, _ = store
+    png = tmp_path / "never.png"
+    code, out, err = report(capsys, "--uri", uri, "-e", "bytes", "--plot", str(png))
+    assert code == 2 and not out and "--plot: only with --reach" in err
+    assert not png.exists()
+
+
 # --- bad options create nothing (issue 24, item 4) ---------------------------------------------
 
 

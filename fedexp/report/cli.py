@@ -25,8 +25,7 @@ def main(argv: list[str]) -> None:
     p = parser()
     args = p.parse_args(argv)
     labels = _labels(args, p)
-    if args.epsilon and args.reach is not None:
-        p.error("--epsilon: not with --reach (it annotates the table of --metric)")
+    _check_reach(p, args)
     if args.out:
         _check_out(p, args.out)
     try:
@@ -56,6 +55,39 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
 
 
+#: The table's options that ``--reach`` (a table of its own) has no use for: dest -> why.
+_TABLE_ONLY = {
+    "epsilon": "it annotates the table of --metric",
+    "paired": "it adds per-seed differences to the table of --metric",
+    "select_by": "it chooses each cell's configuration in the table of --metric",
+    "best": "it marks the best cells of the table of --metric",
+    "rank_of": "it ranks a row of the table of --metric",
+    "order": "its rows are sorted by their keys' values",
+    "scale": "it shows KiB and the metric as logged",
+    "allow_pooling": "it takes every run of a row's keys, with no pooling check",
+}
+
+
+def _check_reach(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, with one line, an option the output asked for does not use.
+
+    ``--plot`` draws ``--reach``'s curves only; ``--reach`` writes its own Markdown table, so
+    the options that shape the table of ``--metric`` would be silently ignored with it.
+    """
+    if args.reach is None:
+        if args.plot:
+            p.error("--plot: only with --reach VALUE (it draws the metric against KiB sent)")
+        return
+    flags = {a.dest: a.option_strings[-1] for a in p._actions if a.option_strings}
+    for dest, why in _TABLE_ONLY.items():
+        if getattr(args, dest) not in (None, False):
+            p.error(f"{flags[dest]}: not with --reach ({why})")
+    if args.agg != p.get_default("agg"):
+        p.error(f"--agg {args.agg}: not with --reach (it reads each run's whole history)")
+    if args.format != "markdown":
+        p.error(f"--format {args.format}: not with --reach (its table is Markdown)")
+
+
 def _check_out(p: argparse.ArgumentParser, out: str) -> None:
     """``--out``: refuse (before any work) a path under a file or an existing folder."""
     path = Path(out)
@@ -79,8 +111,9 @@ def _reach(client: Any, args: argparse.Namespace, labels: dict[str, str]) -> str
 
     runs = select_runs(client, args)
     keys = args.rows + args.cols
-    groups = reach_runs(client, runs, args.metric, args.reach, keys)
-    text = reach_table(groups, short(keys), args.reach, args.metric, labels) + "\n"
+    lower = args.lower_is_better
+    groups = reach_runs(client, runs, args.metric, args.reach, keys, lower)
+    text = reach_table(groups, short(keys), args.reach, args.metric, labels, lower) + "\n"
     if args.plot:
         reach_plot(groups, args.plot, args.metric, labels, short(keys))
         text += f"\nplot: {args.plot}\n"

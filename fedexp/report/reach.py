@@ -28,14 +28,21 @@ from fedexp.report.stats import sample_std
 
 
 def reach_runs(
-    client: Any, runs: list[Run], metric: str, target: float, keys: list[str]
+    client: Any,
+    runs: list[Run],
+    metric: str,
+    target: float,
+    keys: list[str],
+    lower: bool = False,
 ) -> dict[tuple[str, ...], list[dict]]:
     """Per run: wire bytes (up, down) when ``metric`` first reaches ``target``, final value.
 
-    Returns, per group of ``keys`` values, one dict per run with ``up``, ``down`` (NaN if the
-    target is never reached), ``final`` and the run's curve (``curve_bytes``, ``curve_metric``:
-    cumulative uplink bytes and the metric at each evaluated round). The cumulative byte
-    counts are read at the round the metric was logged, or the last round before it.
+    Reaching is ``metric ≥ target``, or ``metric ≤ target`` where ``lower`` (a loss:
+    ``--lower-is-better``). Returns, per group of ``keys`` values, one dict per run with
+    ``up``, ``down`` (NaN if the target is never reached), ``final`` and the run's curve
+    (``curve_bytes``, ``curve_metric``: cumulative uplink bytes and the metric at each
+    evaluated round). The cumulative byte counts are read at the round the metric was logged,
+    or the last round before it.
     """
     out: dict[tuple[str, ...], list[dict]] = defaultdict(list)
     for run in runs:
@@ -45,7 +52,8 @@ def reach_runs(
         up = history(client, run.run_id, "bytes/up_cum")
         down = history(client, run.run_id, "bytes/down_cum")
         steps = sorted(curve)
-        hit = next((t for t in steps if curve[t] >= target), None)
+        reached = [t for t in steps if (curve[t] <= target if lower else curve[t] >= target)]
+        hit = reached[0] if reached else None
         row = {
             "up": _at(up, hit) if hit is not None else float("nan"),
             "down": _at(down, hit) if hit is not None else float("nan"),
@@ -70,12 +78,17 @@ def _at(series: list[tuple[int, float]], step: int) -> float:
 
 
 def reach(
-    uri: str | None, experiments: list[str], metric: str, target: float, keys: list[str]
+    uri: str | None,
+    experiments: list[str],
+    metric: str,
+    target: float,
+    keys: list[str],
+    lower: bool = False,
 ) -> dict[tuple[str, ...], list[dict]]:
     """:func:`reach_runs` of the finished runs of ``experiments`` (the latest per config)."""
     client = client_for(uri)
     runs, _ = latest_per_config(fetch(client, experiments))
-    return reach_runs(client, runs, metric, target, keys)
+    return reach_runs(client, runs, metric, target, keys, lower)
 
 
 def reach_table(
@@ -84,16 +97,19 @@ def reach_table(
     target: float,
     metric: str,
     labels: Mapping[str, str] | None = None,
+    lower: bool = False,
 ) -> str:
     """Markdown: mean bytes up/down to reach ``target`` (runs that reached it), final metric.
 
     Rows are named by ``labels`` (display names; raw values without). The final metric is the
-    mean ± sample std over the group's runs, a single run's value alone.
+    mean ± sample std over the group's runs, a single run's value alone. ``lower``: the
+    target is reached from above (:func:`reach_runs`).
     """
     import numpy as np
 
     lines = [
-        f"| {key_name} | runs reaching {metric} ≥ {target:g} | KiB up to reach | "
+        f"| {key_name} | runs reaching {metric} {'≤' if lower else '≥'} {target:g} | "
+        "KiB up to reach | "
         f"KiB down to reach | final {metric} |",
         "|---|---|---|---|---|",
     ]
