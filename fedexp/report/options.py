@@ -195,8 +195,8 @@ def parser() -> argparse.ArgumentParser:
     look.add_argument(
         "--lower-is-better",
         action="store_true",
-        help="best = smallest (losses); flips --best, --rank-of and --agg best (default: off, "
-        "largest)",
+        help="best = smallest (losses); flips --best, --rank-of and --agg best, and --reach "
+        "reaches VALUE from above (default: off, largest)",
     )
     look.add_argument(
         "--rank-of",
@@ -231,7 +231,8 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="VALUE",
-        help="instead of the table: KiB up/down until --metric first reaches VALUE (default: off)",
+        help="instead of the table: KiB up/down until --metric first reaches VALUE (≥ VALUE; "
+        "≤ with --lower-is-better) (default: off)",
     )
     bytes_.add_argument(
         "--plot",
