@@ -475,6 +475,39 @@ def _override_shape_errors(args: list[str]) -> list[str]:
     return errors
 
 
+def _sweep_without_multirun(args: list[str]) -> list[str]:
+    """``seed=0,1`` without ``-m``: one line saying to add it (Hydra's own error is five lines).
+
+    Hydra sweeps an override of several values (``a,b``, ``range(...)``, ``choice(...)``) only
+    in multirun mode. Read by Hydra's own parser, only where a value could be one (a comma or
+    a parenthesis in it); a quoted value is one string, not a sweep.
+    """
+    if any(a in ("-m", "--multirun") for a in args):
+        return []
+    maybe = [
+        a for a in args if "=" in a and a[0] != "-" and any(c in a.partition("=")[2] for c in ",(")
+    ]
+    if not maybe:
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    errors = []
+    for arg in maybe:
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except OverrideParseException:
+            continue  # (Hydra's own message follows, one line)
+        if override.is_sweep_override():
+            key = override.get_key_element()
+            errors.append(
+                f"{arg}: several values are a sweep, run with -m (fedexp run -m {arg}); "
+                f"a list is written {key}=[...]"
+            )
+    return errors
+
+
 def _wants_help(args: list[str]) -> bool:
     """``fedexp run --help``/``-h`` (ours); ``--hydra-help`` is left to Hydra."""
     return any(a in ("-h", "--help") for a in args)
@@ -530,12 +563,13 @@ def main() -> None:
             f"{bad}: Hydra settings that name code (callbacks, _target_, logging classes) "
             "cannot be overridden; only fedexp's own classes can be configured"
         )
-    from fedexp.config.keys import unknown_key_errors
+    from fedexp.config.keys import added_or_removed_errors, unknown_key_errors
     from fedexp.config.schema import override_errors
 
     # lr=-1, algorithm=nope, algorithm.lamda=0.1: one line before Hydra composes anything
     early = _override_shape_errors(args[1:]) or _group_option_errors(args[1:])
     early = early or unknown_key_errors(args[1:], CONFIG_DIR)
+    early = early or added_or_removed_errors(args[1:], CONFIG_DIR)
     early = early or override_errors(args[1:])
     if early:
         _refuse("; ".join(early))
@@ -552,6 +586,9 @@ def main() -> None:
     hydra_args, refused, code = prepare_argv(args[1:])
     if refused:
         _refuse(refused, code)
+    sweeps = _sweep_without_multirun(hydra_args)
+    if sweeps:
+        _refuse("; ".join(sweeps))
     sys.argv = [sys.argv[0], *hydra_args]
     _early_helper(hydra_args)
     sweep = sys.modules.get("fedexp.sweep")

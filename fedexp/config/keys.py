@@ -8,9 +8,12 @@ command line (or ``conf/config.yaml``'s defaults) chooses. :func:`unknown_key_er
 every plain ``key=value`` override against them and names the closest valid keys, and the
 options of the group that have the key.
 
-Left to Hydra: ``+key=value`` (adds a key), ``~key`` (removes one), ``key@package``,
-``hydra.*``, and any command line with an experiment file (``+experiment=NAME`` may choose
-other options or add keys).
+Top-level ``+key=value`` (adds a key) and ``~key`` (removes one) are checked by
+:func:`added_or_removed_errors`: a run setting or a chosen group cannot be removed (the run
+failed later with a traceback), a key the run does not have cannot be added (it was ignored:
+``+rouns=3`` ran 50 rounds). Left to Hydra: the nested ``+group.key`` and ``~group.key``,
+``key@package``, ``hydra.*``, and any command line with an experiment file
+(``+experiment=NAME`` may choose other options or add keys).
 """
 
 from __future__ import annotations
@@ -154,4 +157,67 @@ def unknown_key_errors(args: Sequence[str], conf_dir: str | Path) -> list[str]:
         message = _group_key_error(conf, group, chosen[group], rest.split("."))
         if message:
             errors.append(message)
+    return errors
+
+
+def added_or_removed_errors(args: Sequence[str], conf_dir: str | Path) -> list[str]:
+    """One line per top-level ``+key``, ``++key`` or ``~key`` override the run cannot take.
+
+    - ``~rounds``, ``~algorithm``: every run needs its settings and the groups
+      ``conf/config.yaml`` chooses (removed, the run failed with a traceback);
+    - ``+rounds=3``, ``+algorithm=ditto``, ``+hparams_search=lr``: the setting or group is
+      there already, ``key=value`` sets it (Hydra's errors were several lines);
+      ``++algorithm=ditto``: Hydra cannot force-add a group;
+    - ``+rouns=3``, ``++rouns=3``: no such setting (the run ignored it). An experiment file
+      sets only existing settings, so this holds with ``+experiment=NAME`` too.
+
+    ``+experiment=NAME`` (a group the defaults list does not name) is Hydra's to take.
+    """
+    conf = Path(conf_dir)
+    chosen = _defaults(conf)
+    listed = {  # every group of the defaults list, one chosen as null too (hparams_search)
+        str(group)
+        for item in _load(conf / "config.yaml").get("defaults", [])
+        if isinstance(item, dict)
+        for group in item
+        if (conf / str(group)).is_dir()
+    }
+    settings = {f.name for f in fields(RunConfig)}
+    errors = []
+    for word in (a for a in args if a.startswith(("+", "~"))):
+        key, _, value = word.lstrip("+~").partition("=")
+        if not key or "." in key or "@" in key or "/" in key or key.startswith("hydra"):
+            continue  # (nested keys, packages and Hydra's own: Hydra's to check)
+        if key in REMOVED:
+            continue  # (named with what to do instead: schema.override_errors)
+        shown = f"{key}={value or '<value>'}"
+        if word.startswith("~"):
+            if key in chosen:
+                options = sorted(p.stem for p in (conf / key).glob("*.yaml"))
+                more = "|..." if len(options) > 8 else ""
+                errors.append(
+                    f"{word}: a run cannot do without its {key}; choose one instead "
+                    f"({key}=<{'|'.join(options[:8])}{more}>)"
+                )
+            elif key in settings:
+                errors.append(
+                    f"{word}: a run setting cannot be removed; set it instead ({key}=<value>; "
+                    "fedexp run --help lists the defaults)"
+                )
+        elif (conf / key).is_dir():
+            if word.startswith("++"):
+                added = "" if key in listed else "+"
+                errors.append(f"{word}: ++ cannot add a config group; write {added}{shown}")
+            elif key in listed:
+                errors.append(f"{word}: {key} is chosen in the defaults already; write {shown}")
+        elif key in settings:
+            if not word.startswith("++"):
+                errors.append(
+                    f"{word}: {key} is already a setting; write {shown} (+ adds a key the "
+                    "config does not have)"
+                )
+        else:
+            close = difflib.get_close_matches(key, sorted(settings | set(chosen)), 3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            errors.append(f"{word}: no such setting{hint} (fedexp run --help lists them)")
     return errors
