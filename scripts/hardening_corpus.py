@@ -149,6 +149,13 @@ def _run_cases() -> list[Case]:
         "+tracker.retries=0",
         "tracker.uri=http://127.0.0.1:9",
         "dataset=csv dataset.path=missing.csv dataset.label=y",
+        "seed=0,1",
+        "algorithm=fedavg,ditto",
+        "~rounds",
+        "~algorithm",
+        "+rounds=3",
+        "+rouns=3",
+        "++algorithm=ditto",
     ]
     good = [
         [],
@@ -183,6 +190,8 @@ def _run_cases() -> list[Case]:
         ["report", "--uri", "sqlite:///nowhere/mlflow.db"],
         ["report", "--experiment", "nope"],
         ["report", "--out", "afile/x.md"],
+        ["report", "--experiment", "nope", "--plot", "x.png"],
+        ["report", "--experiment", "nope", "--reach", "0.9", "--best"],
     ]
     cases += [Case(r, setup="file" if "afile" in r[-1] else "") for r in report]
     cases += [Case(["run", *FAST, *g], bad=False) for g in good]
