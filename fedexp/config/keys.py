@@ -12,7 +12,7 @@ Top-level ``+key=value`` (adds a key) and ``~key`` (removes one) are checked by
 :func:`added_or_removed_errors`: a run setting or a chosen group cannot be removed (the run
 failed later with a traceback), a key the run does not have cannot be added (it was ignored:
 ``+rouns=3`` ran 50 rounds). Left to Hydra: the nested ``+group.key`` and ``~group.key``,
-``key@package``, ``hydra.*``, and any command line with an experiment file
+``key@package``, ``hydra.*``, and the group keys of any command line with an experiment file
 (``+experiment=NAME`` may choose other options or add keys).
 """
 
@@ -36,15 +36,20 @@ def _load(path: Path) -> Any:
         return yaml.safe_load(fh) or {}
 
 
-def _defaults(conf: Path) -> dict[str, str]:
-    """The group options ``conf/config.yaml`` chooses (``{"algorithm": "fedavg", ...}``)."""
-    chosen = {}
+def _listed(conf: Path) -> dict[str, str | None]:
+    """The groups of ``conf/config.yaml``'s defaults list and their options (None: null)."""
+    listed: dict[str, str | None] = {}
     for item in _load(conf / "config.yaml").get("defaults", []):
         if isinstance(item, dict):
             for group, option in item.items():
-                if isinstance(option, str) and (conf / str(group)).is_dir():
-                    chosen[str(group)] = option
-    return chosen
+                if (conf / str(group)).is_dir():
+                    listed[str(group)] = option if isinstance(option, str) else None
+    return listed
+
+
+def _defaults(conf: Path) -> dict[str, str]:
+    """The group options ``conf/config.yaml`` chooses (``{"algorithm": "fedavg", ...}``)."""
+    return {group: option for group, option in _listed(conf).items() if option is not None}
 
 
 def _nested_keys(name: str) -> list[str] | None:
@@ -174,14 +179,8 @@ def added_or_removed_errors(args: Sequence[str], conf_dir: str | Path) -> list[s
     ``+experiment=NAME`` (a group the defaults list does not name) is Hydra's to take.
     """
     conf = Path(conf_dir)
+    listed = _listed(conf)  # (a group chosen as null too: hparams_search)
     chosen = _defaults(conf)
-    listed = {  # every group of the defaults list, one chosen as null too (hparams_search)
-        str(group)
-        for item in _load(conf / "config.yaml").get("defaults", [])
-        if isinstance(item, dict)
-        for group in item
-        if (conf / str(group)).is_dir()
-    }
     settings = {f.name for f in fields(RunConfig)}
     errors = []
     for word in (a for a in args if a.startswith(("+", "~"))):
