@@ -17,7 +17,7 @@ Messages cross as bytes (``fedexp.comm``); the hooks only see decoded tensors, s
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +207,65 @@ class CohortStates(Sequence[State]):
             stacks[key] = value.detach()
             present.pop(key, None)
         return CohortStates(self.size, stacks, present)
+
+
+class Senders:
+    """Who the round's server step hears from, whatever the slicing or the processes.
+
+    A server that reads only the weighted mean of the uploads (``server_reads = "mean"``) is
+    handed one pre-summed upload when the round runs in memory slices or over several
+    processes; these figures are the round's all the same (every process's, every slice's).
+    SCAFFOLD's and FedDyn's server steps scale the mean by |S|/N with them. What the engine
+    sets on ``ctx.senders`` before ``server_update``.
+
+    Args:
+        clients: the round's senders S_t, ascending, over every process.
+        sizes: ``clients -> [m]`` their training-set sizes (NumPy or a tensor; read only when
+            :attr:`samples` or :meth:`share` is asked for: no host read otherwise).
+        population: N, every client of the run.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[int] = (),
+        sizes: Callable[[list[int]], Any] | None = None,
+        population: int = 0,
+    ) -> None:
+        self.clients = list(clients)
+        self.population = population
+        self._sizes = sizes
+        self._samples: int | None = None
+
+    @property
+    def count(self) -> int:
+        """|S_t|."""
+        return len(self.clients)
+
+    @property
+    def samples(self) -> int:
+        """Σ_{n∈S_t} n_train, the senders' training samples (the "samples" weights' total)."""
+        if self._samples is None:
+            if self._sizes is None or not self.clients:
+                self._samples = 0
+            else:
+                self._samples = int(self._sizes(self.clients).sum())
+        return self._samples
+
+    def share(self, weighting: str) -> float:
+        """The senders' share of the population's aggregation weight, Σ_{n∈S_t} p_n.
+
+        ``weighting="uniform"``: |S_t|/N (SCAFFOLD's and FedDyn's factor); "samples":
+        Σ_{S_t} n_n / Σ_all n_n.
+        """
+        if not self.clients:
+            return 0.0
+        if weighting == "uniform" or self._sizes is None:
+            return self.count / max(1, self.population)
+        total = int(self._sizes(list(range(self.population))).sum())
+        return self.samples / max(1, total)
+
+    def __repr__(self) -> str:
+        return f"Senders(count={self.count}, population={self.population})"
 
 
 @dataclass

@@ -234,3 +234,27 @@ def vmapped_round_ops(monkeypatch, cfgs) -> list[int]:  # noqa: ANN001 - pytest'
         assert engine.ctx.vmap_ok and not engine.ctx.model.channels_last
         ops.append(census.ops)
     return ops
+
+
+def global_gradient(engine, x):  # noqa: ANN001, ANN201
+    """∇ (1/N) Σ_n f_n(x), each f_n the client's mean loss on its whole training split."""
+    import torch
+
+    ctx, grads = engine.ctx, []
+    for data in engine.clients:
+        p = x.detach().clone().requires_grad_(True)
+        loss = ctx.task.loss(ctx.model(p, data.x_train), data.y_train)
+        grads.append(torch.autograd.grad(loss, p)[0])
+    return torch.stack(grads).mean(0)
+
+
+#: a strongly convex problem (weight decay λ: a finite optimum, where the logistic loss on
+#: nearly separable data has none), full batches and many local steps on label-skewed clients
+FIXED_POINT = ("batch_size=0", "local_steps=10", "lr=0.1", "optimizer.weight_decay=0.05",
+               "partition=label_imbalance")  # fmt: skip
+
+
+def stationarity(engine) -> float:  # noqa: ANN001
+    """‖∇ (1/N) Σ_n f_n(x) + λx‖ at the server's model: 0 at the global optimum."""
+    x = engine.server["x"]
+    return float((global_gradient(engine, x) + 0.05 * x).norm())

@@ -101,8 +101,12 @@ def _round_budget_gib(engine, clients: int) -> float:
         ("algorithm=ditto", "participation=0.6", "compressor=stc"),
         ("algorithm=fedprox", "model=mlp", "model.hidden=8", "optimizer=sgd",
          "optimizer.momentum=0.9"),
+        # servers that scale the mean by |S|/N: the senders' count whatever the slices
+        ("algorithm=scaffold", "participation=0.6"),
+        ("algorithm=feddyn", "participation=0.6", "algorithm.weighting=samples"),
     ],
-    ids=["fedavg", "ditto-partial-stc", "fedprox-mlp-momentum"],
+    ids=["fedavg", "ditto-partial-stc", "fedprox-mlp-momentum", "scaffold-partial",
+         "feddyn-partial-samples"],
 )  # fmt: skip
 def test_a_round_too_big_for_its_budget_runs_in_slices_as_it_runs_whole(
     small_cfg, monkeypatch, overrides

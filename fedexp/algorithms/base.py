@@ -31,9 +31,12 @@ from fedexp.contract import (
     CohortResult,
     CohortStates,
     Message,
+    Senders,
     Stacked,
     StackedUpdates,
     State,
+    parts_updates,
+    update_parts,
     weighted_mean,
 )
 from fedexp.data.client import ClientData
@@ -46,9 +49,12 @@ __all__ = [
     "CohortResult",
     "CohortStates",
     "Message",
+    "Senders",
     "Stacked",
     "StackedUpdates",
     "State",
+    "parts_updates",
+    "update_parts",
     "weighted_mean",
 ]
 
@@ -158,8 +164,13 @@ class Algorithm(ABC):
         global model expanded, ``states.stack(key)``, one gather of server rows); it must
         equal :meth:`eval_params` row by row. A vector shared by every client is returned
         expanded (stride 0 along the clients), which the evaluation reads as one plain
-        forward pass. The default asks :meth:`eval_params` client by client.
+        forward pass. The default: the global model expanded where :meth:`eval_params` is
+        the base's (no read of the states: their keys, an optimiser's momentum, cost nothing),
+        else :meth:`eval_params` client by client.
         """
+        if type(self).eval_params is Algorithm.eval_params:
+            x = server["x"]
+            return x.expand(len(clients), *x.shape)
         vectors = [
             self.eval_params(ctx, server, s, n) for s, n in zip(states, clients, strict=True)
         ]

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedexp.algorithms.base import Algorithm
@@ -28,6 +29,7 @@ from fedexp.contract import (
     CohortResult,
     CohortStates,
     Message,
+    Senders,
     Stacked,
     StackedUpdates,
     State,
@@ -253,6 +255,9 @@ class Engine(Transport, Evaluation):
         up.weights = self._weights(up.updates)
         for stage in self.stages:  # re-clip, server noise, the accountant
             up = stage.server(t, who, up)
+        self.ctx.senders = Senders(
+            who.sampled, self._train_sizes, self.ctx.num_clients
+        )  # whatever the slices
         self.server = self.algorithm.server_update(self.ctx, self.server, up.updates, up.weights)
         self.round = t + 1
         return self._record(who, up, started)
@@ -456,6 +461,12 @@ class Engine(Transport, Evaluation):
         if isinstance(uploads, torch.Tensor):  # the server reads a stack either way
             return StackedUpdates(sampled, torch.stack([updates[n] for n in sampled])), sums
         return updates, sums
+
+    def _train_sizes(self, clients: list[int]) -> Any:
+        """The training-set sizes of ``clients`` on the host (NumPy; no tensor op)."""
+        if self.pool is not None:
+            return self.pool.sizes[np.asarray(clients, dtype=np.int64)]
+        return np.asarray([self.clients[n].num_train for n in clients], dtype=np.int64)
 
     def _weights(self, senders: Iterable[int]) -> dict[int, float]:
         """The aggregation weights ω_n of ``senders`` (ids, or the received uploads' keys)."""

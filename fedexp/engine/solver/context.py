@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fedexp.contract import Cohort
+from fedexp.contract import Cohort, Senders
 from fedexp.data.augment import NoAugmentation
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.objective import Aux, Objective
@@ -55,6 +55,9 @@ class Context:
     personal_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     shared_idx: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     round: int = 0
+    #: the round's senders, every process's and slice's (set by the engine before
+    #: ``server_update``): their count |S_t| and training samples
+    senders: Senders = field(default_factory=Senders)
     eval_batch_size: int = 256
     #: bytes a local step of the cohort may fill (``memory_budget``, resolved); the solver
     #: trains the cohort in slices of clients that fit it (0: slices by data size only)

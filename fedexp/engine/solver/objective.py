@@ -18,7 +18,7 @@ return ``params.detach()`` (vmap needs a tensor there; ``post`` is then ignored)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -59,6 +59,11 @@ class Objective:
             by batched operations of the model's own (a linear model's); None: vmap ``loss``.
             Its last argument says that no target is padding (every batch whole), so that
             it may skip its masks.
+        linear: a linear term ⟨c, θ⟩ added to the objective, c ``[m, d]`` stacked per client
+            (or ``[d]`` shared): a gradient offset (SCAFFOLD's correction c − c_i, FedDyn's
+            −∇L̃_i). The solver adds c to every step's gradient, on every path (vmapped, own
+            batched form, row by row), so a loss needs no twin for it; the reported loss is
+            ``loss``'s alone (a linear term has no meaning of its own as a loss).
     """
 
     loss: LossFn
@@ -68,3 +73,10 @@ class Objective:
     noise: int = 0
     project: ProjectFn | None = None
     stacked: StackedLossFn | None = None
+    linear: torch.Tensor | None = None
+
+    def with_linear(self, c: torch.Tensor | None) -> Objective:
+        """This objective plus ⟨c, θ⟩ (added to any linear term it has; None: unchanged)."""
+        if c is None:
+            return self
+        return replace(self, linear=c if self.linear is None else self.linear + c)

@@ -393,6 +393,7 @@ def train_stacked(
     *,
     keep: torch.Tensor | None = None,
     lr_scale: torch.Tensor | None = None,
+    linear: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, OptState, torch.Tensor]:
     """``steps`` optimiser steps of m clients at once.
 
@@ -413,6 +414,7 @@ def train_stacked(
         draw: each step's minibatches and noise of the m clients.
         keep: ``[m, d]`` coordinates that do not move (a 0 of the mask).
         lr_scale: ``[m, d]`` per-coordinate factors of the step size.
+        linear: ``[m, d]`` the objective's linear term, added to every gradient.
 
     Returns:
         (final parameters, final optimiser state, each client's mean loss over the steps).
@@ -424,6 +426,8 @@ def train_stacked(
     for _ in range(steps):
         xb, yb, u, full = draw()
         grads, (values, post) = grad_fn(params, xb, yb, aux, u, full)
+        if linear is not None:  # the gradient of ⟨c, θ⟩
+            grads = grads + linear
         if keep is not None:
             grads = grads.masked_fill(keep, 0.0)
         new, state = opt.step(params, grads, state, lr, lr_scale)  # element-wise: the stack
@@ -535,6 +539,9 @@ def _train(
     scale = objective.lr_scale
     if scale is not None:
         scale = scale.expand(m, params.shape[1])
+    linear = objective.linear
+    if linear is not None:
+        linear = linear.expand(m, params.shape[1])
     size = ctx.batch_size
     fixed = batch is not None or size <= 0
     if fixed:  # every step on the same inputs: the given batch or the whole training sets
@@ -555,7 +562,7 @@ def _train(
     if m <= chunk or fixed:
         out, state, loss = train_stacked(
             ctx, objective, opt, steps, lr, params, aux, opt_state, draw, keep=keep,
-            lr_scale=scale,
+            lr_scale=scale, linear=linear,
         )  # fmt: skip
         check_rows(ctx, cohort, out, loss, lr)
         return CohortLocal(out, loss, state)
@@ -570,6 +577,7 @@ def _train(
             objective,
             aux={k: v[rows] for k, v in aux.items()},
             lr_scale=None if scale is None else scale[rows],
+            linear=None if linear is None else linear[rows],
         )
         part_state = {k: v[rows] for k, v in opt_state.items()}
         part_keep = None if keep is None else keep[rows]
