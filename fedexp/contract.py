@@ -327,6 +327,17 @@ class StackedUpdates(Mapping):
         return {"": self.stack} if isinstance(self.stack, torch.Tensor) else dict(self.stack)
 
 
+def part_scale(update_scale: str | Mapping[str, str], part: str) -> str:
+    """The scale ("step" or "gradient") of message part ``part`` under ``update_scale``.
+
+    An algorithm's ``update_scale`` is one scale for every part, or a mapping by part name
+    (unlisted parts: "step").
+    """
+    if isinstance(update_scale, str):
+        return update_scale
+    return update_scale.get(part, "step")
+
+
 def weighted_mean(updates: Mapping[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
     """Σ_n ω_n u_n over the received updates."""
     clients = sorted(updates)

@@ -112,6 +112,11 @@ def test_every_algorithm_config_has_cases():
     assert sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml")) == ALGORITHMS
     for alg in ALGORITHMS:
         assert {f"{alg}-stc-partial", f"{alg}-batchnorm"} <= set(CASES)
+        # a stateful local optimiser (TDPFed's are its own, fixed)
+        assert alg == "tdpfed" or any(
+            o[0] == f"algorithm={alg}" and any(k.startswith("optimizer") for k in o)
+            for o in CASES.values()
+        ), alg
 
 
 #: What holds torch (ATen's vectorised kernels), MKL and oneDNN to AVX2 on an AVX-512 machine.

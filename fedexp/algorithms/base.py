@@ -75,7 +75,9 @@ class Algorithm(ABC):
             "step" (a model change, lr × a pseudo-gradient: FedAvg's x − x_local) or
             "gradient" (pFedNet's and pFedSOP's pseudo-gradient (x − x_local) / lr).
             Scale-dependent transforms (CER) act on the gradient scale, so that one γ means
-            the same for every algorithm (the engine passes ``scale = lr`` for "step").
+            the same for every algorithm (the engine passes ``scale = lr`` for "step"). For
+            parts of different scales, a mapping by part name (unlisted parts: "step"):
+            SCAFFOLD's Δy is a step, its Δc a gradient.
         server_reads: "mean" when :meth:`server_update` reads the uploads only through their
             weighted mean Σ ω_n u_n (of each part), so that central DP can noise that sum once
             (DP-FedAvg); "each" (the default, the safe one) when it reads uploads one by one,
@@ -87,7 +89,7 @@ class Algorithm(ABC):
     all_train: bool = False
     downlink_parts: Mapping[str, str] = MappingProxyType({})
     uplink_parts: Mapping[str, str] = MappingProxyType({})
-    update_scale: str = "step"
+    update_scale: str | Mapping[str, str] = "step"
     server_reads: str = "each"
     #: :meth:`init_client` depends on the client (a per-client random start, the client's
     #: id); False (the default): every client starts alike, so the engine makes the initial

@@ -58,6 +58,8 @@ class Scaffold(Algorithm):
     server_reads = "mean"  # Σ ω_n Δy_n and Σ ω_n Δc_n only
     downlink_parts = MappingProxyType({"x": "model", "c": "model"})
     uplink_parts = MappingProxyType({"dy": "update", "dc": "update"})
+    # Δy is a model change (η_l × a pseudo-gradient), Δc a gradient: CER's γ on each as such
+    update_scale = MappingProxyType({"dy": "step", "dc": "gradient", "c": "gradient"})
 
     def __init__(self, server_lr: ServerLr = 1.0, weighting: str = "uniform") -> None:
         if weighting not in ("samples", "uniform"):

@@ -4,7 +4,8 @@ Recorded once on main before the one-path refactor (``python tests/golden/record
 the engine of that day; ``tests/test_golden.py`` reruns each case and compares the server
 state, every client state and the per-round metrics with the recording (rel. 1e-5).
 
-Settings, for each of the 22 algorithm configs:
+Settings, for each algorithm config (``conf/algorithm/*.yaml``, found there: a new config
+gets its cases without a line here, and fails the suite until they are recorded):
 
 * ``<case>``: the cases that held the two client paths equal before (a variant of each
   algorithm's options: momentum, Adam, masks, named parts, noise, full batches, a CNN);
@@ -13,17 +14,21 @@ Settings, for each of the 22 algorithm configs:
 * ``<alg>-batchnorm``: an MLP with BatchNorm (running statistics in the parameters, computed
   as a function of each client's batch: ``fedexp.models.norms``; recorded when the local
   solver still went client by client, and reproduced vmapped);
+* ``<alg>-momentum``: SGD with momentum 0.9 (a per-client optimiser state), for the algorithms
+  none of whose variants sets a local optimiser (TDPFed's own optimisers are fixed);
 * a few runs whose clients differ in their step counts within a round (``local_epochs`` on
   unequal splits, full batches of unequal sizes): sub-cohorts.
 """
 
 from __future__ import annotations
 
-ALGORITHMS = [
-    "apfl", "ditto", "fedala", "fedamp", "fedavg", "fedavg_ft", "fedbn", "feddwa", "fedper",
-    "fedprox", "fedprox_ft", "fedrep", "fedrod", "fpfc", "ifca", "l2gd", "local", "pfedme",
-    "pfednet", "pfedsop", "superfed", "tdpfed",
-]  # fmt: skip
+from pathlib import Path
+
+#: every algorithm config (``conf/algorithm/*.yaml``): a new one gets its derived cases below
+#: without a line here, and fails ``tests/test_golden.py`` until they are recorded
+ALGORITHMS = sorted(
+    p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "algorithm").glob("*.yaml")
+)
 
 #: (id, overrides): options of each algorithm's paper exercised on the default data
 VARIANTS: list[tuple[str, tuple[str, ...]]] = [
@@ -135,7 +140,16 @@ def pins(overrides: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _first_variant(alg: str) -> tuple[str, ...]:
-    return next(o for _, o in VARIANTS if o[0] == f"algorithm={alg}")
+    """The algorithm's first case of :data:`VARIANTS`, else its defaults."""
+    return next((o for _, o in VARIANTS if o[0] == f"algorithm={alg}"), (f"algorithm={alg}",))
+
+
+def _own_optimizer(alg: str) -> bool:
+    """Whether a case of :data:`VARIANTS` runs ``alg`` with a non-default local optimiser."""
+    return any(
+        o[0] == f"algorithm={alg}" and any(k.startswith("optimizer") for k in o)
+        for _, o in VARIANTS
+    )
 
 
 def _strip_model(overrides: tuple[str, ...]) -> tuple[str, ...]:
@@ -146,6 +160,13 @@ def _strip_model(overrides: tuple[str, ...]) -> tuple[str, ...]:
 CASES: dict[str, tuple[str, ...]] = dict(VARIANTS)
 for _alg in ALGORITHMS:
     _base = _first_variant(_alg)
+    CASES.setdefault(_alg, _base)
+    if not _own_optimizer(_alg) and _alg != "tdpfed":  # once with a stateful local optimiser
+        CASES[f"{_alg}-momentum"] = (
+            *(o for o in _base if not o.startswith("optimizer")),
+            "optimizer=sgd",
+            "optimizer.momentum=0.9",
+        )
     CASES[f"{_alg}-stc-partial"] = (
         *(o for o in _base if not o.startswith(("participation", "compressor"))),
         "participation=0.6",

@@ -29,7 +29,7 @@ import torch
 
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import Codec, DenseCodec
-from fedexp.contract import Message, StackedUpdates, State
+from fedexp.contract import Message, StackedUpdates, State, part_scale
 from fedexp.engine import rng
 from fedexp.engine.clients.part_memory import PartKey, PartMemory
 from fedexp.engine.round.ledger import ByteLedger
@@ -355,8 +355,9 @@ class Transport:
         keys = None
         if channel.codec.randomised:
             keys = self._stream_keys(direction, clients, name, flat.device)
-        # CER's γ acts on the gradient scale whatever the algorithm sends (Algorithm.update_scale)
-        scale = self.ctx.lr if self.algorithm.update_scale == "step" else 1.0
+        # CER's γ acts on the gradient scale whatever the algorithm sends (Algorithm.update_scale,
+        # part by part where it declares parts of different scales: SCAFFOLD's Δy and Δc)
+        scale = self.ctx.lr if part_scale(self.algorithm.update_scale, name) == "step" else 1.0
         if kind == "update":
             store = self.residual[direction]
             res = None
