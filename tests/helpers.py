@@ -258,3 +258,17 @@ def stationarity(engine) -> float:  # noqa: ANN001
     """‖∇ (1/N) Σ_n f_n(x) + λx‖ at the server's model: 0 at the global optimum."""
     x = engine.server["x"]
     return float((global_gradient(engine, x) + 0.05 * x).norm())
+
+
+#: what an algorithm needs beyond the tests' default model: a body below a head (MOON's
+#: representation, FedBABU's frozen head), where the default logistic regression is all head
+#: (both refuse it with one line)
+NEEDS: dict[str, list[str]] = {
+    "moon": ["model=mlp", "model.hidden=8"],
+    "fedbabu": ["model=mlp", "model.hidden=8"],
+}
+
+
+def needs(algorithm: str) -> list[str]:
+    """The settings ``algorithm`` needs on the tests' default data (:data:`NEEDS`)."""
+    return list(NEEDS.get(algorithm, []))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, SMALL, compose_config
+from helpers import CONF, SMALL, compose_config, needs
 
 pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
 
@@ -41,7 +41,7 @@ BASE = [
 
 def _overrides(algorithm: str, out: Path, *extra: str) -> list[str]:
     k = ["algorithm.k=2"] if algorithm == "pfednet" else []
-    return [*BASE, f"algorithm={algorithm}", *k, *extra, f"output_dir={out}"]
+    return [*BASE, f"algorithm={algorithm}", *k, *needs(algorithm), *extra, f"output_dir={out}"]
 
 
 def _one_client_budget(algorithm: str, *extra: str) -> float:

@@ -9,14 +9,15 @@ import pytest
 
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import CONF
+from helpers import CONF, needs
 
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_runs_on_the_default_data(small_cfg, algorithm):
-    result = run(small_cfg(f"algorithm={algorithm}", "rounds=2"), tracker=NullTracker())
+    cfg = small_cfg(f"algorithm={algorithm}", "rounds=2", *needs(algorithm))
+    result = run(cfg, tracker=NullTracker())
     assert math.isfinite(result.metrics["acc/mean"])
     assert len(result.per_client) == 5
 

@@ -17,7 +17,7 @@ from fedexp.privacy.mechanisms import adaptive_clip, clip_factors, joint_norms
 from fedexp.privacy.settings import Privacy
 from fedexp.privacy.uplink import PrivateUplink
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, SMALL, assert_resume_exact, compose_config, run_cli
+from helpers import CONF, SMALL, assert_resume_exact, compose_config, needs, run_cli
 
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
 TINY = [*SMALL, "num_clients=10", "batch_size=8", "tracker=none"]
@@ -246,6 +246,7 @@ def test_every_algorithm_runs_with_central_dp(algorithm, tmp_path):
         "privacy=central",
         "participation=0.5",
         *extra,
+        *needs(algorithm),
         output_dir=tmp_path,
     )
     tracker = NullTracker()
@@ -265,7 +266,9 @@ def test_the_servers_that_declare_mean_read_only_the_weighted_mean(monkeypatch):
     so the check can fail."""
     checked = []
     for algorithm in [*ALGORITHMS, "fedamp"]:
-        engine = build_engine(compose_config(*TINY, f"algorithm={algorithm}", "participation=0.5"))
+        engine = build_engine(
+            compose_config(*TINY, f"algorithm={algorithm}", "participation=0.5", *needs(algorithm))
+        )
         engine.setup()
         if engine.algorithm.server_reads != "mean" and algorithm != "fedamp":
             continue

@@ -57,6 +57,10 @@ SETTINGS: dict[str, list[str]] = {
         "algorithm.admm_max_iter=20",
     ],
     "fedala": ["algorithm.max_start_epochs=3"],
+    "moon": HEADED,
+    # a fixed fine-tuning length (in epochs it follows the clients' sizes: other sizes at 10
+    # clients than at 1,000)
+    "fedbabu": [*HEADED, "algorithm.finetune_steps=2"],
 }
 #: every algorithm config (``conf/algorithm/*.yaml``): a new one is counted without a line here
 #: (and fails until its host reads are documented in :data:`READS`)
@@ -94,6 +98,12 @@ READS: dict[str, tuple[int, int]] = {
     "fedala": (13, 10),
     "pfednet": (36, 10),
     "fedbn": (9, 10),
+    "scaffold": (11, 10),
+    "feddyn": (9, 10),
+    "perfedavg": (9, 15),
+    "perfedavg_hf": (9, 15),
+    "moon": (10, 10),
+    "fedbabu": (9, 15),
     "compressor=stc": (9, 10),
     "compressor=stc_twomean": (9, 10),
     "compressor=topk": (9, 10),

@@ -18,7 +18,7 @@ from fedexp.engine.round import stacking
 from fedexp.engine.round.stacking import Stack
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, SMALL, compose_config
+from helpers import CONF, SMALL, compose_config, needs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,7 +140,7 @@ def test_runs_of_different_splits_stack(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_every_algorithm_stacked_ends_as_alone(tmp_path, algorithm):
-    overrides = [f"algorithm={algorithm}", "rounds=2"]
+    overrides = [f"algorithm={algorithm}", "rounds=2", *needs(algorithm)]
     cfgs = _configs(tmp_path, "stacked", overrides, [0, 1])
     stacked, stack = run_stacked(cfgs)
     alone = [run(c, tracker=NullTracker()) for c in _configs(tmp_path, "alone", overrides, [0, 1])]
