@@ -137,7 +137,7 @@ def run_settings() -> list[tuple[str, str, str]]:
                 rows.append((f"{f.name}.{g.name}", _yaml(default), subdocs.get(g.name, "")))
         elif f.name in groups or f.default is MISSING:
             option = groups.get(f.name)
-            meaning = f"config group: conf/{f.name}/<option>.yaml (options below)"
+            meaning = f"config group: conf/{f.name}/*.yaml (options below)"
             rows.append((f.name, _yaml(option), meaning))
         else:
             default = values.get(f.name, f.default)

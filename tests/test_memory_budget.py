@@ -104,9 +104,10 @@ def _round_budget_gib(engine, clients: int) -> float:
         # servers that scale the mean by |S|/N: the senders' count whatever the slices
         ("algorithm=scaffold", "participation=0.6"),
         ("algorithm=feddyn", "participation=0.6", "algorithm.weighting=samples"),
+        ("algorithm=fednova", "local_epochs=1", "participation=0.6"),  # unequal τ_n
     ],
     ids=["fedavg", "ditto-partial-stc", "fedprox-mlp-momentum", "scaffold-partial",
-         "feddyn-partial-samples"],
+         "feddyn-partial-samples", "fednova-epochs"],
 )  # fmt: skip
 def test_a_round_too_big_for_its_budget_runs_in_slices_as_it_runs_whole(
     small_cfg, monkeypatch, overrides

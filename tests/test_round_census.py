@@ -100,6 +100,7 @@ READS: dict[str, tuple[int, int]] = {
     "fedbn": (9, 10),
     "scaffold": (11, 10),
     "feddyn": (9, 10),
+    "fednova": (11, 10),
     "perfedavg": (9, 15),
     "perfedavg_hf": (9, 15),
     "moon": (10, 10),

@@ -101,6 +101,11 @@ class Algorithm(ABC):
     #: run's seed (FedALA's slices, L2GD's coins): its runs' work is then called run by run.
     #: ``tests/test_stacking.py`` holds every algorithm to it.
     stacks: bool = True
+    #: :meth:`server_update` moves a global model by the mean upload through
+    #: ``ctx.server_optimizer`` (FedAvg's step, or FedAdagrad, FedAdam, FedYogi); declared by
+    #: the class that defines ``server_update`` itself (a subclass with a server of its own
+    #: is not taken for one): an adaptive ``server_optimizer`` is refused without it
+    server_optimized: bool = False
 
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
         """Server state before round 0 (default: the global model ``x``)."""

@@ -4,7 +4,8 @@ Client n runs E local steps (the run's ``optimizer``, plain SGD by default; a mo
 Adam state persists in the client's state) from the global model x and returns the difference
 Δ_n = x − θ_n^E; the server applies x ← x − η_s Σ_n ω_n Δ_n. With η_s = 1 this is plain
 FedAvg (the weighted average of the client models); with one client, full batches and E = 1
-it is gradient descent with step η_l.
+it is gradient descent with step η_l. The server's step is the run's ``server_optimizer``
+(:mod:`fedexp.engine.solver.server_optim`): FedAvg's by default, FedAdagrad, FedAdam or FedYogi.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fedexp.algorithms.base import (
 from fedexp.config.ranges import Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Objective
+from fedexp.engine.solver.server_optim import server_optimizer_of
 from fedexp.engine.solver.steps import unstack_states
 
 #: η_s, the server step on the averaged model difference (every FedAvg-style server's).
@@ -40,6 +42,9 @@ class FedAvg(Algorithm):
     """
 
     server_reads = "mean"  # the server step reads Σ ω_n u_n only (central DP noises it)
+    #: the server moves a global model by the mean upload through ``ctx.server_optimizer``
+    #: (``server_optimizer=adam`` etc. are refused for methods without this)
+    server_optimized = True
 
     def __init__(self, server_lr: ServerLr = 1.0, weighting: str = "samples") -> None:
         if weighting not in ("samples", "uniform"):
@@ -73,7 +78,8 @@ class FedAvg(Algorithm):
         updates: dict[int, torch.Tensor],
         weights: dict[int, float],
     ) -> State:
-        """X ← x − η_s Σ ω_n Δ_n."""
+        """X ← x − η_s Σ ω_n Δ_n (the run's ``server_optimizer``: FedAdam, ... on that mean)."""
         if not updates:
             return server
-        return {**server, "x": server["x"] - self.server_lr * weighted_mean(updates, weights)}
+        mean = weighted_mean(updates, weights)
+        return server_optimizer_of(ctx).step(ctx, server, "x", mean, self.server_lr)

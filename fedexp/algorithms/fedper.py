@@ -31,7 +31,23 @@ from fedexp.algorithms.base import (
 )
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.server_optim import server_optimizer_of
 from fedexp.engine.solver.steps import unstack_states
+
+
+def head_idx(ctx: Context, head: Sequence[str] | None) -> torch.Tensor:
+    """Flat coordinates of the entries ``head`` matches (None: ``model.personal``), made once.
+
+    Raises:
+        ConfigError: patterns that match no entry of the model.
+    """
+    if head is None:
+        return ctx.personal_idx
+    patterns = list(head)
+    return ctx.model.indices_once(
+        ("head", tuple(patterns), str(ctx.device)),
+        lambda: ctx.model.layout.matched(patterns, "algorithm.head", ctx.device),
+    )
 
 
 class FedPer(FedAvg):
@@ -47,6 +63,8 @@ class FedPer(FedAvg):
         weighting: "samples" (ω_n ∝ n_train, the paper) or "uniform".
     """
 
+    server_optimized = True  # the body is moved by the mean upload (ctx.server_optimizer)
+
     def __init__(
         self,
         head: Sequence[str] | None = None,
@@ -61,13 +79,7 @@ class FedPer(FedAvg):
     # ------------------------------------------------------------------ the split
     def personal_idx(self, ctx: Context) -> torch.Tensor:
         """Flat coordinates of the personal part (FedPer: the head), made once a run."""
-        if self.head is None:
-            return ctx.personal_idx
-        head = self.head
-        return ctx.model.indices_once(
-            ("head", tuple(head), str(ctx.device)),
-            lambda: ctx.model.layout.matched(head, "algorithm.head", ctx.device),
-        )
+        return head_idx(ctx, self.head)
 
     def body_idx(self, ctx: Context) -> torch.Tensor:
         """Flat coordinates of the shared part: every coordinate not personal (made once)."""
@@ -89,6 +101,10 @@ class FedPer(FedAvg):
         full[..., self.body_idx(ctx)] = body
         full[..., self.personal_idx(ctx)] = head
         return full
+
+    def train_mask(self, ctx: Context) -> torch.Tensor | None:
+        """0/1 over the coordinates: what the local steps move (FedPer: everything, None)."""
+        return None
 
     # ---------------------------------------------------------------------- hooks
     def init_client(self, ctx: Context, x0: torch.Tensor, client: int) -> State:
@@ -115,6 +131,7 @@ class FedPer(FedAvg):
             cohort,
             objective=ctx.model_objective(),
             opt_states=opt.load(states),
+            mask=self.train_mask(ctx),
         )
         head = local.params[:, self.personal_idx(ctx)]
         new_states = unstack_states(states, opt, local.opt_state, head=head)
@@ -128,13 +145,16 @@ class FedPer(FedAvg):
         updates: dict[int, torch.Tensor],
         weights: dict[int, float],
     ) -> State:
-        """Body ← body − η_s Σ ω_n Δ_n (the head coordinates of ``x`` are left alone)."""
+        """Body ← body − η_s Σ ω_n Δ_n (the head coordinates of ``x`` are left alone).
+
+        The step is the run's ``server_optimizer`` on the body's coordinates.
+        """
         if not updates:
             return server
-        idx = self.body_idx(ctx)
-        x = server["x"].clone()
-        x[idx] = x[idx] - self.server_lr * weighted_mean(updates, weights)
-        return {**server, "x": x}
+        mean = weighted_mean(updates, weights)
+        return server_optimizer_of(ctx).step(
+            ctx, server, "x", mean, self.server_lr, idx=self.body_idx(ctx)
+        )
 
     def eval_params(
         self, ctx: Context, server: State, client_state: State, client: int

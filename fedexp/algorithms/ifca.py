@@ -12,8 +12,10 @@ Differences from the paper and the authors' code (github.com/jichan3751/ifca), a
 
 * Weights: Algorithm 1 averages the models of a cluster uniformly; the authors' FEMNIST
   code weights them by training samples. ``weighting="samples"`` (default) is the latter,
-  ``"uniform"`` the former. The server-optimiser form (``server_lr``) is FedAvg's here;
-  Option I (one gradient per round, scaled by 1/m over all clients) is not provided.
+  ``"uniform"`` the former. The server-optimiser form (``server_lr``) is FedAvg's here, and
+  the run's ``server_optimizer`` steps each cluster on its own mean (FedAdam etc.: moments
+  ``[k, d]`` in the server state, a cluster nobody chose keeps its moments); Option I (one
+  gradient per round, scaled by 1/m over all clients) is not provided.
 * Upload of the identity: the paper sends the one-hot s_n (k entries); here the index ĵ, one
   float32 ("exact" part: 4 bytes, never compressed), the same information.
 * Initialisation: the authors build each cluster model from its own seed (``seed + j``). Here
@@ -69,6 +71,7 @@ from fedexp.contract import update_parts
 from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.losses import train_losses
+from fedexp.engine.solver.server_optim import server_optimizer_of
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.transfer import to_device
 
@@ -104,6 +107,7 @@ class IFCA(Algorithm):
     """
 
     uplink_parts = MappingProxyType({"cluster": "exact"})
+    server_optimized = True  # each cluster is moved by its mean upload (ctx.server_optimizer)
 
     def __init__(
         self,
@@ -224,9 +228,10 @@ class IFCA(Algorithm):
         w = w / torch.where((counts[:, None] < len(clients)) & (total > 0), total, 1.0)
         w = w.to(deltas.dtype)
         mean = torch.stack([w[c] @ deltas for c in range(self.k)])  # as FedAvg's weighted_mean
-        moved = clusters - self.server_lr * mean.reshape(clusters.shape)
-        new = torch.where((counts > 0)[:, None], moved, clusters)
-        return {**server, "clusters": new, "counts": counts.to(torch.float32)}
+        moved = server_optimizer_of(ctx).step(
+            ctx, server, "clusters", mean.reshape(clusters.shape), self.server_lr, rows=counts > 0
+        )  # an adaptive optimiser keeps moments per cluster ([k, d]); unchosen rows keep theirs
+        return {**moved, "counts": counts.to(torch.float32)}
 
     def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
         """How many of the round's clients chose each cluster."""

@@ -42,6 +42,7 @@ from fedexp.algorithms.base import (
 )
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.server_optim import server_optimizer_of
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.transfer import to_device
 
@@ -56,6 +57,7 @@ class Scaffold(Algorithm):
     """
 
     server_reads = "mean"  # Σ ω_n Δy_n and Σ ω_n Δc_n only
+    server_optimized = True  # x moves by the run's server optimiser (FedAdam, ... on Σ ω_n Δy_n)
     downlink_parts = MappingProxyType({"x": "model", "c": "model"})
     uplink_parts = MappingProxyType({"dy": "update", "dc": "update"})
     # Δy is a model change (η_l × a pseudo-gradient), Δc a gradient: CER's γ on each as such
@@ -102,7 +104,10 @@ class Scaffold(Algorithm):
         updates: dict[int, Message],
         weights: dict[int, float],
     ) -> State:
-        """X ← x − η_g Σ ω_n Δy_n and c ← c + share · Σ ω_n Δc_n (share = |S|/N when uniform)."""
+        """X ← x − η_g Σ ω_n Δy_n and c ← c + share · Σ ω_n Δc_n (share = |S|/N when uniform).
+
+        The x step is the run's ``server_optimizer``'s (FedAvg's by default).
+        """
         if not updates:
             return server
         clients = sorted(updates)
@@ -112,4 +117,5 @@ class Scaffold(Algorithm):
         dy = w @ parts["dy"].reshape(len(clients), -1)
         dc = w @ parts["dc"].reshape(len(clients), -1)
         share = ctx.senders.share(self.weighting)
-        return {**server, "x": x - self.server_lr * dy, "c": server["c"] + share * dc}
+        server = {**server, "c": server["c"] + share * dc}
+        return server_optimizer_of(ctx).step(ctx, server, "x", dy, self.server_lr)

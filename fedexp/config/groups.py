@@ -1,14 +1,15 @@
 """Every config group's node checked whole, before any data is loaded or anything is tracked.
 
 The run settings are checked by :func:`fedexp.config.schema.validate`; the group nodes
-(``dataset``, ``partition``, ``model``, ``algorithm``, ``optimizer``, ``augment``,
-``compressor``, ``privacy``, ``tracker``) name a fedexp class or builder in ``_target_`` and are
-checked here against its signature: unknown keys, value types, non-finite floats and the ranges the
-signature declares (:mod:`fedexp.config.ranges`). The CLI calls :func:`check_groups` right
-after compose, before the tracker is created and before the data are read, so a bad value
-costs nothing and leaves nothing behind (no MLflow run, no output files). The runner builds
-each node through the same checks (:func:`fedexp.config.instantiate.instantiate_checked`), so
-the API is covered as well.
+(``dataset``, ``partition``, ``model``, ``algorithm``, ``optimizer``, ``server_optimizer``,
+``augment``, ``compressor``, ``privacy``, ``tracker``) name a fedexp class or builder in
+``_target_`` and are checked here against its signature: unknown keys, value types, non-finite
+floats and the ranges the signature declares (:mod:`fedexp.config.ranges`); an adaptive server
+optimiser against the algorithm (:func:`check_server_optimizer`). The CLI calls
+:func:`check_groups` right after compose, before the tracker is created and before the data
+are read, so a bad value costs nothing and leaves nothing behind (no MLflow run, no output
+files). The runner builds each node through the same checks
+(:func:`fedexp.config.instantiate.instantiate_checked`), so the API is covered as well.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from fedexp.config.instantiate import check_node
+from fedexp.config.instantiate import check_node, locate_target
+from fedexp.engine.solver.server_optim import steps_global_model
 from fedexp.errors import ConfigError
 from fedexp.privacy.checks import check_privacy
 
@@ -28,7 +30,8 @@ MODEL_EXTRA = frozenset({"input_shape", "num_classes"})
 CHANNEL_KEYS = ("codec", "transforms", "error_feedback")
 #: The group nodes checked against their target's signature (the compressor's channels apart).
 PLAIN_GROUPS = (
-    "dataset", "partition", "algorithm", "optimizer", "augment", "privacy", "tracker",
+    "dataset", "partition", "algorithm", "optimizer", "server_optimizer", "augment", "privacy",
+    "tracker",
 )  # fmt: skip
 
 
@@ -101,6 +104,32 @@ def _missing_keys(cfg: DictConfig) -> list[str]:
     return found
 
 
+def check_server_optimizer(cfg: DictConfig) -> None:
+    """Refuse an adaptive ``server_optimizer`` for a method without a global model.
+
+    FedAdagrad, FedAdam and FedYogi step a global model on the mean upload; a method whose
+    server keeps no such model (local-only, FedAMP, pFedNet, L2GD, ...) would silently ignore
+    them. ``sgd`` (the default) is every method's own server and always accepted.
+
+    Raises:
+        ConfigError: one line naming ``server_optimizer`` and the algorithm.
+    """
+    node, algo = cfg.get("server_optimizer"), cfg.get("algorithm")
+    if node is None or algo is None or "_target_" not in node or "_target_" not in algo:
+        return
+    optimizer = locate_target(node._target_, "server_optimizer._target_")
+    if not getattr(optimizer, "adaptive", False):
+        return
+    algorithm = locate_target(algo._target_, "algorithm._target_")
+    if not steps_global_model(algorithm):
+        name = getattr(optimizer, "name", optimizer.__name__)
+        raise ConfigError(
+            f"server_optimizer={name}: {algorithm.__name__} (algorithm) has no global model "
+            "that its server moves by the mean upload, so a server optimiser has nothing to "
+            "step; use server_optimizer=sgd (the default)"
+        )
+
+
 def check_groups(cfg: DictConfig) -> None:
     """Check every group node of the run config before anything is built.
 
@@ -126,4 +155,5 @@ def check_groups(cfg: DictConfig) -> None:
     if compressor is not None:
         for direction in ("uplink", "downlink"):
             check_channel(compressor.get(direction), f"compressor.{direction}")
+    check_server_optimizer(cfg)
     check_privacy(cfg)

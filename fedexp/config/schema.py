@@ -135,6 +135,7 @@ class RunConfig:
     algorithm: Any = field(default_factory=dict)
     compressor: Any = field(default_factory=dict)
     optimizer: Any = field(default_factory=dict)
+    server_optimizer: Any = field(default_factory=dict)
     augment: Any = field(default_factory=dict)
     privacy: Any = field(default_factory=dict)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -41,6 +41,7 @@ from fedexp.engine.round import stacking
 from fedexp.engine.round.engine import Engine, RoundCallback
 from fedexp.engine.round.ledger import ByteLedger
 from fedexp.engine.solver.context import Context
+from fedexp.engine.solver.server_optim import ServerOptimizer, ServerSGD
 from fedexp.engine.solver.steps import train
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
@@ -153,6 +154,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         personal_idx=personal,
         shared_idx=torch.nonzero(shared_mask).flatten(),
         optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
+        server_optimizer=_server_optimizer(cfg),
         solver=train,
         memory_budget=resolve_budget(float(cfg.get("memory_budget") or 0.0), device),
         augment=_augment(cfg, data),
@@ -175,6 +177,14 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
     if store is not None:  # the files go with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, store, True)
     return engine, data
+
+
+def _server_optimizer(cfg: DictConfig) -> ServerOptimizer:
+    """The ``server_optimizer`` node's step (FedAvg's, ``sgd``, where the config has none)."""
+    node = cfg.get("server_optimizer")
+    if not node:
+        return ServerSGD()
+    return instantiate_checked(node, "server_optimizer")
 
 
 def _augment(cfg: DictConfig, data: ArrayDataset) -> Any:

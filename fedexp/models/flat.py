@@ -325,6 +325,32 @@ class FlatModel:
             pieces.append(updated(old, stat.to(old.dtype), momentum(self._norms[norm])))
         return out, torch.cat(pieces)
 
+    def forward_with_input(
+        self, flat: torch.Tensor, x: torch.Tensor, name: str, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """:meth:`forward_train`, plus the input of the submodule ``name``, as ``[B, -1]``.
+
+        The input a head sees is the body's representation of the batch (MOON's z). A hook
+        on the submodule records it for this call only; as a function of ``flat`` it runs
+        under :func:`torch.func.vmap` too (one row per client).
+
+        Raises:
+            ValueError: the submodule ran other than once in the forward pass.
+        """
+        seen: list[torch.Tensor] = []
+
+        def record(_module: nn.Module, args: tuple) -> None:
+            seen.append(args[0])
+
+        handle = self.module.get_submodule(name).register_forward_pre_hook(record)
+        try:
+            logits, buffers = self.forward_train(flat, x, rows)
+        finally:
+            handle.remove()
+        if len(seen) != 1:
+            raise ValueError(f"submodule {name!r} ran {len(seen)} times in one forward pass")
+        return logits, buffers, seen[0].flatten(1)
+
     @property
     def stacks(self) -> bool:
         """Whether :meth:`forward_stacked` holds.

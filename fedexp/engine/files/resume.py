@@ -23,6 +23,7 @@ _RESUME_KEYS = (
     "algorithm",
     "compressor",
     "optimizer",
+    "server_optimizer",
     "augment",
     "seed",
     "num_clients",
@@ -38,6 +39,7 @@ _RESUME_DEFAULTS = {
     "val_fraction": 0.0,
     "sampling": "replacement",
     "augment": {"_target_": "fedexp.data.augment.NoAugmentation"},
+    "server_optimizer": {"_target_": "fedexp.engine.solver.server_optim.ServerSGD"},
 }
 
 #: Keys whose change on resume is not recorded (they name where this attempt writes).

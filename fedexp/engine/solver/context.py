@@ -14,6 +14,7 @@ from fedexp.data.augment import NoAugmentation
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.optim import SGD, Optimizer
+from fedexp.engine.solver.server_optim import ServerOptimizer, ServerSGD
 from fedexp.errors import DivergenceError
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import Task, valid_rows
@@ -41,6 +42,8 @@ class Context:
         eval_batch_size: test inputs per forward pass in :meth:`evaluate` (images would not
             fit one pass).
         optimizer: the run's local optimiser (its state lives in the client's state).
+        server_optimizer: the server's step on a global model (its moments live in the server
+            state, ``fedexp.engine.solver.server_optim``).
     """
 
     model: FlatModel
@@ -68,6 +71,9 @@ class Context:
     augment: Any = field(default_factory=NoAugmentation)
     #: the run's local optimiser (``optimizer`` config group; plain SGD by default)
     optimizer: Optimizer = field(default_factory=SGD)
+    #: the server's step on the mean upload of a global model (``server_optimizer`` config
+    #: group; FedAvg's x − η_s ū by default; FedAdagrad, FedAdam, FedYogi)
+    server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
     #: False once the solver found the model or loss not vmappable (then row by row)
     vmap_ok: bool = True
     #: the local solver, ``(ctx, params, cohort, **options) -> CohortLocal``: the run's builder
