@@ -28,7 +28,7 @@ def test_a_misspelt_group_key_names_the_closest():
 def test_a_key_of_another_option_names_the_options_that_have_it():
     (line,) = errors("algorithm.mu=0.1")  # the default algorithm is FedAvg
     assert line.startswith("algorithm.mu: fedavg (algorithm=fedavg) has no such key")
-    assert "algorithm=fedprox|fedprox_ft|superfed have it" in line
+    assert "algorithm=fednova|fedprox|fedprox_ft|moon|superfed have it" in line
 
 
 def test_every_option_of_a_swept_group_is_checked():

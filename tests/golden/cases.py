@@ -112,6 +112,29 @@ VARIANTS: list[tuple[str, tuple[str, ...]]] = [
     ("fedbn-epochs-shuffled", ("algorithm=fedbn", "model=mlp", "model.hidden=8",
                                "model.norm=batch", "local_epochs=1", "batch_size=16",
                                "sampling=shuffle")),
+    # the methods users compare against beyond the papers (issue 66)
+    ("scaffold-epochs", ("algorithm=scaffold", "local_epochs=1", "participation=0.6")),
+    ("feddyn-samples", ("algorithm=feddyn", "algorithm.alpha=0.1",
+                        "algorithm.weighting=samples", "participation=0.6")),
+    ("fednova", ("algorithm=fednova", "local_epochs=1", "optimizer=sgd",
+                 "optimizer.momentum=0.9", "algorithm.mu=0.1")),
+    ("moon", ("algorithm=moon", "model=mlp", "model.hidden=8", "algorithm.mu=5",
+              "optimizer=sgd", "optimizer.momentum=0.9")),
+    ("perfedavg", ("algorithm=perfedavg", "algorithm.alpha=0.05", "optimizer=sgd",
+                   "optimizer.momentum=0.9")),
+    ("perfedavg_hf", ("algorithm=perfedavg_hf", "model=mlp", "model.hidden=8",
+                      "participation=0.6")),
+    ("fedbabu", ("algorithm=fedbabu", "model=mlp", "model.hidden=8", "participation=0.6")),
+    # the server optimisers (FedOpt) on the three kinds of server step: the whole model, the
+    # body's coordinates, one model per cluster
+    ("fedavg-adam-server", ("algorithm=fedavg", "server_optimizer=adam",
+                            "server_optimizer.lr=0.05")),
+    ("fedper-adagrad-server", ("algorithm=fedper", "model=mlp", "model.hidden=8",
+                               "server_optimizer=adagrad")),
+    ("ifca-yogi-server", ("algorithm=ifca", "model=mlp", "model.hidden=8",
+                          "server_optimizer=yogi", "participation=0.6")),
+    ("scaffold-yogi-server", ("algorithm=scaffold", "server_optimizer=yogi",
+                              "server_optimizer.lr=0.05")),
 ]  # fmt: skip
 
 
@@ -160,7 +183,8 @@ def _strip_model(overrides: tuple[str, ...]) -> tuple[str, ...]:
 CASES: dict[str, tuple[str, ...]] = dict(VARIANTS)
 for _alg in ALGORITHMS:
     _base = _first_variant(_alg)
-    CASES.setdefault(_alg, _base)
+    if not any(o[0] == f"algorithm={_alg}" for _, o in VARIANTS):
+        CASES[_alg] = _base  # no variant: the defaults
     if not _own_optimizer(_alg) and _alg != "tdpfed":  # once with a stateful local optimiser
         CASES[f"{_alg}-momentum"] = (
             *(o for o in _base if not o.startswith("optimizer")),
