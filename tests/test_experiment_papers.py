@@ -234,6 +234,24 @@ PAPERS: dict[str, dict[str, dict[str, Value]]] = {
     ),
     # Figure 8 (§VI-B1): the paper does not give the λ of its CER runs
     "cer_stc": _pfednet(None, {}, ("fedavg",)),
+    # the baselines users compare against, each at its own paper's hyper-parameters (the
+    # experiment's data and schedule are fedexp's: no paper ran this comparison)
+    "baselines": {
+        "fedavg": {},
+        "fedprox": {"algorithm.mu": (0.01, "FedProx §5 (μ from {0.001, 0.01, 0.1, 1})")},
+        "scaffold": {"algorithm.server_lr": (1.0, "SCAFFOLD §7 (η_g = 1)")},
+        "feddyn": {"algorithm.alpha": (0.01, "FedDyn §5 (α from {0.1, 0.01, 0.001})")},
+        "fednova": {},
+        "moon": {
+            "algorithm.mu": (1.0, "MOON §4.1 (μ = 1; CIFAR-10: 5)"),
+            "algorithm.tau": (0.5, "MOON §4.1 (τ = 0.5)"),
+        },
+        "perfedavg": {"algorithm.variant": ("fo", "Per-FedAvg §5 (FO)")},
+        "perfedavg_hf": {"algorithm.variant": ("hf", "Per-FedAvg §5 (HF)")},
+        "fedbabu": {"algorithm.finetune_epochs": (5.0, "FedBABU §4 (τ_f = 5 fine-tuning epochs)")},
+        "ditto": {},
+        "local": {},
+    },
 }
 
 #: The pathological partition of pFedSOP's Table II (§V-A): shards of z samples, b classes a client.

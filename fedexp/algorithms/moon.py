@@ -21,7 +21,7 @@ submodule (a U-Net's decoder), or is the whole model (``model=logreg``: no body,
 "representation" would be the raw input, the same under every model) is refused before
 round 0 with one line.
 
-From the authors' code (github.com/QinbinLi/MOON, ``--model_buffer_size 1``):
+From the authors' code (the MOON repository, ``--model_buffer_size 1``):
 
 * the global and previous models compute their representations in evaluation mode (BatchNorm's
   running statistics, no dropout), the local model in training mode; likewise here;
