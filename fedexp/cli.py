@@ -11,6 +11,7 @@ the other commands (examples: ``fedexp --help``).
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import re
@@ -410,6 +411,9 @@ _SWEEP_FUNCTION = re.compile(r"^\s*\w+\(")
 def _group_option_errors(args: list[str]) -> list[str]:
     """``algorithm=nope``: one line naming the options, before Hydra's multi-line message.
 
+    The closest options come first, as for a mistyped key (``algorithm=fedavgg: no such
+    option; did you mean fedavg? (expected one of: ...)``).
+
     Looks at ``group=option`` (and ``group=a,b`` sweeps) where ``group`` is a folder of
     fedexp's ``conf/``; Hydra's own groups (``hydra/launcher=joblib`` comes from a plugin),
     package overrides (``@``), nested keys and Hydra's sweep functions are left to Hydra.
@@ -425,8 +429,10 @@ def _group_option_errors(args: list[str]) -> list[str]:
         options = sorted(p.stem for p in folder.glob("*.yaml"))
         for option in value.split(","):  # (Hydra fails on GROUP=null with a traceback)
             if option.strip() not in options:
+                close = difflib.get_close_matches(option.strip(), options, 3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
                 errors.append(
-                    f"{key}={option}: no such option (expected one of: {', '.join(options)})"
+                    f"{key}={option}: no such option{hint} (expected one of: {', '.join(options)})"
                 )
     return errors
 
@@ -508,6 +514,35 @@ def _sweep_without_multirun(args: list[str]) -> list[str]:
     return errors
 
 
+def _checked_paths(args: list[str]) -> tuple[list[str], list[str]]:
+    """The paths a run reads, checked before Hydra makes its folder (nothing is created).
+
+    ``dataset.path`` (:func:`fedexp.config.keys.dataset_path_errors`) and ``resume``
+    (:func:`fedexp.engine.files.resume.resume_target`, which also takes a run's folder for
+    its ``checkpoints/``: the override is rewritten so). A sweep of resumes (several values,
+    a sweep function) and an interpolation are left to the run.
+
+    Returns:
+        (the command line, with ``resume=<run>`` as ``resume=<run>/checkpoints``; the errors).
+    """
+    from fedexp.config.keys import dataset_path_errors
+
+    errors = dataset_path_errors(args, CONFIG_DIR)
+    out = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if key == "resume" and sep and value and value != "null":
+            if not (_SWEEP_FUNCTION.match(value) or any(c in value for c in ",$[")):
+                from fedexp.engine.files.resume import resume_target
+
+                try:
+                    arg = f"resume={resume_target(value)}"
+                except ConfigError as exc:
+                    errors.append(str(exc))
+        out.append(arg)
+    return out, errors
+
+
 def _wants_help(args: list[str]) -> bool:
     """``fedexp run --help``/``-h`` (ours); ``--hydra-help`` is left to Hydra."""
     return any(a in ("-h", "--help") for a in args)
@@ -573,6 +608,11 @@ def main() -> None:
     early = early or override_errors(args[1:])
     if early:
         _refuse("; ".join(early))
+    # dataset.path=/nope, resume=<folder without a checkpoint>: before Hydra makes a folder
+    checked, paths = _checked_paths(args[1:])
+    args = [args[0], *checked]
+    if paths:
+        _refuse("; ".join(paths))
     from fedexp.search_space import search_space_errors
 
     # -m hparams_search=lr lr='interval(1, 0.1)': one line, not the Optuna sweeper's traceback

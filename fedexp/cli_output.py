@@ -28,7 +28,11 @@ _CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
-    """The per-client table of a finished run, where its results are, how to view them."""
+    """The per-client table of a finished run, where its results are, how to view them.
+
+    On a terminal the table fits its width; piped to a file or a program (no terminal: rich
+    would take 80 columns and wrap the row labels over lines) it is as wide as it needs.
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -62,6 +66,9 @@ def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
         cells = [f"{m[f'{k}/{suffix}']:.4f}" if f"{k}/{suffix}" in m else "—" for k in keys]
         table.add_row(f"[bold]{label}", "", *cells)
     console = Console()
+    if not console.is_terminal:  # piped to a file: the table's own width, never wrapped
+        wide = console.options.update_width(10_000)
+        console = Console(width=max(console.width, console.measure(table, options=wide).maximum))
     console.print(table)
     # paths, URIs and the `fedexp ui` command: one line each, never wrapped, never markup
     console.print(f"results: {result.output_dir}", soft_wrap=True, markup=False)

@@ -45,7 +45,8 @@ class Case:
 
     args: list[str]
     bad: bool = True
-    setup: str = ""  # a file to create first: "csv", "csv_nolabel", "file", "mnist_empty"
+    #: a file to create first: "csv", "csv_nolabel", "file", "mnist_empty", "run_no_checkpoint"
+    setup: str = ""
 
 
 def _run_cases() -> list[Case]:
@@ -174,6 +175,12 @@ def _run_cases() -> list[Case]:
         Case(["run", *FAST, "tracker.uri=sqlite:///afile/x.db"], setup="file"),
         Case(["run", *FAST, "dataset=mnist", "dataset.path=mnist", "partition=dirichlet"],
              setup="mnist_empty"),
+        # paths checked before Hydra makes a run folder (issue 70): a data set's, a resume's
+        Case(["run", *FAST, "dataset=brats", "dataset.path=/nonexistent/brats"]),
+        Case(["run", *FAST, "dataset=luna16"]),  # its default path, prepared/luna16
+        Case(["run", *FAST, "dataset=tiny_imagenet", "dataset.path=nowhere"]),
+        Case(["run", *FAST, "resume=."]),  # a folder without a checkpoint
+        Case(["run", *FAST, "resume=outputs/run"], setup="run_no_checkpoint"),
     ]  # fmt: skip
     tuning = [
         "'lr=tag(log, interval(0, 1))'",
@@ -205,6 +212,8 @@ def _setup(kind: str, cwd: Path) -> None:
         (cwd / "afile").write_text("in the way\n")
     elif kind == "mnist_empty":
         (cwd / "mnist").mkdir()
+    elif kind == "run_no_checkpoint":  # a run stopped before its first checkpoint
+        (cwd / "outputs" / "run" / "checkpoints").mkdir(parents=True)
 
 
 def _mlflow_runs(cwd: Path) -> int:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
-from helpers import run_cli
+from helpers import CONF, run_cli
 
 FAST = ["rounds=2", "progress=none", "tracker=none", "device=cpu", "checkpoint_every=0"]
 
@@ -206,4 +207,80 @@ def test_cli_says_how_to_write_an_override(tmp_path):
     assert proc.stderr.strip() == (
         "fedexp: error: 'rounds 10': overrides are written key=value, e.g. rounds=10"
     )
+    assert list(tmp_path.iterdir()) == []
+
+
+def _checkpointless_run(tmp_path):
+    run = tmp_path / "outputs" / "2026-01-01" / "00-00-00"
+    (run / "checkpoints").mkdir(parents=True)
+    return run
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (
+            ["dataset=brats", "dataset.path=/nope"],
+            "fedexp: error: dataset.path='/nope': /nope does not exist; the prepared BraTS "
+            "arrays are made by `python -m data_prep.brats --root RAW --out /nope`",
+        ),
+        (["dataset=brats"], "dataset.path='prepared/brats': prepared/brats does not exist"),
+        (["resume=nope"], "fedexp: error: resume=nope: no such file or folder; expected a run"),
+        (["resume=."], "resume=.: no checkpoint found (expected last.safetensors, or a run's"),
+        (
+            ["resume=outputs/2026-01-01/00-00-00"],
+            "resume=outputs/2026-01-01/00-00-00: outputs/2026-01-01/00-00-00/checkpoints holds "
+            "no checkpoint (last.safetensors)",
+        ),
+    ],
+    ids=["data-path", "data-default-path", "resume-nothing", "resume-no-checkpoint", "no-first"],
+)
+def test_a_path_that_is_not_there_is_refused_before_hydra_makes_a_folder(tmp_path, args, said):
+    """Issue 70, item 2: ``dataset.path=/nope`` and ``resume=<folder without a checkpoint>``
+    exited 1 after the run started (torch, the threads line), leaving a stub run folder
+    (``.hydra``, ``cli.log``); now one line, exit 2, and nothing new on disk."""
+    _checkpointless_run(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    proc = run_cli("run", "tracker=none", *args, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(tmp_path.rglob("*")) == before  # no run folder, no outputs/<date>
+
+
+def test_every_data_set_names_a_missing_path_before_hydra(tmp_path):
+    """Each dataset option with a ``path`` says what it expected there (its loader's own line),
+    unless it fetches what is missing (``dataset.download=true``) or the path is there."""
+    from fedexp.cli import CONFIG_DIR
+    from fedexp.config.keys import dataset_path_errors
+
+    nope = str(tmp_path / "nope")
+    options = sorted(p.stem for p in (CONF / "dataset").glob("*.yaml"))
+    with_path = [
+        o for o in options if "path" in yaml.safe_load((CONF / "dataset" / f"{o}.yaml").read_text())
+    ]
+    assert {"brats", "luna16", "mnist", "cifar10", "cifar100", "tiny_imagenet", "csv"} <= set(
+        with_path
+    )
+    for option in with_path:
+        (said,) = dataset_path_errors([f"dataset={option}", f"dataset.path={nope}"], CONFIG_DIR)
+        assert said.startswith(f"dataset.path={nope!r}: ") and "not" in said, said
+        assert (
+            dataset_path_errors([f"dataset={option}", f"dataset.path={tmp_path}"], CONFIG_DIR) == []
+        )
+    fetched = ["dataset=mnist", f"dataset.path={nope}", "dataset.download=true"]
+    assert dataset_path_errors(fetched, CONFIG_DIR) == []
+    assert dataset_path_errors([f"dataset.path={nope}"], CONFIG_DIR) == []  # breast_cancer: none
+    assert dataset_path_errors(["+experiment=pfednet_brats"], CONFIG_DIR) == []  # its own path
+    on_slurm = ["dataset=brats", f"dataset.path={nope}", "hydra/launcher=slurm"]
+    assert dataset_path_errors(on_slurm, CONFIG_DIR) == []  # the nodes' to see
+
+
+def test_a_mistyped_group_option_gets_the_closest(tmp_path):
+    """Issue 70, item 4: ``algorithm=fedavgg`` listed the options without the closest one."""
+    proc = run_cli("run", "algorithm=fedavgg", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(
+        "fedexp: error: algorithm=fedavgg: no such option; did you mean fedavg, "
+    ), proc.stderr
+    assert "(expected one of: apfl, ditto, " in proc.stderr
     assert list(tmp_path.iterdir()) == []

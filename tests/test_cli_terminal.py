@@ -218,3 +218,87 @@ def test_help_fits_the_terminal(columns, monkeypatch):
     for name, default in _expected_defaults().items():
         assert re.search(rf"^  {re.escape(name)}={re.escape(default)}\b", out, re.M), name
     assert re.search(r"^  hydra/launcher +parallel slurm$", out, re.M)
+
+
+def test_a_piped_table_is_never_wrapped(capsys):
+    """Issue 70, item 5: piped to a file, rich took 80 columns and a segmentation run's table
+    wrapped its row labels over 2-3 lines; now every row is one line, as wide as it needs."""
+    from types import SimpleNamespace
+
+    from fedexp.cli_output import print_table
+
+    keys = ["iou", "label_iou", "dice", "dice_wt", "dice_tc", "dice_et", "acc", "loss"]
+    per_client = [{"num_test": 10, **dict.fromkeys(keys, 0.5)} for _ in range(3)]
+    metrics = {f"{k}/{s}": 0.5 for k in keys for s in ("mean", "weighted", "worst", "best_mean")}
+    tracker = SimpleNamespace(describe=lambda: "metrics were kept in memory only (tracker=none)")
+    print_table(
+        SimpleNamespace(per_client=per_client, metrics=metrics, output_dir="/r", tracker=tracker)
+    )
+    out = capsys.readouterr().out  # (not a terminal)
+    rows = [ln for ln in out.splitlines() if ln.startswith("│")]
+    assert len(rows) == 3 + 4, out  # no row over several lines
+    for label in ("mean over clients", "weighted by test n", "worst client", "mean of best rounds"):
+        assert any(f"│ {label:>19} │" in row for row in rows), out
+    assert "label_iou" in out and "…" not in out and len(rows[0]) > 80
+
+
+def test_a_stacked_groups_merged_work_keeps_its_info_lines_off_the_terminal():
+    """Issue 70, item 5: a stacked group's merged client work runs on the group's own thread
+    (in a copy of the arriving job's context), whose ``memory:`` INFO lines passed the job's
+    quiet filter (kept to the job's thread) and reached the terminal between the job lines."""
+    import contextvars
+    import io
+    import threading
+
+    stream = io.StringIO()
+    console = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(console)
+    log = logging.getLogger("fedexp")
+    level = log.level
+    log.setLevel(logging.INFO)
+
+    def elsewhere(context: contextvars.Context | None) -> None:
+        def say() -> None:
+            log.info("memory: merged work")
+            log.warning("merged work warns")
+
+        thread = threading.Thread(target=(lambda: context.run(say)) if context else say)
+        thread.start()
+        thread.join()
+
+    try:
+        with job_label("job 0", quiet=True, own_thread=True):
+            log.info("round 1/2 of job 0")
+            elsewhere(contextvars.copy_context())  # as Stack._execute runs the merged work
+        elsewhere(None)  # no job's: the terminal's
+    finally:
+        root.removeHandler(console)
+        log.setLevel(level)
+    lines = stream.getvalue().splitlines()
+    assert lines == ["merged work warns", "memory: merged work", "merged work warns"], lines
+
+
+def test_a_resumed_runs_table_is_replaced_without_a_download(tmp_path, capfd):
+    """Issue 70, item 5: on resume MLflow's ``log_table`` downloaded the run's table (its
+    "Downloading artifacts" bar on the terminal) to append to it: rounds 0..R twice."""
+    import json
+
+    import pandas as pd
+
+    from fedexp.tracking.mlflow_tracker import MLflowTracker
+
+    uri = mlflow_db(tmp_path / "m.db")
+    client = MlflowClient(uri)
+    client.create_experiment("tables", artifact_location=(tmp_path / "artifacts").as_uri())
+    tracker = MLflowTracker(uri, "tables", system_metrics=False)
+    run_id = tracker.start("tabled", {}, {})
+    tracker.log_table([{"round": 0, "acc": 0.5}], "clients_rounds.json")
+    tracker.log_table([{"round": 0, "acc": 0.5}, {"round": 1, "acc": 0.6}], "clients_rounds.json")
+    tracker.end()
+    err = capfd.readouterr().err
+    assert "Downloading artifacts" not in err, err
+    local = client.download_artifacts(run_id, "clients_rounds.json", str(tmp_path))
+    assert pd.read_json(local, orient="split")["round"].tolist() == [0, 1]  # the last, whole
+    logged = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+    assert logged == [{"path": "clients_rounds.json", "type": "table"}]  # the UI's table view

@@ -96,3 +96,40 @@ def test_resuming_2_rounds_to_4_completes_the_runs_own_folder(fedexp_run, tmp_pa
         fedexp_run("rounds=6", "batch_size=16", resume)
     assert refused.value.code == 2 and len(list((run / ".hydra").glob("resume-*"))) == 1
     assert _rounds(run / "rounds.csv") == [0, 1, 2, 3, 4]
+
+
+def test_resume_names_a_checkpoint_or_says_where_none_is(tmp_path):
+    """Issue 70, items 2 and 3: ``resume=`` is checked before Hydra makes a folder, and a run's
+    folder (which holds ``checkpoints/``) stands for its checkpoints."""
+    from fedexp.engine.files import checkpoint
+    from fedexp.engine.files.resume import LAST_CHECKPOINT, resume_target
+    from fedexp.errors import CheckpointError, ConfigError
+
+    assert LAST_CHECKPOINT == checkpoint.FILENAME  # (resume.py imports no torch)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"checkpoints holds no checkpoint \(last\.safetensors"):
+        resume_target(str(run))  # stopped before its first checkpoint
+    (run / "checkpoints" / LAST_CHECKPOINT).touch()
+    assert resume_target(str(run)) == f"{run}/checkpoints"
+    assert resume_target(f"{run}/") == f"{run}/checkpoints"
+    assert resume_target(f"{run}/checkpoints") == f"{run}/checkpoints"
+    assert resume_target(f"{run}/checkpoints/{LAST_CHECKPOINT}").endswith(LAST_CHECKPOINT)
+    with pytest.raises(ConfigError, match=r"^resume=\S+/gone: no such file or folder; expected"):
+        resume_target(str(tmp_path / "gone"))
+    with pytest.raises(ConfigError, match=r"no checkpoint found \(expected \S+/last\.safetensors"):
+        resume_target(str(tmp_path))
+    # the API (runner.run, no CLI): the folder's own message points at its checkpoints/
+    with pytest.raises(CheckpointError, match=rf"holds the run's: resume={run}/checkpoints$"):
+        checkpoint.load(run)
+
+
+def test_a_run_resumed_from_its_folder_continues_there(fedexp_run, tmp_path):
+    """``resume=outputs/<date>/<time>`` said "no checkpoint found" (issue 70, item 3)."""
+    fedexp_run("rounds=2", "checkpoint_every=1", "threads=1")
+    (run,) = (tmp_path / "outputs").glob("*/*")
+    fedexp_run("rounds=3", "checkpoint_every=1", "threads=1", f"resume={run.relative_to(tmp_path)}")
+    assert list((tmp_path / "outputs").glob("*/*")) == [run]  # no second folder
+    assert _rounds(run / "rounds.csv") == [0, 1, 2, 3]
+    (resumed,) = (run / ".hydra").glob("resume-*/overrides.yaml")
+    assert f"resume={run.relative_to(tmp_path)}/checkpoints" in list(OmegaConf.load(resumed))

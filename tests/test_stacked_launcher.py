@@ -92,6 +92,9 @@ def test_a_stacked_sweep_keeps_every_job_a_job(stacked):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sweep done, 4 jobs: 4 ok, 0 failed" in proc.stdout, proc.stdout[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # the terminal gets job lines, warnings and errors: not the merged work's INFO lines
+    # (issue 70, item 5: ``memory: ...`` from the group's own thread)
+    assert "memory:" not in proc.stdout + proc.stderr, proc.stdout[-2000:]
     for n in range(4):
         job = sweep / str(n)
         status = json.loads((job / "fedexp_status.json").read_text())
@@ -102,6 +105,10 @@ def test_a_stacked_sweep_keeps_every_job_a_job(stacked):
         lines = [ln for ln in (job / "cli.log").read_text().splitlines() if "round " in ln]
         assert len(lines) == 3, lines
         assert all(f"[job {n}] round" in ln for ln in lines), lines
+    # the merged work's lines (on its group's own thread) go to the file of the job that
+    # started it: each group's estimate of a client's step
+    logs = [(sweep / str(n) / "cli.log").read_text() for n in range(4)]
+    assert sum(log.count("][INFO] - memory: ") for log in logs) >= 2, logs
     client = MlflowClient(uri)
     experiment = re.search(r"^MLflow experiment: (fedexp/\S+ \S+ \S+) \(parent", proc.stdout, re.M)
     assert experiment, proc.stdout[-2000:]

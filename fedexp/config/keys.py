@@ -14,11 +14,17 @@ failed later with a traceback), a key the run does not have cannot be added (it 
 ``+rouns=3`` ran 50 rounds). Left to Hydra: the nested ``+group.key`` and ``~group.key``,
 ``key@package``, ``hydra.*``, and the group keys of any command line with an experiment file
 (``+experiment=NAME`` may choose other options or add keys).
+
+:func:`dataset_path_errors` refuses a ``dataset.path`` that does not exist (given on the
+command line or the chosen option's default), with the data set's own message, before Hydra
+makes a run folder (the run failed after loading torch, leaving a stub folder behind).
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from functools import cache
@@ -220,3 +226,96 @@ def added_or_removed_errors(args: Sequence[str], conf_dir: str | Path) -> list[s
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             errors.append(f"{word}: no such setting{hint} (fedexp run --help lists them)")
     return errors
+
+
+#: Launchers whose jobs run on this machine (``slurm``'s run on others, which see their own
+#: paths): a data set's path is checked for these only.
+_LOCAL_LAUNCHERS = ("basic", "joblib", "parallel", "stacked")
+
+
+def _unquoted(value: str) -> str:
+    value = value.strip()
+    if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def _missing_data(target: str, path: str) -> str:
+    """The data set's own line for a ``path`` that does not exist (which command makes it).
+
+    A loader's first step is to find its files (``fedexp/data/``): called with a path that
+    does not exist it raises its :class:`~fedexp.errors.DataError` before reading anything.
+    A loader that needs more than its path, or says nothing, gets the plain line.
+    """
+    from fedexp.errors import DataError
+
+    plain = f"dataset.path={path!r}: {Path(path).expanduser()} not found (no such file or folder)"
+    module, _, name = target.rpartition(".")
+    if not module.startswith("fedexp.data."):
+        return plain
+    try:
+        loader = getattr(importlib.import_module(module), name)
+        required = [
+            p.name
+            for p in inspect.signature(loader).parameters.values()
+            if p.default is inspect.Parameter.empty and p.name != "path"
+        ]
+        if not required:
+            loader(path=path)
+    except DataError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - no message of its own: the plain line
+        return plain
+    return plain
+
+
+def dataset_path_errors(args: Sequence[str], conf_dir: str | Path) -> list[str]:
+    """``dataset.path=/nope``: the data set's one line, before Hydra makes a run folder.
+
+    The path is the command line's ``dataset.path``, else the chosen dataset option's default
+    (``prepared/brats`` for ``dataset=brats``); it is refused when it does not exist, unless
+    the data set fetches it (``dataset.download=true``). Its contents are the loader's to
+    check. Left alone: an experiment file (it may set the path), a sweep over datasets or
+    paths, an interpolation, and a run on other machines (``hydra/launcher=slurm``,
+    ``distributed.nodes``: the path is theirs to see).
+
+    Args:
+        args: the command line after ``run``.
+        conf_dir: fedexp's ``conf/`` folder.
+
+    Returns:
+        One message (the loader's, e.g. ``dataset.path='/nope': /nope does not exist; the
+        prepared BraTS arrays are made by ...``), or none.
+    """
+    conf = Path(conf_dir)
+    option = _defaults(conf).get("dataset")
+    given: dict[str, str] = {}
+    for word in args:
+        key, sep, value = word.partition("=")
+        if not sep or word.startswith("-"):
+            continue
+        if key.lstrip("+~") in ("experiment", "distributed.nodes"):
+            return []
+        if key == "hydra/launcher" and value.strip() not in _LOCAL_LAUNCHERS:
+            return []
+        if key == "dataset":
+            option = value.strip()
+        elif key in ("dataset.path", "dataset.download"):
+            given[key] = _unquoted(value)
+    file = conf / "dataset" / f"{option}.yaml"
+    if not option or not file.is_file():
+        return []  # (a sweep over options, or no such option: the group check names it)
+    doc = _load(file)
+    path = given.get("dataset.path", doc.get("path"))
+    download = given.get("dataset.download", doc.get("download", False))
+    if "defaults" in doc or "path" not in doc or not isinstance(doc.get("_target_"), str):
+        return []  # (composed from other files; no path: the unknown-key check names it)
+    if not isinstance(path, str):
+        return []
+    if not path or path in ("???", "null") or any(c in path for c in ",$(") or path[0] == "[":
+        return []  # (unset: the mandatory-value check; a sweep or an interpolation: Hydra's)
+    if str(download).strip().lower() not in ("false", "0", "no", "none", "null"):
+        return []  # (the data set fetches what is missing)
+    if Path(path).expanduser().exists():
+        return []
+    return [_missing_data(doc["_target_"], path)]

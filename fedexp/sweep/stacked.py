@@ -121,23 +121,37 @@ class _Job:
 
 
 class _ThreadFiles(logging.Handler):
-    """The jobs' log files: each record goes to the file of the job whose thread made it."""
+    """The jobs' log files: each record goes to the file of the job whose thread made it.
+
+    The group's merged client work runs on the stack's own thread, in a copy of the context
+    of the job that started it (:data:`job_hydra` set): its records (``memory: ...``) go to
+    that job's file.
+    """
 
     def __init__(self, like: logging.FileHandler | None) -> None:
         super().__init__(like.level if like is not None else logging.NOTSET)
         self.like = like
         self.files: dict[int, logging.FileHandler] = {}
+        self.jobs: dict[int, logging.FileHandler] = {}  # by id of the job's Hydra config
 
-    def add(self, thread: int, path: str) -> None:
-        """Send ``thread``'s records to ``path`` (appended, as Hydra's file handler does)."""
+    def add(self, thread: int, path: str, job: Any = None) -> None:
+        """Send ``thread``'s records to ``path`` (appended, as Hydra's file handler does).
+
+        ``job``: the job's Hydra config (:data:`job_hydra`), whose records from other threads
+        go there too.
+        """
         handler = logging.FileHandler(path)
         if self.like is not None:
             handler.setFormatter(self.like.formatter)
             handler.setLevel(self.like.level)
         self.files[thread] = handler
+        if job is not None:
+            self.jobs[id(job)] = handler
 
     def emit(self, record: logging.LogRecord) -> None:
         handler = self.files.get(record.thread or 0)
+        if handler is None:
+            handler = self.jobs.get(id(job_hydra.get()))
         if handler is not None and self.filter(record):
             handler.handle(record)
 
@@ -482,7 +496,7 @@ def _run_group(
     def body(i: int) -> None:
         job, ret = prepared[i], returns[i]
         if job.log_file:
-            router.add(threading.get_ident(), job.log_file)
+            router.add(threading.get_ident(), job.log_file, job.hc)
         job_hydra.set(job.hc)
         current_member.set(stack.members[i])
         ret.cfg, ret.hydra_cfg = job.task_cfg, job.hydra_cfg

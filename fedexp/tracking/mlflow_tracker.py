@@ -341,15 +341,36 @@ class MLflowTracker(Reaper):
         self._call(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
-        """Log ``rows`` with MLflow's table API (JSON, shown as a table in the run's artifacts).
+        """Log ``rows`` as MLflow's table artifact (JSON, shown as a table in the run's UI).
+
+        Written as MLflow's ``log_table`` writes it (pandas' ``split`` JSON, the run's
+        ``mlflow.loggedArtifacts`` tag naming it a table), but whole: a table the run holds
+        already (a resumed run's) is replaced. MLflow's own call appends to it (a resume
+        held rounds 0..R twice) after downloading it, which drew its "Downloading
+        artifacts" bar on the terminal.
 
         Args:
             rows: one dict a row (the same keys throughout; missing ones are empty cells).
             artifact_file: the artifact's name, ending in ``.json``.
         """
-        import pandas as pd
+        import json
+        import tempfile
 
-        self._call(self.client.log_table, self.run_id, pd.DataFrame(rows), artifact_file)
+        import pandas as pd
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+        name = Path(artifact_file)
+        with tempfile.TemporaryDirectory(prefix="fedexp-table-") as tmp:
+            file = Path(tmp) / name.name
+            pd.DataFrame(rows).to_json(file, orient="split", index=False, date_format="iso")
+            folder = None if str(name.parent) == "." else name.parent.as_posix()
+            self._call(self.client.log_artifact, self.run_id, str(file), folder)
+        run = self._call(self.client.get_run, self.run_id)
+        logged = json.loads(run.data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        entry = {"path": artifact_file, "type": "table"}
+        if entry not in logged:
+            tag = json.dumps([*logged, entry])
+            self._call(self.client.set_tag, self.run_id, MLFLOW_LOGGED_ARTIFACTS, tag)
 
     def log_dataset(self, record: DatasetRecord) -> None:
         """Log the run's data set as an MLflow dataset input (once per content hash).

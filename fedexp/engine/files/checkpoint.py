@@ -265,7 +265,9 @@ def load(
         file = file / FILENAME
     remove_stale_temps(file.parent)
     if not file.is_file():
-        raise CheckpointError(f"resume={path}: no checkpoint found (expected {file})")
+        run = Path(path) / "checkpoints"  # a run's folder: its checkpoints are in there
+        hint = f"; {run}/ holds the run's: resume={run}" if (run / FILENAME).is_file() else ""
+        raise CheckpointError(f"resume={path}: no checkpoint found (expected {file}){hint}")
     try:
         from safetensors import safe_open
 

@@ -15,6 +15,7 @@ a stacked sweep (``hydra/launcher=stacked``) are threads of one process, each a 
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -81,11 +82,20 @@ def _fmt(metrics: dict[str, float]) -> str:
     return " ".join(parts)
 
 
+#: The quiet filter of the sweep job whose work runs in this context (:func:`job_label`). A
+#: stacked group's merged client work runs on the group's own thread, in a copy of the
+#: context of the job that started it: its lines (``memory: ...``) are that job's to hush.
+_quiet_job: contextvars.ContextVar[_Quiet | None] = contextvars.ContextVar(
+    "fedexp_quiet_job", default=None
+)
+
+
 class _Quiet(logging.Filter):
     """Lets warnings and errors through a console handler, not the info lines (rounds).
 
     Args:
-        thread: hush this thread's records only (a stacked sweep's job); None: every record.
+        thread: hush this thread's records only (a stacked sweep's job), and those logged
+            in its context on another thread (its group's merged work); None: every record.
     """
 
     def __init__(self, thread: int | None = None) -> None:
@@ -93,7 +103,8 @@ class _Quiet(logging.Filter):
         self.thread = thread
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.thread is not None and record.thread != self.thread:
+        mine = record.thread == self.thread or _quiet_job.get() is self
+        if self.thread is not None and not mine:
             return True
         return record.levelno >= logging.WARNING
 
@@ -193,9 +204,11 @@ def job_label(
         handler.addFilter(marker)
     for handler in quieted:
         handler.addFilter(hush)
+    token = _quiet_job.set(hush if quieted else None)
     try:
         yield
     finally:
+        _quiet_job.reset(token)
         for handler in handlers:
             handler.removeFilter(marker)
         for handler in quieted:

@@ -2,10 +2,17 @@
 
 :func:`flatten_config` is the resolved config as ``{"algorithm.lam": "0.1", ...}``: the run's
 MLflow params, and the form in which a resume compares its settings with the checkpoint's.
+
+:func:`resume_target` is the checkpoint a ``resume=`` on the command line names, checked
+before Hydra makes a folder: a path that does not exist, or a folder without a checkpoint, is
+refused in one line (exit 2, nothing created); a run's folder (``outputs/<date>/<time>``,
+which holds ``checkpoints/``) stands for its ``checkpoints/``.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -41,6 +48,11 @@ _RESUME_DEFAULTS = {
     "augment": {"_target_": "fedexp.data.augment.NoAugmentation"},
     "server_optimizer": {"_target_": "fedexp.engine.solver.server_optim.ServerSGD"},
 }
+
+#: The checkpoint a folder is resumed from (``checkpoint.FILENAME``; that module imports torch).
+LAST_CHECKPOINT = "last.safetensors"
+#: The folder of a run's checkpoints, in its run folder.
+CHECKPOINTS = "checkpoints"
 
 #: Keys whose change on resume is not recorded (they name where this attempt writes).
 _UNRECORDED = ("resume", "resume_unsealed", "output_dir")
@@ -133,3 +145,43 @@ def _change_tags(changes: list[dict[str, Any]]) -> dict[str, str]:
     Tags, not params: MLflow params cannot change once logged (``lr`` keeps the first value).
     """
     return {f"fedexp.resume.{c['round']}.{c['key']}": f"{c['from']} -> {c['to']}" for c in changes}
+
+
+def resume_target(resume: str) -> str:
+    """The checkpoint ``resume=<resume>`` names, before Hydra makes a run folder.
+
+    A checkpoint file, or a folder holding ``last.safetensors``, is taken as it is (the
+    checkpoint's contents are checked when it is loaded); a run's folder whose
+    ``checkpoints/`` holds one stands for that folder (``resume=outputs/<date>/<time>`` is
+    ``resume=outputs/<date>/<time>/checkpoints``, and the run continues in its folder).
+
+    Args:
+        resume: the value of ``resume=`` on the command line.
+
+    Returns:
+        ``resume``, or ``<resume>/checkpoints`` for a run's folder.
+
+    Raises:
+        ConfigError: the path does not exist, or names a folder without a checkpoint (one
+            line naming it and what was expected).
+    """
+    path = Path(resume).expanduser()
+    if path.is_file() or (path / LAST_CHECKPOINT).is_file():
+        return resume
+    if not path.exists():
+        raise ConfigError(
+            f"resume={resume}: no such file or folder; expected a run's folder "
+            f"(outputs/<date>/<time>), its {CHECKPOINTS}/ or a checkpoint file"
+        )
+    folder = path / CHECKPOINTS
+    if (folder / LAST_CHECKPOINT).is_file():
+        return os.path.join(resume, CHECKPOINTS)
+    if folder.is_dir():
+        raise ConfigError(
+            f"resume={resume}: {folder} holds no checkpoint ({LAST_CHECKPOINT}): the run "
+            "stopped before its first one (checkpoint_every=N writes one every N rounds)"
+        )
+    raise ConfigError(
+        f"resume={resume}: no checkpoint found (expected {path / LAST_CHECKPOINT}, or a run's "
+        f"folder holding {CHECKPOINTS}/{LAST_CHECKPOINT})"
+    )
