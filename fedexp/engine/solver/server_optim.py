@@ -241,8 +241,8 @@ class ServerAdam(_Adaptive):
         return self.beta2 * v + (1 - self.beta2) * g2
 
 
-class ServerYogi(_Adaptive):
-    """FedYogi: v ← v − (1 − β₂) Δ² sign(v − Δ²).
+class ServerYogi(ServerAdam):
+    """FedYogi: v ← v − (1 − β₂) Δ² sign(v − Δ²); FedAdam's settings (``ServerAdam``).
 
     Args:
         lr: η, the server step (the paper's best values: around 10^{-2}).
@@ -253,16 +253,6 @@ class ServerYogi(_Adaptive):
     """
 
     name = "yogi"
-
-    def __init__(
-        self,
-        lr: Positive = 0.01,
-        beta1: OpenFraction = 0.9,
-        beta2: OpenFraction = 0.99,
-        tau: Tau = 1e-3,
-        initial_v: InitialV | None = None,
-    ) -> None:
-        super().__init__(lr, beta1, beta2, tau, initial_v)
 
     def second(self, v: torch.Tensor, g2: torch.Tensor) -> torch.Tensor:
         """Additive: v − (1 − β₂) Δ² sign(v − Δ²)."""
