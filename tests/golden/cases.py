@@ -118,12 +118,14 @@ VARIANTS: list[tuple[str, tuple[str, ...]]] = [
                         "algorithm.weighting=samples", "participation=0.6")),
     ("fednova", ("algorithm=fednova", "local_epochs=1", "optimizer=sgd",
                  "optimizer.momentum=0.9", "algorithm.mu=0.1")),
-    ("moon", ("algorithm=moon", "model=mlp", "model.hidden=8", "algorithm.mu=5",
-              "optimizer=sgd", "optimizer.momentum=0.9")),
+    ("moon", ("algorithm=moon", "model=mlp", "model.hidden=8", "optimizer=sgd",
+              "optimizer.momentum=0.9")),
     ("perfedavg", ("algorithm=perfedavg", "algorithm.alpha=0.05", "optimizer=sgd",
                    "optimizer.momentum=0.9")),
+    # δ = 0.05: HF's finite difference divides rounding by 2δ (at the default 1e-3, kernels of
+    # another float order moved its figures by 1e-5 relative)
     ("perfedavg_hf", ("algorithm=perfedavg_hf", "model=mlp", "model.hidden=8",
-                      "participation=0.6")),
+                      "participation=0.6", "algorithm.delta=0.05")),
     ("fedbabu", ("algorithm=fedbabu", "model=mlp", "model.hidden=8", "participation=0.6")),
     # the server optimisers (FedOpt) on the three kinds of server step: the whole model, the
     # body's coordinates, one model per cluster
