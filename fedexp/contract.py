@@ -17,7 +17,7 @@ Messages cross as bytes (``fedexp.comm``); the hooks only see decoded tensors, s
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -220,21 +220,15 @@ class Senders:
 
     Args:
         clients: the round's senders S_t, ascending, over every process.
-        sizes: ``clients -> [m]`` their training-set sizes (NumPy or a tensor; read only when
+        sizes: every client's training-set size (NumPy or a tensor, ``[N]``; read only when
             :attr:`samples` or :meth:`share` is asked for: no host read otherwise).
         population: N, every client of the run.
     """
 
-    def __init__(
-        self,
-        clients: Sequence[int] = (),
-        sizes: Callable[[list[int]], Any] | None = None,
-        population: int = 0,
-    ) -> None:
+    def __init__(self, clients: Sequence[int] = (), sizes: Any = None, population: int = 0) -> None:
         self.clients = list(clients)
         self.population = population
         self._sizes = sizes
-        self._samples: int | None = None
 
     @property
     def count(self) -> int:
@@ -244,12 +238,9 @@ class Senders:
     @property
     def samples(self) -> int:
         """Σ_{n∈S_t} n_train, the senders' training samples (the "samples" weights' total)."""
-        if self._samples is None:
-            if self._sizes is None or not self.clients:
-                self._samples = 0
-            else:
-                self._samples = int(self._sizes(self.clients).sum())
-        return self._samples
+        if self._sizes is None or not self.clients:
+            return 0
+        return int(self._sizes[list(self.clients)].sum())
 
     def share(self, weighting: str) -> float:
         """The senders' share of the population's aggregation weight, Σ_{n∈S_t} p_n.
@@ -261,8 +252,7 @@ class Senders:
             return 0.0
         if weighting == "uniform" or self._sizes is None:
             return self.count / max(1, self.population)
-        total = int(self._sizes(list(range(self.population))).sum())
-        return self.samples / max(1, total)
+        return self.samples / max(1, int(self._sizes.sum()))
 
     def __repr__(self) -> str:
         return f"Senders(count={self.count}, population={self.population})"

@@ -255,9 +255,8 @@ class Engine(Transport, Evaluation):
         up.weights = self._weights(up.updates)
         for stage in self.stages:  # re-clip, server noise, the accountant
             up = stage.server(t, who, up)
-        self.ctx.senders = Senders(
-            who.sampled, self._train_sizes, self.ctx.num_clients
-        )  # whatever the slices
+        # the senders over every slice and process (a "mean" server may get one summed upload)
+        self.ctx.senders = Senders(who.sampled, self._host_sizes(), self.ctx.num_clients)
         self.server = self.algorithm.server_update(self.ctx, self.server, up.updates, up.weights)
         self.round = t + 1
         return self._record(who, up, started)
@@ -462,11 +461,16 @@ class Engine(Transport, Evaluation):
             return StackedUpdates(sampled, torch.stack([updates[n] for n in sampled])), sums
         return updates, sums
 
-    def _train_sizes(self, clients: list[int]) -> Any:
-        """The training-set sizes of ``clients`` on the host (NumPy; no tensor op)."""
+    def _host_sizes(self) -> np.ndarray:
+        """Every client's training-set size on the host (NumPy int64 [N]; no tensor op).
+
+        A plain array, not a method of the engine: ``ctx.senders`` holds it, and a context
+        that held the engine would keep it alive in a cycle (a disk store's scratch folder
+        then outlived its run).
+        """
         if self.pool is not None:
-            return self.pool.sizes[np.asarray(clients, dtype=np.int64)]
-        return np.asarray([self.clients[n].num_train for n in clients], dtype=np.int64)
+            return self.pool.sizes
+        return np.asarray([c.num_train for c in self.clients], dtype=np.int64)
 
     def _weights(self, senders: Iterable[int]) -> dict[int, float]:
         """The aggregation weights ω_n of ``senders`` (ids, or the received uploads' keys)."""
