@@ -70,7 +70,13 @@ def recorded() -> dict:
     return json.loads(metrics_path().read_text())
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+def _case(name: str):  # noqa: ANN202 - pytest's ParameterSet
+    """A case; the derived ``<alg>-momentum`` ones run with the slow suite (``make test`` stays
+    short; CI runs both)."""
+    return pytest.param(name, marks=[pytest.mark.slow] if name.endswith("-momentum") else [])
+
+
+@pytest.mark.parametrize("name", [_case(n) for n in sorted(CASES)])
 def test_reproduces_the_recording(name, recorded, tmp_path):
     from safetensors.torch import load_file
 

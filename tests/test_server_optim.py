@@ -219,6 +219,7 @@ def test_the_moments_live_in_the_server_state_across_rounds(overrides, key):
     assert torch.isfinite(engine.server[key]).all()
 
 
+@pytest.mark.slow
 def test_resume_continues_the_moments_exactly(tmp_path):
     cfg = compose_config(
         *FAST, "rounds=5", "checkpoint_every=1", "server_optimizer=yogi", "participation=0.6",
@@ -270,6 +271,7 @@ def test_an_adaptive_optimiser_is_refused_without_a_global_model(option):
     check_groups(compose_config(*FAST, f"algorithm={option}"))  # sgd: the method's own server
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_it_in_one_line_with_exit_2(tmp_path):
     proc = run_cli("run", *FAST, "algorithm=local", "server_optimizer=adam", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
