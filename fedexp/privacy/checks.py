@@ -17,7 +17,8 @@ def check_privacy(cfg: DictConfig) -> None:
     Builds the mechanism as the run will (without ``target_epsilon``'s calibration, which
     only fails for targets no noise reaches, and is checked when the run is built): adaptive
     clipping on a server that reads each upload, an adaptive count noise too small for the
-    total multiplier, noise that drowns every update (:data:`~fedexp.privacy.uplink.DROWNING`).
+    total multiplier, noise that drowns every update (:data:`~fedexp.privacy.uplink.DROWNING`),
+    a ``privacy.part_clip`` that does not name the algorithm's upload parts.
     ``privacy.clip=inf`` with noise is refused by the settings themselves.
 
     Raises:
@@ -40,6 +41,17 @@ def check_privacy(cfg: DictConfig) -> None:
             float(cfg.participation),
             int(cfg.rounds),
             int(cfg.seed),
+            algorithm=_name(cfg, algorithm),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _name(cfg: DictConfig, algorithm: object) -> str | None:
+    """The algorithm as the run names it: its config option (``scaffold``), else its class."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.choices["algorithm"])
+    except Exception:  # noqa: BLE001 - no Hydra run (the API, tests): the class's name
+        return getattr(algorithm, "__name__", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fedexp.config.ranges import Fraction, NonNegative, Range
+from fedexp.privacy.clipping import check_shares
 
 MODES = ("none", "central", "local")
 SAMPLINGS = ("poisson", "fixed")
@@ -48,6 +49,12 @@ class Privacy:
         clip_lr: η_C of the geometric update C ← C·exp(−η_C (b̄ − γ)).
         count_stddev: σ_b, the noise on the count of unclipped updates (null: the paper's
             expected cohort size / 20, or z where that is more).
+        part_clip: null (the default): all parts of an upload clipped together to C; or a share
+            s_p of C² for each of the algorithm's upload parts (``{dy: 0.8, dc: 0.2}`` for
+            SCAFFOLD): part p is clipped to C·√s_p. The shares must be positive and sum to 1,
+            so that a whole upload stays within C and ε is that of joint clipping
+            (:mod:`fedexp.privacy.clipping`); the names are checked against the algorithm's
+            upload parts before round 0.
     """
 
     def __init__(
@@ -63,6 +70,7 @@ class Privacy:
         target_quantile: Fraction = 0.5,
         clip_lr: Annotated[float, Range(gt=0)] = 0.2,
         count_stddev: Annotated[float | None, Range(gt=0)] = None,
+        part_clip: dict[str, float] | None = None,
     ) -> None:
         for key, value, allowed in (
             ("mode", mode, MODES),
@@ -94,6 +102,7 @@ class Privacy:
         self.adaptive, self.target_quantile = adaptive, float(target_quantile)
         self.clip_lr = float(clip_lr)
         self.count_stddev = None if count_stddev is None else float(count_stddev)
+        self.part_clip = None if part_clip is None else check_shares(part_clip)
 
     @property
     def enabled(self) -> bool:

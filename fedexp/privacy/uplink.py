@@ -3,12 +3,13 @@
 The order is fixed (docs/privacy.md):
 
 1. client: its upload, all parts together, clipped to L2 norm C (a "model" part: its change
-   from the model the client received this round); with ``mode=local`` the client adds
-   N(0, z²C²) to each coordinate;
+   from the model the client received this round), or with ``privacy.part_clip`` each part p
+   to C·√s_p, jointly still within C (:mod:`fedexp.privacy.clipping`); with ``mode=local``
+   the client adds N(0, z²C²) to each coordinate;
 2. the codec compresses what 1 produced, and the wire carries it;
-3. server (``mode=central``): what it decoded is clipped again when the uplink is lossy (error
-   feedback can send more than C), then noised. If the algorithm's server reads the uploads
-   only through their weighted mean (``Algorithm.server_reads == "mean"``), one draw of
+3. server (``mode=central``): what it decoded is clipped again, as in 1, when the uplink is
+   lossy (error feedback can send more than C), then noised. If the algorithm's server reads
+   the uploads only through their weighted mean (``Algorithm.server_reads == "mean"``), one draw of
    N(0, z²C²) is added to their sum, divided by the expected cohort size E (DP-FedAvg,
    McMahan et al. 2018), also when a Poisson cohort is empty (:meth:`PrivateUplink.empty_release`);
    otherwise every upload gets its own draw, and the run is accounted as local DP.
@@ -30,12 +31,11 @@ import torch
 
 from fedexp.contract import Message, Stacked, parts_updates, update_parts
 from fedexp.engine import rng
+from fedexp.privacy.clipping import clipping_of
 from fedexp.privacy.mechanisms import (
     adaptive_clip,
     add_gaussian_rows,
-    clip_factors,
     gaussian,
-    joint_norms,
     update_noise_multiplier,
 )
 from fedexp.privacy.settings import Privacy
@@ -96,6 +96,11 @@ class PrivateUplink:
         seed: the run's seed (the noise streams' root).
         sketch: the algorithm sends a summary of each client's data before round 0
             (pFedNet's similarity sketch), which this mechanism does not cover.
+        algorithm: the algorithm's name, for the messages of a ``part_clip`` that does not
+            name its upload parts.
+
+    Raises:
+        ValueError: settings the algorithm or the run cannot meet, in one line.
     """
 
     def __init__(
@@ -108,8 +113,11 @@ class PrivateUplink:
         rounds: int,
         seed: int,
         sketch: bool = False,
+        algorithm: str | None = None,
     ) -> None:
         self.settings, self.kinds, self.seed = settings, kinds, seed
+        #: all parts together to C, or each to its share (``privacy.part_clip``)
+        self.clipping = clipping_of(settings.part_clip, kinds, algorithm)
         self.num_clients, self.rate, self.rounds = num_clients, participation, rounds
         self.summed = settings.mode == "central" and server_reads == "mean"
         if settings.adaptive and not self.summed:
@@ -281,27 +289,26 @@ class PrivateUplink:
     ) -> tuple[Stacked, dict[str, float]]:
         """Step 1: every upload clipped (and, for local DP, noised) before the codec.
 
-        Returns the uploads and their counts: how many, and how many were within C (the
-        clients' bits of adaptive clipping), summed over the ranks by the engine and passed
-        to :meth:`end_round`.
+        Returns the uploads and their counts: how many, and how many were left whole (the
+        clients' bits of adaptive clipping; with ``part_clip``, also how many of each part),
+        summed over the ranks by the engine and passed to :meth:`end_round`.
         """
         parts = _parts(uploads)
         changes = self._changes(parts, refs)
         if not changes:
             return uploads, {}
-        norms = joint_norms(list(changes.values()))
-        factors = clip_factors(norms, self.clip)
-        # whether any upload is clipped, and how many are within C: one read of both
-        flags = torch.stack([(factors < 1).any(), (norms <= self.clip).sum()])
-        any_clipped, unclipped = flags.to(torch.float64).tolist()
+        clip = self.clipping.clip(changes, self.clip)
+        # whether any upload is clipped, and how many are within C: one read of all
+        any_clipped, unclipped, *each = clip.flags.to(torch.float64).tolist()
         clipped = bool(any_clipped)
         counts = {"privacy/uploads": float(len(clients)), "privacy/unclipped": unclipped}
+        counts.update(zip(clip.keys, each, strict=True))
         noisy = self.settings.mode == "local" and self.noise_multiplier > 0
         if not (clipped or noisy):
             return uploads, counts
         std = self.noise_multiplier * self.clip
         for name, v in changes.items():
-            v = v * factors.to(v)[:, None] if clipped else v.clone()
+            v = v * clip.factors[name].to(v)[:, None] if clipped else v.clone()
             if noisy:  # all the cohort's rows at once, each row from its client's stream
                 keys = _noise_keys(self.seed, rng.PRIVACY_CLIENT, round_, clients, name)
                 add_gaussian_rows(v, keys, std)
@@ -328,8 +335,8 @@ class PrivateUplink:
         if not changes:
             return updates, weights, metrics
         if lossy:  # the codec may have sent more than C (error feedback): clip what arrived
-            factors = clip_factors(joint_norms(list(changes.values())), self.clip)
-            changes = {k: v * factors.to(v)[:, None] for k, v in changes.items()}
+            factors = self.clipping.factors(changes, self.clip)
+            changes = {k: v * factors[k].to(v)[:, None] for k, v in changes.items()}
         z = self.update_multiplier
         scale = m / self.expected if self.summed else 1.0
         if z == 0 and scale == 1 and not lossy:
@@ -403,7 +410,10 @@ class PrivateUplink:
         count = len(clients)
         out = {}
         if counts.get("privacy/uploads"):
-            out["privacy/clipped"] = 1 - counts["privacy/unclipped"] / counts["privacy/uploads"]
+            for key, whole in counts.items():  # the uploads, then each part (part_clip)
+                if key.startswith("privacy/unclipped"):
+                    name = key.replace("privacy/unclipped", "privacy/clipped", 1)
+                    out[name] = 1 - whole / counts["privacy/uploads"]
         if uploaded and clients:
             self.participations[torch.tensor(clients, dtype=torch.int64)] += 1
         if count > 0 and not uploaded:
@@ -455,6 +465,8 @@ class PrivateUplink:
             f"z={self.noise_multiplier:.4g} on {where}, {s.sampling} sampling, δ={s.delta:g}, "
             f"ε by {self.plan().accountant.upper()}"
         )
+        if self.clipping.describe():
+            text += f"; clipped per part: {self.clipping.describe()}"
         if self.unprotected:
             text += f"; not covered: {', '.join(self.unprotected)}"
         return text
