@@ -358,11 +358,13 @@ def join(cfg: DictConfig, hc: DictConfig, place: Place) -> Ranks:
     import torch.distributed as dist
     from omegaconf import open_dict
 
-    from fedexp.engine.processes.ranks import init_from_env
+    from fedexp.engine.processes.ranks import init_from_env, keep_on_loopback
 
     if int(cfg.get("threads") or 0) <= 0:
         _threads(place)
     _device(cfg, place)
+    if place.nodes == 1:  # one machine: gloo's sockets on loopback (the user's choice kept)
+        keep_on_loopback()
     ranks = init_from_env(str(cfg.distributed.get("backend", "auto")))
     if ranks is None:
         raise ConfigError(f"WORLD_SIZE={place.size}: no process group could be joined")
@@ -399,17 +401,20 @@ def _leave(clean: bool) -> None:
         dist.destroy_process_group()
 
 
-def _follow(cfg: DictConfig, place: Place, single: bool) -> bool:
+def _follow(cfg: DictConfig, hc: DictConfig, place: Place, single: bool) -> bool:
     """Rank ≥ 1: the run with no tracker, no progress, no files; its errors as one line.
 
     A refused setting is rank 0's to name (every rank has the same); a collective that fails
-    because another rank left says so in one line, not a traceback.
+    because another rank left says so in one line, not a traceback: once a node, with the
+    command that resumes the run (:func:`fedexp.cli_group_lost.lost_line`).
 
     Returns:
         Whether the run finished (a failed sweep job's task returns; a single run exits).
     """
     from omegaconf import open_dict
 
+    from fedexp.cli_group_lost import lost_line
+    from fedexp.engine.processes.launch import GroupLost
     from fedexp.engine.processes.ranks import peer_left
     from fedexp.engine.runner import run
     from fedexp.tracking.base import NullTracker
@@ -418,6 +423,11 @@ def _follow(cfg: DictConfig, place: Place, single: bool) -> bool:
         cfg.progress = "none"
     try:
         run(cfg, tracker=NullTracker())
+    except GroupLost as exc:  # one line a surviving node, with the command that resumes
+        say_once(f"fedexp: {lost_line(exc, cfg, _task(hc), place)}")
+        if single:
+            sys.exit(1)
+        return False
     except (FedexpError, RuntimeError) as exc:
         if not isinstance(exc, FedexpError) and not peer_left(exc):
             raise  # a bug: its traceback
@@ -433,6 +443,31 @@ def _follow(cfg: DictConfig, place: Place, single: bool) -> bool:
 
 
 _PEER_LEFT = "stopped: another process of the run left the group (its error says why)"
+
+
+def _task(hc: DictConfig) -> list[str]:
+    """The command line's overrides, without those a follower adds (:data:`FOLLOWER_OVERRIDES`)."""
+    return [str(o) for o in hc.overrides.task if str(o) not in FOLLOWER_OVERRIDES]
+
+
+def _lead(
+    job: Callable[[DictConfig, DictConfig], float],
+    cfg: DictConfig,
+    hc: DictConfig,
+    place: Place,
+    single: bool,
+) -> float:
+    """Rank 0: ``job``; a process of the group that left is one line (``lost_line``)."""
+    from fedexp.cli_group_lost import lost_line
+    from fedexp.engine.processes.launch import GroupLost
+
+    try:
+        return job(cfg, hc)
+    except GroupLost as exc:
+        say_once(f"fedexp: {lost_line(exc, cfg, _task(hc), place)}")
+        if single:
+            sys.exit(1)
+        return math.nan
 
 
 def group_job(
@@ -472,10 +507,10 @@ def group_job(
     clean = False
     try:
         if place.leader:
-            value = job(cfg, hc)
+            value = _lead(job, cfg, hc, place, single)
             clean = single or not math.isnan(value)  # a failed sweep job returns NaN
             return value
-        clean = _follow(cfg, place, single)
+        clean = _follow(cfg, hc, place, single)
         return math.nan
     finally:
         _leave(clean)

@@ -3,7 +3,9 @@
 The process the user started becomes rank 0 (it keeps the tracker, the progress display and
 the run's files); it starts ranks 1 … P−1 with :mod:`torch.multiprocessing` (spawn), each with
 the same resolved config, and they join one torch.distributed process group over a local TCP
-port. What each rank runs: :mod:`fedexp.engine.processes.ranks`.
+port. What each rank runs: :mod:`fedexp.engine.processes.ranks`. Every socket of the run
+listens on loopback alone: the group's store (torch's, with no authentication, would listen on
+every interface) and gloo's (:func:`_join`).
 
 When a rank ends while the others still need it (SIGKILL, the OOM killer, a crash), the
 survivors' collectives fail with gloo's "Connection reset by peer"; the run then ends with
@@ -42,7 +44,14 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fedexp.engine.clients.states import reap_scratch, remove_scratch
-from fedexp.engine.processes.ranks import TIMEOUT, Ranks, peer_left
+from fedexp.engine.processes.ranks import (
+    TIMEOUT,
+    Ranks,
+    keep_on_loopback,
+    listen,
+    make_store,
+    peer_left,
+)
 from fedexp.errors import FedexpError, RankDied
 
 if TYPE_CHECKING:
@@ -73,7 +82,20 @@ class _PeerLost(Exception):
         self.where = where
 
 
+class GroupLost(RuntimeError):
+    """In a group started from outside (torchrun, a SLURM job): a process of it left, ``where``.
+
+    Not a :class:`~fedexp.errors.FedexpError`: the CLI's group code says it
+    (:mod:`fedexp.cli_distributed`), with the command that resumes the whole group.
+    """
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"a process of the group stopped {where}")
+        self.where = where
+
+
 def _free_port() -> int:
+    """A free port of 127.0.0.1 (tests; a run binds its store's socket itself)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -91,13 +113,20 @@ def _threads(size: int) -> None:
     torch.set_num_threads(max(1, (cores or 1) // size))
 
 
-def _join(rank: int, size: int, port: int, backend: str) -> Ranks:
+def _join(
+    rank: int, size: int, port: int, backend: str, listener: socket.socket | None = None
+) -> Ranks:
+    """Join the group of ``size`` ranks on this machine, every socket on loopback.
+
+    The group's store on ``127.0.0.1:port`` alone (rank 0 serves it through ``listener``,
+    bound already, else binds the port: :func:`~fedexp.engine.processes.ranks.make_store`),
+    and the backend's own sockets on the loopback interface
+    (:func:`~fedexp.engine.processes.ranks.keep_on_loopback`).
+    """
+    keep_on_loopback()
+    store = make_store(rank, size, "127.0.0.1", port, listener)
     dist.init_process_group(
-        _backend(backend),
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=TIMEOUT,
+        _backend(backend), store=store, rank=rank, world_size=size, timeout=TIMEOUT
     )
     ranks = Ranks.current()
     assert ranks is not None
@@ -299,12 +328,19 @@ def lost(exc: BaseException, procs: list[Any], engine: Engine | None) -> BaseExc
     as :class:`~fedexp.errors.RankDied` (``rank 1 died (signal 9, SIGKILL) in round 17``),
     once it has ended (at most :data:`_END_WAIT_S` seconds); its scratch folder is removed.
     On a started rank: :class:`_PeerLost` with where the run was (:func:`rank_main` says it if
-    rank 0 is the one that died). None otherwise: the error stands as it is.
+    rank 0 is the one that died); in a group started from outside: :class:`GroupLost`, once
+    the scratch folders of this machine's killed ranks are removed. None otherwise: the error
+    stands as it is.
     """
     if not peer_left(exc):
         return None
     if not procs:
-        return _PeerLost(_where(engine)) if _started_rank is not None else None
+        if _started_rank is not None:
+            return _PeerLost(_where(engine))
+        if not dist.is_initialized():
+            return None
+        reap_scratch()  # a rank of this machine that was killed: its store=disk folder
+        return GroupLost(_where(engine))
     ready = wait([p.sentinel for p in procs], timeout=_END_WAIT_S)
     ended = []
     for rank, p in enumerate(procs, start=1):
@@ -381,7 +417,8 @@ def start(cfg: DictConfig, output_dir: str, entry: Callable[..., None]) -> tuple
         child.progress = "none"
     config = _OVERRIDES + json.dumps(_command_overrides()) + "\n"
     config += OmegaConf.to_yaml(child, resolve=True)
-    port = _free_port()
+    listener = listen("127.0.0.1")  # the group's store: bound before the ranks look for it
+    port = int(listener.getsockname()[1])
     context = mp.get_context("spawn")
     procs = [
         context.Process(target=entry, args=(r, size, port, config, backend), daemon=True)
@@ -393,8 +430,9 @@ def start(cfg: DictConfig, output_dir: str, entry: Callable[..., None]) -> tuple
     if not cfg.get("threads"):
         _threads(size)
     try:
-        ranks = _join(0, size, port, backend)
+        ranks = _join(0, size, port, backend, listener)
     except BaseException:
+        listener.close()  # (unless the store took it)
         stop(procs, failed=True)
         raise
     log.info("distributed: %d processes (%s)", size, dist.get_backend())

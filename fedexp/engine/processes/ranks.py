@@ -16,8 +16,10 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -199,6 +201,73 @@ def add_floats(records: Sequence[dict[str, float]]) -> dict[str, float]:
         for k, v in record.items():
             total[k] = total.get(k, 0.0) + v
     return total
+
+
+#: ``IFF_LOOPBACK`` of ``/sys/class/net/<interface>/flags`` (Linux's ``<net/if.h>``).
+_IFF_LOOPBACK = 0x8
+
+
+def loopback_interface() -> str | None:
+    """This machine's loopback interface (``lo``; ``lo0`` on macOS), or None if none is found."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        try:
+            if int(Path(f"/sys/class/net/{name}/flags").read_text(), 16) & _IFF_LOOPBACK:
+                return name
+        except (OSError, ValueError):
+            continue
+    return next((n for n in names if n in ("lo", "lo0")), None)
+
+
+def keep_on_loopback() -> None:
+    """The collectives' own sockets on the loopback interface, unless the user named one.
+
+    gloo listens on the address this machine's host name resolves to (often a network
+    interface's) and NCCL's bootstrap on the first network interface it finds; on one machine
+    the ranks reach each other through loopback alone. ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` the user set are kept (a run over several machines names the
+    interface its nodes share).
+    """
+    name = loopback_interface()
+    if name is None:
+        return
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, name)
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host``'s address alone (its first), on ``port`` (0: any)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    return socket.create_server(address[:2], family=family)
+
+
+def make_store(
+    rank: int, size: int, host: str, port: int, listener: socket.socket | None = None
+) -> dist.TCPStore:
+    """The group's key-value store (no authentication): rank 0 serves it on ``host`` alone.
+
+    torch's ``TCPStore`` server listens on every interface (its libuv daemon binds ``::``)
+    whatever host it is given, so that anyone who reaches the machine could read and write
+    the group's keys while the run lasts. Rank 0 therefore binds ``host:port`` itself
+    (``listener``, else :func:`listen`) and hands the socket to the store
+    (``master_listen_fd``); the others connect to ``host:port``.
+    """
+    if rank != 0:
+        return dist.TCPStore(host, port, size, is_master=False, timeout=TIMEOUT)
+    fd = (listener or listen(host, port)).detach()  # (the store owns the socket from now)
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            size,
+            is_master=True,
+            timeout=TIMEOUT,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def init_from_env(backend: str = "auto") -> Ranks | None:
