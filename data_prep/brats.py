@@ -93,6 +93,7 @@ from data_prep.common import (
     write_skipped,
     write_stacked,
 )
+from data_prep.sizes import check_brats, check_room
 from fedexp.errors import DataError
 
 PATCH = 64
@@ -687,12 +688,14 @@ def find_sites_file(given: Path, root: Path, base: Path) -> Path:
     Raises:
         SystemExit: If no such file exists.
     """
-    for path in (given, root / given, base / given):
+    tried = {path.absolute(): path for path in (base / given, root / given, given)}
+    for path in reversed(tried.values()):
         if path.is_file():
             return path
+    where = ", ".join(str(p) for p in reversed(tried))  # each place once (root may be base)
     raise SystemExit(
-        f"error: --sites {given}: file not found (also tried {root / given} and {base / given}); "
-        "expected a FeTS partitioning CSV such as partitioning_1.csv"
+        f"error: --sites {given}: file not found (looked for {where}); expected a FeTS "
+        "partitioning CSV such as partitioning_1.csv"
     )
 
 
@@ -888,9 +891,13 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
         sites = read_sites(sites_path)
         check_sites(cases, sites, sites_path)
     msd_order = msd_channel_order(base) if layout == "msd" else (0, 1, 2, 3)
+    console = console_for(options.quiet)
+    # the patch against the volumes, the output against the disk and memory (headers only)
+    say = lambda line: console.print(line, highlight=False, soft_wrap=True)  # noqa: E731
+    given = options.patch is not None
+    check_brats([c.seg for c in cases], dims, patch, given, options.labels, Path(out), say)
     out = prepare_out(Path(out), root, OUTPUT_NAMES)
     cleanup_partials(out)
-    console = console_for(options.quiet)
     log = RunLog()
     cache = StudyCache(
         out,
@@ -911,6 +918,9 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
         if dims == 3:
             what = f"the {len(done)} usable patients in {base} have no brain voxel, so no crop"
         raise nothing_usable(out, log, what)
+    if dims == 2:  # the patches' count is known now: the output against the disk
+        size = len(manifest) * (16 + (1 if options.labels == "whole" else 3)) * patch**2
+        check_room(f"--patch {patch}", size, "images.npy and masks.npy", 0, "", out)
     _write_outputs(out, done, cache, manifest, options.labels, (dims, patch))
     summary = _summary(root, base, layout, options, cases, manifest, log, (dims, patch))
     summary.update(_site_summary(sites_path, sites, manifest))

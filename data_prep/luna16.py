@@ -70,6 +70,7 @@ from data_prep.common import (
     write_stacked,
 )
 from data_prep.mhd import mhd_problem
+from data_prep.sizes import check_luna
 from fedexp.errors import DataError
 
 PATCH = 32
@@ -543,6 +544,11 @@ def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[s
         raise nothing_usable(out, log, what)
     wanted = subsample_negatives(candidates.loc[on_disk], options.delta, options.seed)
     groups = {uid: rows for uid, rows in wanted.groupby("seriesuid", sort=True)}
+    say = lambda line: console.print(line, highlight=False, soft_wrap=True)  # noqa: E731
+    counts = {uid: len(rows) for uid, rows in groups.items()}
+    check_luna(
+        volumes, counts, dims, patch, options.patch is not None, out, say
+    )  # headers only, before any patch
     params = {"dataset": "luna16", "window": list(options.window)}
     cache = StudyCache(out, {**params, **geometry_params(dims, patch, PATCH)})
     rows = _process_studies(groups, volumes, cache, options, log, console, root, (dims, patch))

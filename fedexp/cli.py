@@ -153,6 +153,10 @@ def _checked(cfg: DictConfig) -> None:
 
     check_groups(cfg)
     check_place(cfg)  # distributed.* against torchrun's or the SLURM job's processes
+    if cfg.get("resume"):  # refused before a line reaches the resumed run's cli.log
+        from fedexp.engine.files.resume import check_resume_early
+
+        check_resume_early(cfg)
 
 
 def _prepare(cfg: DictConfig, hc: DictConfig) -> dict[str, str]:
@@ -191,11 +195,12 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
         _discard_folder(hc)
         sys.exit(USAGE)
     from fedexp.engine.runner import run
+    from fedexp.engine.threads import round_callbacks
 
     tags = _prepare(cfg, hc)
     previous = _sigterm_as_exception()
-    try:
-        result = run(cfg, run_name=_run_name(cfg, hc), tags=tags)
+    try:  # (round_callbacks: threads that follow the load, fedexp.engine.threads)
+        result = run(cfg, run_name=_run_name(cfg, hc), tags=tags, callbacks=round_callbacks())
     except (FedexpError, KeyboardInterrupt) as exc:
         line = f"fedexp: {describe_stop(exc, cfg, hc)}"
         if isinstance(exc, ConfigError):  # every rank of a group meets it: one says it
@@ -334,9 +339,11 @@ def _sweep_job_run(
     previous = _sigterm_as_exception()
     try:
         from fedexp.engine.runner import run
+        from fedexp.engine.threads import round_callbacks
 
         tracker = instantiate_checked(cfg.tracker, "tracker")
-        result = run(cfg, tracker=tracker, run_name=status.name, tags=tags)
+        rounds = round_callbacks()  # threads that follow the load (a sequential sweep's job)
+        result = run(cfg, tracker=tracker, run_name=status.name, tags=tags, callbacks=rounds)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM stops the whole sweep
         fail("interrupted", describe_stop(exc, cfg, hc))
         status.status = "killed"
@@ -631,6 +638,11 @@ def main() -> None:
         _refuse("; ".join(sweeps))
     sys.argv = [sys.argv[0], *hydra_args]
     _early_helper(hydra_args)
+    from fedexp.config.instantiate import note_given_dir
+
+    for arg in hydra_args:  # a refused run removes the folder it named, if this made it
+        if arg.startswith("hydra.run.dir=") and "-m" not in hydra_args:
+            note_given_dir(arg.split("=", 1)[1])
     sweep = sys.modules.get("fedexp.sweep")
     if sweep is not None:  # the exit code is this command's: an earlier sweep's summary is not
         sweep.last = None

@@ -14,7 +14,13 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedexp.errors import CheckpointError, DivergenceError, RankDied, Terminated
+from fedexp.errors import (
+    CheckpointError,
+    ConfigError,
+    DivergenceError,
+    RankDied,
+    Terminated,
+)
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -85,8 +91,10 @@ def describe_stop(exc: BaseException, cfg: DictConfig, hc: DictConfig) -> str:
         text = "terminated (SIGTERM)"
     if isinstance(exc, RankDied):  # "rank 1 died (signal 9, SIGKILL) in round 17"
         text = str(exc)
-    if isinstance(exc, CheckpointError):
-        return text  # the checkpoint itself is unusable: no resume hint
+    if isinstance(exc, CheckpointError | ConfigError):
+        # the checkpoint itself is unusable, or the command's setting was refused (the line
+        # says which to change): no resume hint, which would be the refused command itself
+        return text
     # resume= names a checkpoints folder or a file in one (last.safetensors, good.safetensors)
     path = Path(cfg.resume) if cfg.resume else Path(cfg.output_dir) / "checkpoints"
     is_file = path.suffix == ".safetensors" and not path.is_dir()

@@ -12,7 +12,10 @@ is one of:
 - ``wrong refusal``: a legitimate input refused.
 
 Besides, every refused case is checked to have left no MLflow run behind (each case gets its
-own working folder and the default MLflow store in it).
+own working folder and the default MLflow store in it), nor the path its ``absent`` names
+(``run left behind``); a case's ``unsaid`` words in its line make it ``unclear``. A case runs
+``fedexp`` or, with ``program``, a module (``python -m data_prep.brats``: its refusals are
+one ``error:`` line).
 
 Usage::
 
@@ -45,8 +48,15 @@ class Case:
 
     args: list[str]
     bad: bool = True
-    #: a file to create first: "csv", "csv_nolabel", "file", "mnist_empty", "run_no_checkpoint"
+    #: a file to create first: "csv", "csv_nolabel", "file", "mnist_empty", "run_no_checkpoint",
+    #: "brats_raw", "luna_raw" (synthetic releases), "dp_run" (a DP run's folder, ``run``)
     setup: str = ""
+    #: the program: ``fedexp``, or a module run with ``python -m`` (``data_prep.brats``)
+    program: str = "fedexp"
+    #: a path (in the case's folder) a refusal must not leave behind
+    absent: str = ""
+    #: words the refusal's line must not hold (e.g. a resume command for a refused resume)
+    unsaid: str = ""
 
 
 def _run_cases() -> list[Case]:
@@ -201,6 +211,26 @@ def _run_cases() -> list[Case]:
         ["report", "--experiment", "nope", "--reach", "0.9", "--best"],
     ]
     cases += [Case(r, setup="file" if "afile" in r[-1] else "") for r in report]
+    # issue 70, item 11: one line, nothing left, no resume command for a refused resume
+    cases += [
+        Case(["report", "--reach", "acc/mean=2"]),
+        Case(["report"]),
+        Case(["run", *FAST, "algorithm=pfednet", "algorithm.k=50", "num_clients=10",
+              "hydra.run.dir=given/run"], absent="given"),
+        Case(["run", *FAST, "privacy=none", "resume=run"], setup="dp_run",
+             unsaid="checkpoint kept"),
+    ]  # fmt: skip
+    # issue 70, item 7: sizes no volume can hold, a --sites file that is not there
+    brats, luna = ["--root", "raw", "--out", "out"], ["--root", "raw", "--out", "out"]
+    cases += [
+        Case([*brats, "--patch", "998"], setup="brats_raw", program="data_prep.brats"),
+        Case([*brats, "--patch", "998", "--dims", "3"], setup="brats_raw",
+             program="data_prep.brats", absent="out"),
+        Case([*brats, "--sites", "nosuch.csv"], setup="brats_raw", program="data_prep.brats"),
+        Case([*luna, "--patch", "998"], setup="luna_raw", program="data_prep.luna16"),
+        Case([*brats, "--dims", "3", "--patch", "16"], bad=False, setup="brats_raw",
+             program="data_prep.brats"),
+    ]  # fmt: skip
     cases += [Case(["run", *FAST, *g], bad=False) for g in good]
     return cases
 
@@ -214,6 +244,19 @@ def _setup(kind: str, cwd: Path) -> None:
         (cwd / "mnist").mkdir()
     elif kind == "run_no_checkpoint":  # a run stopped before its first checkpoint
         (cwd / "outputs" / "run" / "checkpoints").mkdir(parents=True)
+    elif kind in ("brats_raw", "luna_raw"):  # synthetic releases (80x80x24, 48x48x40 volumes)
+        from data_prep import synthetic
+
+        if kind == "brats_raw":
+            synthetic.write_brats(cwd / "raw", "brats2021", n_studies=2, seed=5)
+        else:
+            synthetic.write_luna16(cwd / "raw", n_studies=2, seed=3)
+    elif kind == "dp_run":  # a DP run's folder with its checkpoint
+        subprocess.run(
+            [sys.executable, "-c", "from fedexp.cli import entry; entry()", "run", *FAST,
+             "privacy=central", "checkpoint_every=1", "tracker=none", "hydra.run.dir=run"],
+            cwd=cwd, capture_output=True, timeout=600, check=True,
+        )  # fmt: skip
 
 
 def _mlflow_runs(cwd: Path) -> int:
@@ -234,17 +277,24 @@ def classify(case: Case) -> tuple[str, str]:
         _setup(case.setup, cwd)
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         env.pop("MLFLOW_TRACKING_URI", None)
+        command = [sys.executable, "-c", "from fedexp.cli import entry; entry()"]
+        if case.program != "fedexp":
+            command = [sys.executable, "-m", case.program]
         proc = subprocess.run(
-            [sys.executable, "-c", "from fedexp.cli import entry; entry()", *case.args],
+            [*command, *case.args],
             cwd=cwd, capture_output=True, text=True, timeout=600, env=env,
         )  # fmt: skip
         text = proc.stdout + proc.stderr
         errors = [
             line for line in proc.stderr.splitlines()
-            if line.startswith("fedexp") and "error" in line.split(":", 2)[1]
+            if (line.startswith("fedexp") and "error" in line.split(":", 2)[1])
+            or (case.program != "fedexp" and line.startswith("error: "))
         ]  # fmt: skip
         said = (errors or [x for x in proc.stderr.splitlines() if x.strip()] or [""])[-1]
         leftover = case.bad and proc.returncode != 0 and _mlflow_runs(cwd) > 0
+        leftover = leftover or bool(case.absent and (cwd / case.absent).exists())
+        if case.unsaid and case.unsaid in said:
+            errors = errors * 2  # (said what it must not: unclear)
     if "Traceback (most recent call last)" in text:
         return "traceback", said
     if not case.bad:
@@ -269,7 +319,8 @@ def main() -> None:
     counts = Counter(outcome for outcome, _ in results)
     for case, (outcome, said) in zip(cases, results, strict=True):
         if args.show or outcome not in ("clear", "accepted"):
-            print(f"{outcome:15s} fedexp {' '.join(case.args)}\n{'':15s} -> {said[:200]}")
+            program = "fedexp" if case.program == "fedexp" else f"python -m {case.program}"
+            print(f"{outcome:15s} {program} {' '.join(case.args)}\n{'':15s} -> {said[:200]}")
     print(f"\n{len(cases)} cases ({sum(c.bad for c in cases)} bad, "
           f"{sum(not c.bad for c in cases)} good):")  # fmt: skip
     for outcome, n in counts.most_common():

@@ -277,3 +277,33 @@ def test_rescue_point_of_old_and_odd_folders(tmp_path):
     stale = new / f".{checkpoint.GOOD_FILENAME}.tmp-{os.getpid()}"
     stale.write_bytes(b"x")
     assert stale in checkpoint.remove_stale_temps(new) and not stale.exists()
+
+
+def test_a_rescued_run_records_the_failed_attempt_and_the_rescue_in_mlflow(tmp_path):
+    """Issue 70, item 10: after a rescue from the good checkpoint the FINISHED run kept the
+    failed attempt's tags (``fedexp.resume.2.lr = 0.1 -> 100.0``, ``error = DivergenceError
+    ...``): a reader would take rounds 3-8 for trained at lr 100. The attempt and the rescue
+    are recorded instead."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    ml = [*DITTO, "tracker=mlflow", f"tracker.uri={uri}", "tracker.system_metrics=false"]
+    ml = [o for o in ml if o != "tracker=none"]
+    first = run(compose_config(*ml, "rounds=2", output_dir=tmp_path / "a"))
+    folder = tmp_path / "a" / "checkpoints"
+    with pytest.raises(DivergenceError, match="in round 7"):
+        run(compose_config(*ml, "rounds=8", "lr=100", f"resume={folder}", output_dir=tmp_path))
+    client = MlflowClient(uri)
+    failed = client.get_run(first.run_id)
+    assert failed.info.status == "FAILED" and failed.data.tags["fedexp.resume.2.lr"]
+    good = folder / checkpoint.GOOD_FILENAME
+    rescue = compose_config(*ml, "rounds=8", "lr=0.1", f"resume={good}", output_dir=tmp_path)
+    assert run(rescue).run_id == first.run_id  # the same MLflow run
+    tags = client.get_run(first.run_id).data.tags
+    assert client.get_run(first.run_id).info.status == "FINISHED"
+    assert "error" not in tags and "fedexp.resume.2.lr" not in tags  # the attempt's
+    assert tags["fedexp.resume.2.rounds"] == "2 -> 8"  # the rescue's own change stays
+    attempt = tags["fedexp.attempt.1"]
+    assert attempt.startswith("failed: DivergenceError: ") and "in round 7" in attempt
+    assert attempt.endswith("; after round 2: lr 0.1 -> 100.0"), attempt
+    assert tags["fedexp.rescue"] == "resumed after round 2 with lr=0.1 (attempt 1 failed)"

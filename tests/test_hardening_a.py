@@ -192,7 +192,8 @@ def test_cli_refuses_foreign_targets_touching_nothing(tmp_path, args, needles):
     _one_clean_line(proc, *needles)
     assert (tmp_path / "mlflow.db").read_bytes() == b"precious"
     assert not (tmp_path / "sentinel").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "out"]
+    # the folder hydra.run.dir named, made by this refused command, is gone (issue 70, item 11)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
 
 
 @pytest.mark.parametrize(

@@ -382,3 +382,79 @@ def test_a_groups_configs_are_derived_from_its_first_as_hydra_composes_them():
         assert unpickled.loader.calls == 2  # composed: nothing kept came along
     finally:
         GlobalHydra.instance().clear()
+
+
+def _group_returns(group):
+    """A worker's group (tests/test_stacked_launcher.py): job 0's worker dies by SIGKILL."""
+    import os
+    import signal
+    import time
+
+    if group[0][0] == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)  # (the death is seen while this group still runs)
+    return [float(n) for n, _ in group]
+
+
+def test_a_dead_worker_ends_its_own_groups_jobs_and_says_which(capfd):
+    """Issue 70, item 8: a ``kill -9`` of one worker ended the sweep with joblib's traceback,
+    and joblib's loky killed the other workers (every job "stopped with the sweep"). Now one
+    line names the worker and its jobs, and the other groups run to their end."""
+    from fedexp.sweep.workers import run_groups
+
+    job = [[f"algorithm={a}", f"seed={s}", "rounds=9"] for a in ("fedavg", "ditto") for s in (0, 1)]
+    todo = [[(0, job[0]), (1, job[1])], [(2, job[2])], [(3, job[3])]]
+    done = run_groups(_group_returns, todo, 2, lambda group: ["dead"] * len(group))
+    assert done == [["dead", "dead"], [2.0], [3.0]]
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if x.startswith("fedexp:")]
+    assert re.fullmatch(
+        r"fedexp: sweep worker \d+ died \(signal 9, SIGKILL\) holding job 0 \(algorithm=fedavg "
+        r"seed=0\), job 1 \(algorithm=fedavg seed=1\); the other groups go on",
+        line,
+    )
+
+
+@pytest.mark.slow
+def test_a_kill_9_of_a_stacked_sweeps_worker_leaves_the_other_group_running(tmp_path):
+    """Issue 70, item 8 through the CLI: two groups (two algorithms) on two workers; one is
+    killed (SIGKILL) past its runs' first checkpoint. One ``fedexp:`` line names it and its
+    jobs, no traceback; the other group's jobs finish (status ok); the summary lists the dead
+    ones as failed (not "stopped with the sweep")."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from fedexp.cli import entry; entry()", "run", "-m"]
+        + ["hydra/launcher=stacked", "hydra.launcher.n_jobs=2", "algorithm=fedavg,fedprox"]
+        + ["seed=0,1", "rounds=300", "tracker=none", "progress=log"]
+        + [f"hydra.sweep.dir={tmp_path}/sweep"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        progress = [tmp_path / "sweep" / str(n) / "fedexp_progress.json" for n in range(4)]
+        while time.monotonic() < deadline and not all(_round(p) > 10 for p in progress):
+            time.sleep(0.1)
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True
+        ).stdout.split()
+        victim = min(int(c) for c in children)  # the first worker: the first group, jobs 0, 1
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in err, err[-3000:]
+    said = [x for x in err.splitlines() if x.startswith("fedexp: sweep worker")]
+    assert said == [
+        f"fedexp: sweep worker {victim} died (signal 9, SIGKILL) holding job 0 (algorithm=fedavg "
+        "seed=0), job 1 (algorithm=fedavg seed=1); the other groups go on"
+    ]
+    for n in (2, 3):
+        status = json.loads((tmp_path / "sweep" / str(n) / "fedexp_status.json").read_text())
+        assert status["status"] == "ok", status
+    assert "stopped with the sweep" not in out and "2 ok, 2 failed" in out, out[-2000:]

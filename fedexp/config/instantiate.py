@@ -266,6 +266,24 @@ def fresh_dir(base: str | os.PathLike) -> str:
     raise ConfigError(f"no free run folder next to {base}")
 
 
+def note_given_dir(path: str | os.PathLike) -> None:
+    """Count ``hydra.run.dir=<path>`` as made by this command when it does not exist yet.
+
+    Hydra makes it; a run refused before it started then removes it as it removes a fresh
+    folder (:func:`discard_fresh_dir`; issue 70, item 11: a refused run given
+    ``hydra.run.dir`` left that folder with ``.hydra/`` and ``cli.log``). An existing folder
+    is the user's and is left alone.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path):
+        return
+    made, up = [], os.path.dirname(path)
+    while up and not os.path.exists(up):  # the parents Hydra's makedirs will make
+        made.append(up)
+        up = os.path.dirname(up)
+    _MADE[path] = made
+
+
 def discard_fresh_dir(path: str | os.PathLike) -> bool:
     """Remove a run folder that :func:`fresh_dir` made in this process and nothing used.
 

@@ -10,22 +10,42 @@ this machine). ``threads=N`` overrides the choice. :func:`choose_threads` is the
 function); :func:`apply_threads` applies it to a run's config and torch, and the CLI logs its
 one line (``threads: 1 (2 cores shared by 2 sweep jobs)``).
 
-The choice depends on the machine, never on its momentary load: a run's floating-point
-reductions depend on its thread count, so a rerun or a resume on the same machine takes the
-same threads and computes the same numbers. When the machine is already busy the line says
-so (:func:`busy_note`), and ``threads=1`` is the remedy.
+A run of one process (no parallel sweep jobs, no ranks, not a stacked group) also follows
+the machine's load (issue 70, item 1): where other processes already fill some of its cores,
+OpenMP threads wait on each other at every parallel region (``make demo-imaging`` printed no
+round in 11 minutes at 2 threads on a busy 2-core machine; at 1 thread a round took 42 s).
+:func:`fit_to_load` is the rule: the cores the 1-minute load average says other processes
+fill are taken away from the run's share. It is applied at the start (the line says
+``...; load 4.1 on 2 cores: 1 thread, rechecked between rounds``) and between rounds
+(:class:`LoadFollower`, a round callback: one read of ``/proc/loadavg``, at most one change a
+minute, one log line ``threads: 2 -> 1 after round 7 (load 3.2 on 2 cores)``). A run's
+floating-point reductions may depend on its thread count, so two runs at different loads
+may differ in their last bits: ``threads=N`` fixes the count, whatever the load (the line
+then says when the machine is busy, :func:`busy_note`), and a run that must be reproduced
+bit for bit sets it. Runs of several processes keep the share the cores give them, and the
+line names the load when it is high.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import math
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+log = logging.getLogger("fedexp")
+
+#: Seconds between two changes of a run's threads: the 1-minute load average needs about
+#: that long to show what the last change did.
+SETTLE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +147,11 @@ def available_cores() -> int:
     return max(1, min(cores, quota) if quota else cores)
 
 
+def machine_cores() -> int:
+    """The machine's cores, all of them (those the load average counts)."""
+    return os.cpu_count() or 1
+
+
 def busy_note(load: float | None, cores: int, threads: int) -> str:
     """A remark for the log line when other processes already fill the cores.
 
@@ -176,21 +201,142 @@ def apply_threads(cfg: DictConfig, jobs: int = 1) -> ThreadChoice:
         cfg: the run's config (``threads``, ``distributed``); ``threads`` is set here.
         jobs: sweep jobs sharing the cores (:func:`launcher_jobs`).
 
+    A single process on the whole machine with ``threads=0`` also fits the choice to the
+    load (:func:`fit_to_load`) and leaves a :class:`LoadFollower` for its rounds
+    (:func:`round_callbacks`); any other run names a high load in its line
+    (:func:`busy_note`).
+
     Returns:
-        The choice; its :meth:`ThreadChoice.line` (with :func:`busy_note`) is the log line.
+        The choice; its :meth:`ThreadChoice.line` is the log line.
     """
     import torch
     from omegaconf import open_dict
 
+    from fedexp.engine.round.stacking import current
+
     ranks, cpus = _local_ranks(cfg)
     cores = cpus or available_cores()
-    choice = choose_threads(cores, jobs, ranks, int(cfg.get("threads") or 0))
+    override = int(cfg.get("threads") or 0)
+    choice = choose_threads(cores, jobs, ranks, override)
+    load = load_average()
+    # the load average counts the whole machine's processes: it tells of the run's cores only
+    # where they are all of them (not a SLURM task's, an affinity's or a container's share)
+    whole = cpus is None and cores == machine_cores()
+    alone = override == 0 and jobs * ranks == 1 and current.get() is None and whole
+    follower = None
+    if alone:  # one process: the load decides within the cores' share
+        follower = LoadFollower(cores, choice.threads, load_average)
+        threads = fit_to_load(choice.threads, cores, load)
+        note = ""
+        if threads != choice.threads:
+            note = f"; load {load:.1f} on {_cores(cores)}: {_threads(threads)}, rechecked "
+            note += "between rounds"
+        follower.threads = threads
+        choice = ThreadChoice(threads, choice.reason + note, choice.idle)
+    else:
+        choice = ThreadChoice(
+            choice.threads, choice.reason + busy_note(load, cores, choice.threads), choice.idle
+        )
+    _follower.set(follower)
     torch.set_num_threads(choice.threads)
     with open_dict(cfg):
         cfg.threads = choice.threads
+    return choice
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the system has none)."""
     try:
-        load = os.getloadavg()[0]
+        return os.getloadavg()[0]
     except (AttributeError, OSError):
-        load = None
-    reason = choice.reason + busy_note(load, cores, choice.threads)
-    return ThreadChoice(choice.threads, reason, choice.idle)
+        return None
+
+
+def fit_to_load(share: int, cores: int, others: float | None) -> int:
+    """A single process's threads when other processes already fill some of its cores.
+
+    Args:
+        share: its threads on an idle machine (:func:`choose_threads`).
+        cores: the cores available.
+        others: the load of the other processes (the load average less the run's own
+            threads; at the start, the load average); None: unknown.
+
+    Returns:
+        ``share`` less the cores the others fill (their load rounded, half up), at least 1:
+        on 2 cores, 2 at a load below 0.5, 1 above.
+    """
+    if others is None:
+        return share
+    busy = min(cores, max(0, math.floor(others + 0.5)))
+    return max(1, min(share, cores - busy))
+
+
+class LoadFollower:
+    """The round callback of a single-process run whose threads follow the load.
+
+    After each round it reads the load average (one read of ``/proc/loadavg``; no torch, no
+    host synchronisation: the round is over), subtracts the run's own threads (each busy,
+    they count in it) and applies :func:`fit_to_load`; a change waits :data:`SETTLE_S` after
+    the last one, and a raise needs the others' load a quarter of a core below the rounding
+    point (no flapping at the boundary). One log line a change.
+
+    Args:
+        cores: the cores available.
+        share: the threads on an idle machine.
+        read_load: the load average reader (:func:`load_average`; tests give their own).
+        clock: seconds, monotonic (tests give their own).
+    """
+
+    def __init__(
+        self,
+        cores: int,
+        share: int,
+        read_load: Callable[[], float | None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cores, self.share, self.read_load, self.clock = cores, share, read_load, clock
+        self.threads = share
+        self.changed_at = clock()
+
+    def __call__(self, engine: Any, metrics: dict[str, float]) -> None:
+        """Between two rounds: follow the load (``engine`` unused: the callback's form)."""
+        now = self.clock()
+        if now - self.changed_at < SETTLE_S:
+            return
+        load = self.read_load()
+        if load is None:
+            return
+        others = load - self.threads
+        target = fit_to_load(self.share, self.cores, others)
+        if target > self.threads:  # raise only clear of the boundary
+            target = max(self.threads, fit_to_load(self.share, self.cores, others + 0.25))
+        if target == self.threads:
+            return
+        import torch
+
+        log.info(
+            "threads: %d -> %d after round %d (load %.1f on %s)",
+            self.threads,
+            target,
+            int(metrics.get("round", 0)),
+            load,
+            _cores(self.cores),
+        )
+        torch.set_num_threads(target)
+        self.threads, self.changed_at = target, now
+
+
+#: The running single-process run's :class:`LoadFollower` (:func:`apply_threads` sets it).
+_follower: contextvars.ContextVar[LoadFollower | None] = contextvars.ContextVar(
+    "fedexp_thread_follower", default=None
+)
+
+
+def round_callbacks() -> list[LoadFollower]:
+    """The round callbacks :func:`apply_threads` asked for: ``[LoadFollower]`` or ``[]``."""
+    follower = _follower.get()
+    return [] if follower is None else [follower]

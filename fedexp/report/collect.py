@@ -105,6 +105,8 @@ def client_for(uri: str | None) -> MlflowClient:
         FedexpError: no server answers at an ``http(s)://`` URI (at once, not after MLflow's
             minutes of retries).
     """
+    import os
+
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -113,15 +115,23 @@ def client_for(uri: str | None) -> MlflowClient:
     where = uri or mlflow.get_tracking_uri()
     key = "--uri" if uri else "MLFLOW_TRACKING_URI"
     check_reachable(where, key=key)
-    _check_store_exists(where, key)
+    said = f"{key}={where}"
+    if not uri and not os.environ.get("MLFLOW_TRACKING_URI"):  # MLflow's default: say so
+        said = f"MLflow's default store {where} (no --uri, MLFLOW_TRACKING_URI not set)"
+    _check_store_exists(where, said)
     return MlflowClient(where)
 
 
-def _check_store_exists(uri: str, key: str) -> None:
+def _check_store_exists(uri: str, said: str) -> None:
     """A report reads a store: a local one (SQLite file, file store folder) must exist.
 
     MLflow would create an empty store there (a database file, its folders) and then say the
     experiment does not exist; a report creates nothing.
+
+    Args:
+        uri: the store.
+        said: how the message names it (``--uri=...``, ``MLFLOW_TRACKING_URI=...``, or
+            MLflow's default).
 
     Raises:
         FedexpError: the local store is missing.
@@ -132,7 +142,7 @@ def _check_store_exists(uri: str, key: str) -> None:
         path = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
         if str(path) != ":memory:" and not path.is_file():
             raise FedexpError(
-                f"{key}={uri}: no MLflow store there ({path} does not exist); give the "
+                f"{said}: no MLflow store there ({path} does not exist); give the "
                 "store a run wrote to (the URI a run printed)"
             )
         return
@@ -141,7 +151,7 @@ def _check_store_exists(uri: str, key: str) -> None:
         path = Path(parsed.path if parsed.scheme == "file" else uri)
         if not path.is_dir():
             raise FedexpError(
-                f"{key}={uri}: no MLflow store there ({path} is not a folder); give the "
+                f"{said}: no MLflow store there ({path} is not a folder); give the "
                 "store a run wrote to (the URI a run printed)"
             )
 

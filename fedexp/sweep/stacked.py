@@ -30,11 +30,11 @@ data are held at once (the solver slices the cohort to the memory budget).
 
 A group's runs share one process, and so one core's Python: with several groups (several
 algorithms) ``hydra.launcher.n_jobs`` of them run at a time, each in a worker process
-(joblib's, as ``hydra/launcher=parallel``); the default, -1, is a process a core (at most one
-a group), 1 every group in this process; the last group of a count that is no multiple of
-the processes is split over those of the last turn (:func:`balanced`). Each job's
-``hydra.launcher.n_jobs`` reads the processes that run at once, so that its torch threads
-share the cores among them.
+(:mod:`fedexp.sweep.workers`: one that dies ends its own group's jobs only); the default,
+-1, is a process a core (at most one a group), 1 every group in this process; the last
+group of a count that is no multiple of the processes is split over those of the last turn
+(:func:`balanced`). Each job's ``hydra.launcher.n_jobs`` reads the processes that run at
+once, so that its torch threads share the cores among them.
 """
 
 from __future__ import annotations
@@ -194,13 +194,15 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     n_jobs = min(wanted, len(todo))
     if n_jobs > 1:
         todo = balanced(todo, n_jobs)
-        from joblib import Parallel, delayed
+        from functools import partial
+
+        from fedexp.sweep.workers import nan_returns, run_groups
 
         state = Singleton.get_state()
         task = launcher.hydra_context, launcher.task_function, config, int(launcher.max_runs)
-        done = Parallel(n_jobs=n_jobs, backend="loky")(
-            delayed(_worker)(*task, n_jobs, jobs, state) for jobs in todo
-        )
+        # a worker's death ends its own group's jobs only (fedexp.sweep.workers)
+        run = partial(_worker, *task, n_jobs, state=state)
+        done = run_groups(run, todo, n_jobs, nan_returns)
     else:
         from fedexp import drawer
 
@@ -237,7 +239,7 @@ def _worker(
     jobs: list[tuple[int, list[str]]],
     state: dict,
 ) -> list:
-    """A group in a worker process (``n_jobs`` > 1), as joblib's launcher runs its jobs."""
+    """A group in a worker process (``n_jobs`` > 1), as Hydra's joblib launcher runs its jobs."""
     from hydra.core.singleton import Singleton
     from hydra.core.utils import setup_globals
 

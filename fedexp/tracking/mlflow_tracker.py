@@ -254,6 +254,7 @@ class MLflowTracker(Reaper):
         if resumed is not None:
             self.run_id = resume_run_id
             self.set_tags({k: v for k, v in tags.items() if k not in ident})
+            self._record_rescue(resumed.data.tags, tags, params)
             self._call(self._reopen, resume_run_id, ident)
             self._open(resumed=True)
             self._reap(resumed.info.experiment_id)
@@ -276,6 +277,34 @@ class MLflowTracker(Reaper):
                 self.client.log_batch, self.run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH]
             )
         return self.run_id
+
+    def _record_rescue(
+        self, before: dict[str, str], tags: dict[str, str], params: dict[str, str]
+    ) -> None:
+        """A resume after a failed attempt: its tags become one record of it (issue 70, item 10).
+
+        A rescue from the good checkpoint resumes before the failed attempt's changes
+        (``fedexp.resume.2.lr = 0.1 -> 100.0``, no longer in ``tags``) and its ``error``;
+        left on the run, they would tell a reader that the rescued rounds ran with them. They
+        go, and ``fedexp.attempt.<n>`` (``failed: DivergenceError: ...; after round 2: lr 0.1
+        -> 100.0``) and ``fedexp.rescue`` (``resumed after round 2 with lr=0.1 (attempt 1
+        failed)``) say what happened.
+        """
+        stale = sorted(k for k in before if k.startswith("fedexp.resume.") and k not in tags)
+        if not stale and "error" not in before:
+            return
+        n = 1 + sum(k.startswith("fedexp.attempt.") for k in before)
+        said = [f"after round {k.split('.')[2]}: {k.split('.', 3)[3]} {before[k]}" for k in stale]
+        attempt = "; ".join([f"failed: {before.get('error', 'stopped')}", *said])
+        keys = dict.fromkeys(k.split(".", 3)[3] for k in stale)
+        settings = ", ".join(f"{k}={params.get(k, '(unset)')}" for k in keys)
+        after = tags.get("fedexp.resumed_after_round", "?")
+        rescue = f"resumed after round {after}" + (f" with {settings}" if settings else "")
+        self.set_tags(
+            {f"fedexp.attempt.{n}": attempt, "fedexp.rescue": f"{rescue} (attempt {n} failed)"}
+        )
+        for key in [*stale, *(["error"] if "error" in before else [])]:
+            self._call(self.client.delete_tag, self.run_id, key)
 
     def _reopen(self, run_id: str, ident: dict[str, str]) -> None:
         """Re-tag a resumed run with this process and make it RUNNING (one locked write)."""
