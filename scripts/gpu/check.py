@@ -24,7 +24,8 @@ in its step) with its own time budget; ``--smallest`` runs them all in one child
   fedexp's round and of the plain per-client loop (``scripts/bench_engine.py``'s) on the same
   tensors, the measured step bound (``scripts/gpu_cnn_rate.py``'s: one SGD step of one model
   on every client's minibatch at once), the FLOP bound (train FLOPs per sample × samples per
-  update ÷ the chip's stated float32 peak) and peak GPU memory;
+  update ÷ the chip's stated float32 peak) and peak GPU memory; fedexp's rate both eager and
+  with captured rounds (CUDA graphs, ``capture=auto``: ``captured_over_eager``);
 * ``profile``: one CNN round under ``torch.profiler``: the top kernels;
 * ``conv_gemm``: rounds of the CNN, the U-Net and the DenseNet with their convolutions as
   vmap's grouped ones and as matrix products (the run setting ``conv_gemm``), in turn on one
@@ -961,7 +962,7 @@ def _bench_cell(
     cell["flop_bound_updates_per_s"] = flop_bound
     # fedexp, the plain loop, the measured bound: each in turn, whatever the others did (an
     # out-of-memory of the cohort's slices, say)
-    rate = _guarded(cell, "fedexp", lambda: _fedexp_rate(engine, n, z, dev, cell_end))
+    rate = _capture_modes(engine, n, z, dev, cell, cell_end)
     if rate is not None:
         cell.update(fedexp_updates_per_s=rate, peak_gpu_mib=_peak_mib(dev))
         cell["fraction_of_flop_bound"] = rate / flop_bound
@@ -1003,7 +1004,10 @@ def _bench_cell(
         if rate is not None:
             cell["fraction_of_step_bound"] = rate / bound
     s.say(
-        f"{n} clients: fedexp {_f(rate)} updates/s, plain {_f(plain)} "
+        f"{n} clients: fedexp {_f(rate)} updates/s (eager "
+        f"{_f(cell.get('fedexp_eager_updates_per_s'))}, captured "
+        f"{_f(cell.get('fedexp_captured_updates_per_s'))}: "
+        f"{_f(cell.get('captured_over_eager'), '.2f')}x), plain {_f(plain)} "
         f"({_f(cell.get('fedexp_over_plain'), '.1f')}x); "
         f"{_f(cell.get('fraction_of_flop_bound'), '.2%')} of the FLOP bound, "
         f"{_f(cell.get('fraction_of_step_bound'), '.1%')} of the step bound; peak "
@@ -1019,6 +1023,40 @@ def _guarded(cell: dict, name: str, measure: Callable[[], float]) -> float | Non
     except Exception as exc:
         cell[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         return None
+
+
+def _capture_modes(
+    engine: Any, n: int, z: Sizes, dev: torch.device, cell: dict, cell_end: float
+) -> float | None:
+    """fedexp's rate with eager rounds, then with captured ones (issue 69), on one engine.
+
+    The captured solver records each (cohort size, step count)'s local steps as a CUDA graph
+    in its first (warm-up) round and replays it (``fedexp/engine/solver/capture.py``; on the
+    CPU the same static-buffer steps, eagerly; not measured where the model's gradients go
+    row by row, which the captured solver hands to the eager one). Each mode gets a third of
+    what is left of the cell (the plain loop and the bound the rest). Returns the captured
+    rate (the default, ``capture=auto``, on a GPU), else the eager one.
+    """
+    from fedexp.engine.solver.capture import CapturedSolver
+    from fedexp.engine.solver.steps import rowwise, train
+
+    captured = CapturedSolver(graphs=dev.type == "cuda")
+    modes: tuple[tuple[str, Any], ...] = (("eager", train), ("captured", captured))
+    if rowwise(engine.ctx, engine.ctx.model_objective()):  # (the CPU's convolutions): the
+        modes = modes[:1]  # captured solver would hand every call to the eager one
+    rates: dict[str, float | None] = {"captured": None}
+    for name, solver in modes:
+        engine.ctx.solver = solver
+        end = time.monotonic() + (cell_end - time.monotonic()) / 3
+        rates[name] = _guarded(
+            cell, f"fedexp_{name}", lambda end=end: _fedexp_rate(engine, n, z, dev, end)
+        )
+        cell[f"fedexp_{name}_updates_per_s"] = rates[name]
+    cell["captured_keys"] = len(captured.cache)
+    cell["captured_graphs"] = sum(e.graph is not None for e in captured.cache.values())
+    if rates["eager"] and rates["captured"]:
+        cell["captured_over_eager"] = rates["captured"] / rates["eager"]
+    return rates["captured"] if rates["captured"] is not None else rates["eager"]
 
 
 def _fedexp_rate(engine: Any, n: int, z: Sizes, dev: torch.device, cell_end: float) -> float:
@@ -1592,20 +1630,26 @@ def summary(doc: dict[str, Any]) -> str:
                 f"{_f(c.get('fraction_of_step_bound'), '.1%')} | "
                 f"{_f(c.get('flop_bound_updates_per_s'))} | "
                 f"{_f(c.get('fraction_of_flop_bound'), '.2%')} | "
-                f"{_f(c.get('peak_gpu_mib'))} |"
+                f"{_f(c.get('peak_gpu_mib'))} | "
+                f"{_f(c.get('fedexp_eager_updates_per_s'))} | "
+                f"{_f(c.get('fedexp_captured_updates_per_s'))} | "
+                f"{_f(c.get('captured_over_eager'), '.2f')} |"
             )
     if rows:
         lines += [
             "",
             "## Client updates per second",
             "",
+            "fedexp: the captured rate where it ran, else the eager one (eager: the solver "
+            "step by step; captured: a round's local steps replayed as CUDA graphs, "
+            "capture=auto). "
             "Step bound: one SGD step of one model on every client's minibatch at once "
             "(scripts/gpu_cnn_rate.py's). FLOP bound: train FLOPs per sample (convolutions and "
             "matrix products, forward + backward) × samples per update ÷ the float32 peak.",
             "",
             "| model | clients | fedexp | plain loop | fedexp / plain | step bound | of it | "
-            "FLOP bound | of it | peak GPU MiB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "FLOP bound | of it | peak GPU MiB | eager | captured | captured / eager |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             *([""] + errors if errors else []),
         ]

@@ -133,10 +133,12 @@ class Context:
         """:meth:`model_loss` of m clients at once: losses ``[m]``, and ``params`` as posts.
 
         ``params`` ``[m, d]``, ``x`` ``[m, B, ...]``; no running statistics (:meth:`_stacks`);
-        ``full``: no target is padding (the task's loss skips its masks).
+        ``full``: no target is padding (the task's loss skips its masks). The posts are
+        ``params`` themselves: nothing is frozen, and the solver reads posts only where
+        something is (no detached copy made a step).
         """
         logits = self.model.forward_stacked(params, x)
-        return self.task.loss_stacked(logits, y, full), params.detach()
+        return self.task.loss_stacked(logits, y, full), params
 
     def proximal_loss_stacked(
         self,

@@ -55,13 +55,26 @@ class Optimizer(ABC):
         state: State,
         lr: float,
         scale: torch.Tensor | None = None,
+        consts: State | None = None,
     ) -> tuple[torch.Tensor, State]:
         """One update; returns (new parameters, new state). Pure: nothing is modified.
 
         ``params``, ``grad`` and ``state`` are one client's (``[d]``, scalars 0-d) or a
         cohort's stack (``[m, d]``, scalars ``[m]``); ``lr`` the step size and ``scale``
-        per-coordinate factors of it (a tensor of ``params``' shape; None: 1 everywhere).
+        per-coordinate factors of it (a tensor of ``params``' shape; None: 1 everywhere);
+        ``consts``: this step's entry of :meth:`schedule` (None: computed here).
         """
+
+    def schedule(
+        self, state: State, steps: int, lr: float, scale: torch.Tensor | None = None
+    ) -> list[State] | None:
+        """What ``steps`` successive steps from ``state`` compute of the step count alone.
+
+        Made once a round (a few ops for every step at once, not a few a step: issue 69) and
+        handed to :meth:`step` one entry a step; each entry equals what the step would
+        compute itself, to the bit. None: nothing to make ahead (the default).
+        """
+        return None
 
     def load(self, client_state: State | CohortStates, prefix: str = "opt") -> State | None:
         """The optimiser state stored in ``client_state`` under ``prefix`` (None: fresh).
@@ -119,9 +132,17 @@ class SGD(Optimizer):
         state: State,
         lr: float,
         scale: torch.Tensor | None = None,
+        consts: State | None = None,
     ) -> tuple[torch.Tensor, State]:
-        """θ ← θ − η·d with d = g (+ μ-momentum), g = ∇ + wd·θ."""
-        g = grad + self.weight_decay * params if self.weight_decay else grad
+        """θ ← θ − η·d with d = g (+ μ-momentum), g = ∇ + wd·θ.
+
+        The weight decay in :class:`torch.optim.SGD`'s fused form (``grad.add(param,
+        alpha=wd)``: one op, not two); the buffer ``μ·buf + g`` as PyTorch's
+        ``buf.mul_(μ).add_(g)``. Nesterov's ``g + μ·buf`` and the momentum step stay two ops
+        each: fused (PyTorch's ``grad.add(buf, alpha=μ)``), TDPFed's recorded golden figures
+        (``tdpfed-batchnorm``) amplify the last bit beyond their tolerance.
+        """
+        g = torch.add(grad, params, alpha=self.weight_decay) if self.weight_decay else grad
         if self.momentum == 0:
             return descend(params, g, lr, scale), state
         buf = self.momentum * state["momentum"] + g
@@ -190,18 +211,54 @@ class Adam(Optimizer):
         state: State,
         lr: float,
         scale: torch.Tensor | None = None,
+        consts: State | None = None,
     ) -> tuple[torch.Tensor, State]:
-        """One Adam step in PyTorch's order of operations."""
-        g = grad + self.weight_decay * params if self.weight_decay else grad
-        t = state["step"] + 1
-        tb = t.reshape(*t.shape, *[1] * (params.dim() - t.dim()))  # over the row's coordinates
+        """One Adam step in PyTorch's order of operations.
+
+        The step count's bias corrections from ``consts`` (:meth:`schedule`, made once a
+        round) where given. The moments stay ``β·m + (1 − β)·g`` (PyTorch's own ``lerp_`` and
+        ``addcmul_``, one op each, move TDPFed's recorded golden figures, which amplify the
+        last bit of Adam's first steps, beyond their tolerance).
+        """
+        g = torch.add(grad, params, alpha=self.weight_decay) if self.weight_decay else grad
+        if consts is None:
+            consts = self._consts(state["step"] + 1, params.dim(), lr, scale)
         m = self.beta1 * state["exp_avg"] + (1 - self.beta1) * g
         v = self.beta2 * state["exp_avg_sq"] + (1 - self.beta2) * g * g
+        denom = v.sqrt() / consts["root"] + self.eps
+        new = params - consts["size"] * m / denom
+        return new, {"exp_avg": m, "exp_avg_sq": v, "step": consts["step"]}
+
+    def _consts(self, t: torch.Tensor, dim: int, lr: float, scale: torch.Tensor | None) -> State:
+        """The step count ``t``'s step size η/(1 − β1ᵗ) and √(1 − β2ᵗ).
+
+        Shaped to broadcast over a parameter tensor of ``dim`` axes.
+        """
+        tb = t.reshape(*t.shape, *[1] * (dim - t.dim()))  # over the row's coordinates
         bc1 = 1 - self.beta1**tb
         bc2 = 1 - self.beta2**tb
-        denom = v.sqrt() / bc2.sqrt() + self.eps
-        new = params - (_times(lr, scale) / bc1) * m / denom
-        return new, {"exp_avg": m, "exp_avg_sq": v, "step": t}
+        return {"step": t, "size": _times(lr, scale) / bc1, "root": bc2.sqrt()}
+
+    def schedule(
+        self, state: State, steps: int, lr: float, scale: torch.Tensor | None = None
+    ) -> list[State] | None:
+        """The bias corrections of ``steps`` steps, made at once: ``[steps, m]`` step counts.
+
+        Per-coordinate factors (``scale``) would make them ``[steps, m, d]``: none made then.
+        """
+        if scale is not None or steps <= 0:
+            return None
+        t0 = state["step"]
+        counts = torch.arange(1, steps + 1, dtype=t0.dtype, device=t0.device)
+        t = t0 + counts.view(steps, *[1] * t0.dim())  # [steps, *t0.shape]
+        tb = t.view(*t.shape, 1) if t0.dim() else t
+        bc1 = 1 - self.beta1**tb
+        bc2 = 1 - self.beta2**tb
+        size, root = (lr / bc1).unbind(0), bc2.sqrt().unbind(0)
+        return [
+            {"step": c, "size": s, "root": r}
+            for c, s, r in zip(t.unbind(0), size, root, strict=True)
+        ]
 
 
 def stack_states(opt: Optimizer, params: torch.Tensor, states: Sequence[State | None]) -> State:

@@ -18,8 +18,11 @@ runs each step for the whole cohort:
 What makes it cheap: the minibatch indices of every client and step come from one
 counter-based expression (:func:`fedexp.engine.rng.minibatch_indices`: the draws a client's
 :class:`fedexp.engine.rng.Stream` gives it alone), the data are gathered from the run's
-:class:`fedexp.engine.clients.pool.TrainPool` (concatenated once), and no Python runs per client
-inside the steps.
+:class:`fedexp.engine.clients.pool.TrainPool` (concatenated once; the draws' module:
+:mod:`fedexp.engine.solver.draws`), and no Python runs per client inside the steps. A step
+dispatches the model's forward and backward and a few ops of its own (issue 69:
+``tests/test_round_census.py``'s ``STEP_OPS``); on a GPU a round's steps replay as a CUDA
+graph (:mod:`fedexp.engine.solver.capture`).
 """
 
 from __future__ import annotations
@@ -34,16 +37,23 @@ from torch.func import vmap
 
 from fedexp.contract import Cohort, CohortStates
 from fedexp.engine.memory import client_step_bytes
-from fedexp.engine.rng import Stream, minibatch_indices, pass_valid
+from fedexp.engine.rng import Stream
+from fedexp.engine.solver.draws import (  # noqa: F401 - re-exported: the solver's draws
+    _AHEAD_ENTRIES,
+    Ahead,
+    _snapshot,
+    alone,
+    draw_batch,
+    draw_step,
+    noise,
+)
 from fedexp.engine.solver.objective import Objective
 from fedexp.engine.solver.optim import Optimizer, stack_states
 from fedexp.engine.solver.optim import State as OptState
 from fedexp.errors import DivergenceError
 from fedexp.models.task import PADDING
-from fedexp.transfer import to_device
 
 if TYPE_CHECKING:
-    from fedexp.data.client import ClientData
     from fedexp.engine.solver.context import Context
 
 log = logging.getLogger("fedexp")
@@ -78,180 +88,6 @@ class CohortLocal:
     params: torch.Tensor
     loss: torch.Tensor
     opt_state: OptState
-
-
-# ------------------------------------------------------------------ draws
-def noise(cohort: Cohort, k: int, device: torch.device) -> torch.Tensor:
-    """Each client's next ``k`` uniforms ``[m, k]`` from its round stream (none when k = 0)."""
-    if k == 0:
-        return torch.zeros(len(cohort), 0, device=device)
-    if cohort.streams is None:
-        cohort.streams = [Stream(key) for key in cohort.keys.tolist()]
-    return torch.stack([torch.rand(k, generator=g) for g in cohort.streams]).to(device)
-
-
-#: indices of draws made ahead at once (:class:`Ahead`) at most: 32 MiB of int64
-_AHEAD_ENTRIES = 1 << 22
-
-
-class Ahead:
-    """A cohort's next minibatches' rows of the pool, drawn for several steps in one call.
-
-    :func:`fedexp.engine.rng.minibatch_indices` is counter-based, so the indices of draws
-    t..t+k-1 of every client come out of one call on ``[m·k]`` rows, equal to k calls of one
-    draw each: one pass permutation (and, on a GPU, its few host synchronisations) a block
-    of steps instead of one a step. Blocks keep at most ``_AHEAD_ENTRIES`` indices, held as
-    the pool's rows (each client's first row added), step-major so that a step's ``[m, B]``
-    is contiguous.
-
-    Args:
-        ctx: the run's context (batch size, sampling).
-        cohort: the cohort whose draws are made ahead (its ``draws`` counters as they are
-            now: :func:`draw_batch` advances them as it hands the blocks' rows out).
-        steps: the draws still to come.
-    """
-
-    def __init__(self, ctx: Context, cohort: Cohort, steps: int) -> None:
-        self.ctx, self.cohort, self.left = ctx, cohort, steps
-        self.rows: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None
-        self.short: list[bool] = []  # per step of the block: whether some batch is short
-        self.at = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every client's next draw: its rows of the pool ``[m, B]``, and which are samples.
-
-        Both made ahead when needed: the rows are the draw's indices plus each client's
-        first row (:meth:`TrainPool.gather`'s, once a block instead of once a step); the
-        second is :func:`fedexp.engine.rng.pass_valid` of the draw, None where every batch
-        of the draw is full.
-        """
-        if self.rows is None or self.at == self.rows.shape[0]:
-            self._block()
-        assert self.rows is not None
-        self.at += 1
-        self.left -= 1
-        if self.valid is None or not self.short[self.at - 1]:
-            return self.rows[self.at - 1], None
-        return self.rows[self.at - 1], self.valid[:, self.at - 1]
-
-    def _block(self) -> None:
-        cohort, size = self.cohort, self.ctx.batch_size
-        m = len(cohort)
-        k = max(1, min(self.left, _AHEAD_ENTRIES // max(1, m * size)))
-        dev = cohort.pool.offset.device
-        # the counters, keys and sizes on the host (a GPU's indices drawn there, unwaited)
-        draws = cohort.draws
-        ahead = (draws[:, None] + torch.arange(k, device=draws.device)).reshape(-1)
-        num = cohort.pool.host_size(cohort.rows).repeat_interleave(k)
-        keys = cohort.keys.repeat_interleave(k)
-        idx = minibatch_indices(keys, ahead, size, num, self.ctx.sampling, dev).view(m, k, size)
-        first = cohort.pool.offset[to_device(cohort.rows, dev)].view(m, 1, 1)
-        self.rows, self.at = (idx + first).transpose(0, 1).contiguous(), 0  # [k, m, B]
-        if self.ctx.sampling == "shuffle" and not cohort.pool.fills(size):
-            valid = pass_valid(ahead, size, num).view(m, k, size)  # on the host
-            self.short = self.short_steps(valid)
-            self.valid = to_device(valid, dev)
-
-    @staticmethod
-    def short_steps(valid: torch.Tensor) -> list[bool]:
-        """Which of a block's steps hold a short batch, from its validity ``[m, k, B]``.
-
-        A batch's padding is its suffix, so a batch is short where its last entry is not a
-        sample. One read of k flags, of a tensor on the host (no wait on a device). The other
-        steps' batches are all whole, and their losses skip the padding masks (``full``).
-        """
-        return [not whole for whole in valid[:, :, -1].all(0).tolist()]
-
-
-def draw_batch(
-    ctx: Context, cohort: Cohort, ahead: Ahead | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each client's next minibatch, stacked ``[m, B, ...]``: what ``ClientData.batch`` gives it.
-
-    :func:`draw_step`'s inputs and targets.
-    """
-    x, y, _ = draw_step(ctx, cohort, ahead)
-    return x, y
-
-
-def draw_step(
-    ctx: Context, cohort: Cohort, ahead: Ahead | None = None
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Each client's next minibatch, stacked ``[m, B, ...]``, and whether every batch is whole.
-
-    The indices of every client's stream at its draw counter (advanced by one), in shuffled
-    epochs or with replacement (``ctx.sampling``, :func:`fedexp.engine.rng.minibatch_indices`);
-    with ``ctx.batch_size`` ≤ 0 every client's whole training set (equal sizes: the engine's
-    sub-cohorts), no draw. The short batch that ends a client's epoch (n mod B samples) keeps
-    the cohort's ``[m, B]`` shape: its padding rows have the target
-    :data:`fedexp.models.task.PADDING`, which the task's loss gives no weight, and the row-by-row
-    gradients of models with running statistics leave out (:func:`_rowwise`). ``ahead``:
-    the rows come from it (made for several steps at once), else from one call. The
-    batch is augmented by ``ctx.augment`` (:mod:`fedexp.data.augment`).
-
-    Returns:
-        (inputs, targets, full): ``full`` where no target is padding (no batch of the step
-        short), which a loss may take to skip its masks.
-    """
-    size = ctx.batch_size
-    if size <= 0:
-        return (
-            torch.stack([d.x_train for d in cohort.data]),
-            torch.stack([d.y_train for d in cohort.data]),
-            True,
-        )
-    draws = cohort.draws
-    short = ctx.sampling == "shuffle" and not cohort.pool.fills(size)  # some batches short
-    valid = None
-    dev = cohort.pool.offset.device
-    if ahead is None:
-        num = cohort.pool.host_size(cohort.rows)
-        idx = minibatch_indices(cohort.keys, draws, size, num, ctx.sampling, dev)
-        x, y = cohort.pool.gather(cohort.rows, idx)
-        if short:
-            valid = pass_valid(draws, size, num)
-    else:  # its rows' validity made ahead too, where some of this step's batches are short
-        rows, valid = ahead.next()
-        x, y = cohort.pool.take(rows)
-    cohort.draws = draws + 1
-    if ctx.augment.active:  # per (stream key, draw, position): as the client alone draws it
-        x, y = ctx.augment(x, y, to_device(cohort.keys, dev), to_device(draws, dev))
-    if valid is None:
-        return x, y, True  # every batch of every client full
-    valid = to_device(valid, y.device)
-    valid = valid.view(*valid.shape, *([1] * (y.dim() - 2)))
-    return x, torch.where(valid, y if y.is_floating_point() else y.long(), PADDING), False
-
-
-def alone(data: ClientData, key: int) -> Cohort:
-    """A cohort of the one client ``data``, drawing from the stream ``key``.
-
-    Its data are its rows of the pool that holds them (no copy), else a pool of its own.
-    """
-    from fedexp.engine.clients.pool import TrainPool
-
-    rows = data.pooled()
-    pool, row = (rows.pool, rows.row) if rows is not None else (TrainPool.of([data]), 0)
-    one = torch.full((1,), row, dtype=torch.int64)  # on the host, as every cohort's
-    keys = torch.tensor([key], dtype=torch.int64)
-    return Cohort([row], [data], one, keys, torch.zeros_like(one), pool)
-
-
-def _snapshot(cohort: Cohort) -> Callable[[], None]:
-    """A function that puts the cohort's draw counters and noise streams back as they are."""
-    draws = cohort.draws.clone()
-    streams = None if cohort.streams is None else [g.get_state() for g in cohort.streams]
-
-    def restore() -> None:
-        cohort.draws = draws
-        if streams is None:
-            cohort.streams = None
-        else:
-            for g, s in zip(cohort.streams, streams, strict=True):
-                g.set_state(s)
-
-    return restore
 
 
 # ------------------------------------------------------------- optimiser state
@@ -344,6 +180,8 @@ def _vmapped(obj: Objective) -> Callable:
     linear model's, without vmap's wrapping of every call), else ``vmap(obj.loss)``.
     """
     vmapped = None if obj.stacked else vmap(obj.loss, randomness="different")
+    posts = obj.frozen is not None  # the posts are read only where coordinates are frozen
+    ones: list[torch.Tensor] = []  # the losses' cotangent, made once (not a sum's a step)
 
     def run(params, xb, yb, aux, u, full=False):  # noqa: ANN001, ANN202 - vmap's signature
         p = params.detach().requires_grad_(True)
@@ -354,12 +192,17 @@ def _vmapped(obj: Objective) -> Callable:
                 assert vmapped is not None
                 values, post = vmapped(p, xb, yb, aux, u)
             if values.requires_grad:
-                (grads,) = torch.autograd.grad(values.sum(), p, allow_unused=True)
+                # d(Σ losses)/dp with the cotangent 1 handed in: the sum's forward and its
+                # backward's broadcast left out (the same values reach every loss)
+                if not ones or ones[0].shape != values.shape:
+                    ones[:] = [torch.ones_like(values)]
+                (grads,) = torch.autograd.grad(values, p, ones[0], allow_unused=True)
             else:
                 grads = None
         if grads is None:
             grads = torch.zeros_like(p)
-        return grads, (values.detach(), None if post is None else post.detach())
+        kept = post.detach() if posts and post is not None else None
+        return grads, (values.detach(), kept)
 
     return run
 
@@ -423,14 +266,19 @@ def train_stacked(
     grad_fn = stacked_gradients(ctx, obj)
     project = None if obj.project is None else vmap(obj.project)
     total = torch.zeros(params.shape[0], device=params.device)
-    for _ in range(steps):
+    # what every step computes of the step count alone (Adam's bias corrections), made once
+    consts = opt.schedule(state, steps, lr, lr_scale)
+    for i in range(steps):
         xb, yb, u, full = draw()
         grads, (values, post) = grad_fn(params, xb, yb, aux, u, full)
         if linear is not None:  # the gradient of ⟨c, θ⟩
             grads = grads + linear
         if keep is not None:
             grads = grads.masked_fill(keep, 0.0)
-        new, state = opt.step(params, grads, state, lr, lr_scale)  # element-wise: the stack
+        # element-wise over the stack
+        new, state = opt.step(
+            params, grads, state, lr, lr_scale, None if consts is None else consts[i]
+        )
         if obj.frozen is not None and post is not None:
             new = torch.where(obj.frozen, post, new)
         if keep is not None:
@@ -438,7 +286,7 @@ def train_stacked(
         if project is not None:
             new = project(new, aux)
         params = new
-        total = total + values.detach()
+        total.add_(values)  # detached by ``grad_fn``
         del xb, yb, u, grads, new  # freed before the next draw: its batch reuses their memory
     return params.detach(), state, total / max(steps, 1)
 
@@ -544,19 +392,23 @@ def _train(
         linear = linear.expand(m, params.shape[1])
     size = ctx.batch_size
     fixed = batch is not None or size <= 0
+    # no noise drawn: one empty [m, 0] for every step (made once a round, not a step)
+    empty = noise(cohort, 0, params.device) if objective.noise == 0 else None
     if fixed:  # every step on the same inputs: the given batch or the whole training sets
         # (a given batch may hold padding: its masks kept)
         xs, ys, whole = (*batch, False) if batch is not None else draw_step(ctx, cohort)
 
         def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-            return xs, ys, noise(cohort, objective.noise, params.device), whole
+            u = empty if empty is not None else noise(cohort, objective.noise, params.device)
+            return xs, ys, u, whole
 
     else:
         ahead = Ahead(ctx, cohort, steps)
 
         def draw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
             xb, yb, full = draw_step(ctx, cohort, ahead)  # then the noise, as alone
-            return xb, yb, noise(cohort, objective.noise, params.device), full
+            u = empty if empty is not None else noise(cohort, objective.noise, params.device)
+            return xb, yb, u, full
 
     chunk = _slice_rows(ctx, cohort.pool, size)
     if m <= chunk or fixed:
