@@ -4,7 +4,8 @@ Classification: accuracy (the paper's), balanced accuracy and AUC (which matter 
 imbalance). Segmentation: IoU (mean over classes, background included, the paper's "IoU"),
 label IoU (the foreground's), Dice and pixel accuracy, all pooled over the client's test pixels.
 Across clients: the test-sample-weighted mean (the paper's), the unweighted mean, the worst
-client and the standard deviation.
+client, the standard deviation and the tail: the 10th, 50th and 90th percentiles of the
+clients' values (pfl-research's per-user quantiles).
 """
 
 from __future__ import annotations
@@ -270,26 +271,54 @@ def segmentation_metrics(
     }
 
 
+#: The per-client quantiles :func:`aggregate` reports: ``<m>/p10``, ``/p50``, ``/p90``.
+QUANTILES = {"p10": 0.1, "p50": 0.5, "p90": 0.9}
+#: Prefix of the per-client gains of personalisation (``gain/acc = acc − global/acc``);
+#: :func:`aggregate` adds their ``/hurt``, the share of clients with a negative gain.
+GAIN = "gain/"
+
+
+def lower_is_better(key: str) -> bool:
+    """Whether a metric's worst client is its largest value (``loss``, ``global/loss``...).
+
+    A gain (``gain/...``) is oriented so that larger is better, whatever its metric.
+    """
+    return not key.startswith(GAIN) and key.rsplit("/", 1)[-1] in LOWER_IS_BETTER
+
+
 def aggregate(
     per_client: Sequence[Mapping[str, float]],
     weights: Sequence[float],
     keys: Sequence[str] | None = None,
 ) -> dict[str, float]:
-    """Across clients: ``<m>/weighted`` (by test samples), ``/mean``, ``/worst``, ``/std``.
+    """Across clients: ``<m>/weighted``, ``/mean``, ``/worst``, ``/std``, ``/p10``...
 
-    NaN client values (e.g. AUC of a one-class test split) are left out of that metric.
+    ``/weighted`` is weighted by test samples; the tail ``/p10``, ``/p50``, ``/p90`` are
+    :data:`QUANTILES`.
+    The quantiles are numpy's (``np.quantile``, linear interpolation between the order
+    statistics), of the clients' values whatever the metric's direction: a loss's ``p90`` is
+    its bad tail, an accuracy's ``p10``. A gain of personalisation (``gain/<m>``, see
+    :data:`GAIN`) also gets ``/hurt``: the share of clients whose gain is negative.
+
+    NaN client values (e.g. AUC of a one-class test split) are left out of that metric, as
+    is a client that lacks the key (a held-out client has no personal metrics).
     ``keys``: the metrics to aggregate (default: every key of the first client's).
     """
     out: dict[str, float] = {}
     w_all = np.asarray(weights, dtype=np.float64)
+    levels = list(QUANTILES.values())
     for key in per_client[0] if keys is None else keys:
-        v = np.asarray([m[key] for m in per_client], dtype=np.float64)
+        v = np.asarray([m.get(key, math.nan) for m in per_client], dtype=np.float64)
         ok = np.isfinite(v)
         if not ok.any():
             continue
         v, w = v[ok], w_all[ok]
         out[f"{key}/weighted"] = float((v * w).sum() / w.sum())
         out[f"{key}/mean"] = float(v.mean())
-        out[f"{key}/worst"] = float(v.max() if key in LOWER_IS_BETTER else v.min())
+        out[f"{key}/worst"] = float(v.max() if lower_is_better(key) else v.min())
         out[f"{key}/std"] = float(v.std())
+        for name, q in zip(QUANTILES, np.quantile(v, levels), strict=True):
+            out[f"{key}/{name}"] = float(q)
+        if key.startswith(GAIN):
+            out[f"{key}/hurt"] = float((v < 0).mean())
     return out

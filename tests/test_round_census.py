@@ -135,6 +135,8 @@ def cases() -> list[tuple[str, list[str]]]:
     out += [("optimizer=adam", OPTIMIZERS["adam"])]
     out += [(f"compressor={c}", [f"compressor={c}"]) for c in CODECS]
     out += [(f"privacy={p}", [f"privacy={p}", "privacy.noise_multiplier=1.0"]) for p in PRIVACY]
+    # the simulated clock, dropping the slower clients (issue 67): no read, no op a client
+    out += [("fedavg+system", ["system=lognormal", "system.deadline=0.5"])]
     return out
 
 
@@ -268,3 +270,44 @@ def test_a_round_dispatches_as_many_ops_and_host_reads_for_any_cohort(case, extr
             f"{case}'s {what}: {s.total_reads} host reads at 10 clients, {g.total_reads} at "
             f"{big}: {g.summary()}"
         )
+
+
+#: Ops one FedAvg local step dispatches at most (issue 69): a round of 2s local steps less a
+#: round of s, over s, every step with its padding masks (:func:`every_step_short`), the
+#: CNN's convolutions vmapped as on a GPU (``vmapped_round_ops``). Before issue 69: logistic
+#: regression 65, the golden cases' small VGG (``fedprox-cnn``'s) 336; now 53 and 325 (the
+#: solver's own ops a step: the optimiser's arithmetic fused, the step's draws, masks and
+#: noise made once a block or a round, the losses' cotangent handed to autograd, no detached
+#: copies). What is left is the model's forward and backward and the task's loss
+#: (``scripts/count_step_ops.py --kinds`` prints them by kind, for issue 14's CNN and for
+#: momentum and Adam too).
+STEP_OPS = {"logreg": 53.0, "cnn": 325.0}
+#: the workloads of :data:`STEP_OPS`: FedAvg on the default data, and ``fedprox-cnn``'s model
+STEP_CASES = {
+    "logreg": ["model=logreg"],
+    "cnn": ["dataset=digits", "partition=iid", "num_clients=4", "model=vgg8",
+            "model.channels=[4,4,4,4,4]", "model.hidden=8"],
+}  # fmt: skip
+
+
+def step_ops(monkeypatch, model: str, steps: int = 2) -> float:
+    """Ops a local step of ``model``'s FedAvg round: (round of 2s − round of s) / s."""
+    from helpers import vmapped_round_ops
+
+    base = ["algorithm=fedavg", "progress=none", "checkpoint_every=0", "device=cpu",
+            "tracker=none", *STEP_CASES[model]]  # fmt: skip
+    cfgs = [compose_config(*base, f"local_steps={s}") for s in (steps, 2 * steps)]
+    rng.use_compiled_passes()
+    torch.manual_seed(0)
+    with every_step_short():
+        short, long = vmapped_round_ops(monkeypatch, cfgs)
+    return (sum(long.values()) - sum(short.values())) / steps
+
+
+@pytest.mark.parametrize("model", sorted(STEP_OPS))
+def test_a_local_step_dispatches_at_most_its_documented_ops(monkeypatch, model):
+    """A FedAvg local step's ops: at most :data:`STEP_OPS` (issue 69: half of the figure
+    before it was the goal; fewer ops a step is fewer launches on a GPU, less host time on
+    either). A step that gains an op fails here with the count."""
+    ops = step_ops(monkeypatch, model)
+    assert ops <= STEP_OPS[model], f"{model}: {ops} ops a local step, at most {STEP_OPS[model]}"

@@ -2,7 +2,7 @@
 
 The run settings are checked by :func:`fedexp.config.schema.validate`; the group nodes
 (``dataset``, ``partition``, ``model``, ``algorithm``, ``optimizer``, ``server_optimizer``,
-``augment``, ``compressor``, ``privacy``, ``tracker``) name a fedexp class or builder in
+``augment``, ``compressor``, ``privacy``, ``tracker``, ``system``) name a fedexp class or builder in
 ``_target_`` and are checked here against its signature: unknown keys, value types, non-finite
 floats and the ranges the signature declares (:mod:`fedexp.config.ranges`); an adaptive server
 optimiser against the algorithm (:func:`check_server_optimizer`). The CLI calls
@@ -23,6 +23,7 @@ from fedexp.config.instantiate import check_node, locate_target
 from fedexp.engine.solver.server_optim import steps_global_model
 from fedexp.errors import ConfigError
 from fedexp.privacy.checks import check_privacy
+from fedexp.system.checks import check_system
 
 #: Arguments the model builder passes from the data (not config keys).
 MODEL_EXTRA = frozenset({"input_shape", "num_classes"})
@@ -31,7 +32,7 @@ CHANNEL_KEYS = ("codec", "transforms", "error_feedback")
 #: The group nodes checked against their target's signature (the compressor's channels apart).
 PLAIN_GROUPS = (
     "dataset", "partition", "algorithm", "optimizer", "server_optimizer", "augment", "privacy",
-    "tracker",
+    "tracker", "system",
 )  # fmt: skip
 
 
@@ -157,3 +158,4 @@ def check_groups(cfg: DictConfig) -> None:
             check_channel(compressor.get(direction), f"compressor.{direction}")
     check_server_optimizer(cfg)
     check_privacy(cfg)
+    check_system(cfg)

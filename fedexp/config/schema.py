@@ -74,10 +74,23 @@ class RunConfig:
         output_dir: where checkpoints and result files go (null: Hydra's run folder).
         eval_participants: evaluate only the round's sampled clients at evaluated rounds
             before the last (pFedSOP's curves); the last round evaluates every client.
+        eval_global: each evaluation also scores the global model on every client's test
+            split (``global/acc/mean``...) and the gain of personalisation per client
+            (``gain/acc/mean``, ``/worst``, ``/hurt``: the share of clients it hurts), for the
+            methods with a global model (docs/protocols.md); false: the clients' own models
+            alone.
+        holdout_clients: fraction of the clients kept out of training (never sampled, never
+            in a training metric), scored at every full evaluation as new clients: they
+            receive what a new client would (the global model, or the method's rule),
+            take ``holdout_steps`` local steps and are tested (``new/acc/mean``...); 0: none.
+        holdout_steps: a new client's local steps before its test (null: the run's local
+            steps / epochs; 0: tested as received).
         threads: torch CPU threads of this job; 0 = the cores available (CPU affinity, cgroup
             quota) over the processes sharing them: parallel sweep jobs × the run's ranks (two
             jobs each using every core stall each other's small kernels on a 2-core
-            machine); logged at the start (fedexp/engine/threads.py).
+            machine); a single run also leaves out the cores other processes fill (the load
+            average), at the start and between rounds; logged at the start and at each
+            change (fedexp/engine/threads.py). N > 0 fixes the count whatever the load.
         memory_budget: GiB a local step of the cohort may fill (its clients' activations,
             estimated from one client's step); a cohort that needs more trains in slices of
             clients, with the same results; 0 = auto: 80 % of the GPU's free memory, or half
@@ -88,6 +101,10 @@ class RunConfig:
             faster, MONAI's 2-D U-Net's unchanged (docs/benchmarks.md). For the GPU: on the
             CPU a model with convolutions trains client by client and this changes nothing.
             The fields (kh·kw copies of each layer's input) count in the memory budget.
+        capture: "auto": on a CUDA device a round's local steps are recorded once as a CUDA
+            graph per cohort size and step count and replayed (static buffers; eager, with
+            one log line, where recording fails; fedexp/engine/solver/capture.py); the CPU
+            runs eagerly. "off": eager on every device.
         store: where the clients' data and states live: "memory", or "disk" (files in
             ``store_dir`` mapped into memory, so the resident memory follows the round's
             clients, not the population; CPU runs; the files go when the run ends).
@@ -124,7 +141,11 @@ class RunConfig:
     threads: int = 0
     memory_budget: float = 0.0
     conv_gemm: bool = False
+    capture: str = "auto"
     eval_participants: bool = False
+    eval_global: bool = True
+    holdout_clients: float = 0.0
+    holdout_steps: int | None = None
     store: str = "memory"
     store_dir: str | None = None
     client_table_limit: int = 10000
@@ -138,6 +159,7 @@ class RunConfig:
     server_optimizer: Any = field(default_factory=dict)
     augment: Any = field(default_factory=dict)
     privacy: Any = field(default_factory=dict)
+    system: Any = field(default_factory=dict)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     tracker: Any = field(default_factory=dict)
 
@@ -147,6 +169,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "progress": ("auto", "bar", "log", "none"),
     "sampling": ("shuffle", "replacement"),
     "store": ("memory", "disk"),
+    "capture": ("auto", "off"),
 }
 
 #: Algorithm keys that count other clients, so must stay below ``num_clients``, by target.
@@ -193,6 +216,11 @@ def _range_errors(get: Any) -> list[str]:
     need("val_fraction", lambda v: 0 <= v < 1, "a fraction in [0, 1) (0: no validation split)")
     need("threads", lambda v: v >= 0, "≥ 0 (0: PyTorch's default)", integer=True)
     need("memory_budget", lambda v: v >= 0, "≥ 0 GiB (0: auto, from the free memory)")
+    need("holdout_clients", lambda v: 0 <= v < 1, "a fraction in [0, 1) (0: none held out)")
+    if get("holdout_steps") is not None:
+        need(
+            "holdout_steps", lambda v: v >= 0, "≥ 0 (or null: the run's local steps)", integer=True
+        )
     need("client_table_limit", lambda v: v >= 0, "≥ 0 (0: no per-client table)", integer=True)
     for key, choices in CHOICES.items():
         if get(key) not in choices:

@@ -24,6 +24,10 @@ SAMPLING, CLIENT, INIT, SERVER = 1, 2, 3, 4
 EVAL = 5
 #: Poisson sampling's coin of each (round, client); the DP noise of clients and of the server
 POISSON, PRIVACY_CLIENT, PRIVACY_SERVER = 6, 7, 8
+#: a client's device and links, drawn once (``system=lognormal``: (seed, SYSTEM, quantity,
+#: client)); whether it is on in a round (``system.availability``: (seed, AVAILABLE, round,
+#: client)); ``fedexp.system``
+SYSTEM, AVAILABLE = 61, 62
 
 
 def derive_seed(*key: int) -> int:

@@ -40,14 +40,16 @@ from fedexp.engine.processes.shared_data import load_dataset
 from fedexp.engine.round import stacking
 from fedexp.engine.round.engine import Engine, RoundCallback
 from fedexp.engine.round.ledger import ByteLedger
+from fedexp.engine.round.views import held_out
+from fedexp.engine.solver.capture import solver_for
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.server_optim import ServerOptimizer, ServerSGD
-from fedexp.engine.solver.steps import train
 from fedexp.errors import CheckpointError, ConfigError, DivergenceError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import check_model_fits, task_for
 from fedexp.privacy.uplink import PrivateUplink
+from fedexp.system.settings import SystemModel
 from fedexp.tracking.base import NullTracker, Tracker
 from fedexp.tracking.dataset_input import describe_dataset
 from fedexp.tracking.provenance import run_tags
@@ -155,7 +157,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         shared_idx=torch.nonzero(shared_mask).flatten(),
         optimizer=instantiate_checked(cfg.optimizer, "optimizer"),
         server_optimizer=_server_optimizer(cfg),
-        solver=train,
+        solver=solver_for(cfg.get("capture", "auto"), device),
         memory_budget=resolve_budget(float(cfg.get("memory_budget") or 0.0), device),
         augment=_augment(cfg, data),
     )
@@ -171,12 +173,31 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         participation=cfg.participation,
         x0=model.initial(),
         privacy=privacy,
+        system=_system(cfg),
         store=None if store is None else store / "states",
         ranks=place,
+        eval_global=bool(cfg.get("eval_global", True)),
+        holdout=_holdout(cfg, privacy),
+        holdout_steps=cfg.get("holdout_steps"),
     )
     if store is not None:  # the files go with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, store, True)
     return engine, data
+
+
+def _holdout(cfg: DictConfig, privacy: PrivateUplink | None) -> tuple[int, ...]:
+    """The clients ``holdout_clients`` keeps out of training (``fedexp.engine.round.views``).
+
+    Raises:
+        ConfigError: with client-level DP, whose sampler draws from every client.
+    """
+    fraction = float(cfg.get("holdout_clients", 0.0) or 0.0)
+    if fraction > 0 and privacy is not None:
+        raise ConfigError(
+            f"holdout_clients={fraction:g}: not with privacy (its sampler and accountant count "
+            "every client); set holdout_clients=0 or privacy=none"
+        )
+    return held_out(cfg.seed, cfg.num_clients, fraction)
 
 
 def _server_optimizer(cfg: DictConfig) -> ServerOptimizer:
@@ -236,6 +257,18 @@ def _pca_fits(engine: Engine, cfg: DictConfig) -> bool:
         budget / 2**30,
     )
     return False
+
+
+def _system(cfg: DictConfig) -> SystemModel | None:
+    """Every client's device and links (``system`` group), or None without a clock."""
+    node = cfg.get("system")
+    if not node:
+        return None
+    settings = instantiate_checked(node, "system")
+    model = settings.build(cfg.num_clients, cfg.seed, cfg.batch_size)
+    if model is not None:
+        log.info("%s", settings.describe())
+    return model
 
 
 def _privacy(cfg: DictConfig, algorithm: Algorithm) -> PrivateUplink | None:
@@ -499,6 +532,8 @@ def _run(
         changes = [*meta.get("changes", []), *new]
     name = run_name or f"{type(engine.algorithm).__name__}-seed{cfg.seed}"
     tags = {**run_tags(engine.ctx.device), **(tags or {}), **_change_tags(changes)}
+    if cfg.resume:  # (a rescue's record names it: fedexp.tracking.mlflow_tracker)
+        tags["fedexp.resumed_after_round"] = str(engine.round)
     if engine.privacy is not None:
         tags["fedexp.privacy"] = engine.privacy.describe()
         log.info("%s", tags["fedexp.privacy"])

@@ -26,12 +26,15 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     labels = _labels(args, p)
     _check_reach(p, args)
+    _check_views(p, args)
     if args.out:
         _check_out(p, args.out)
     try:
         client = client_for(args.uri)
         if args.reach is not None:
             text = _reach(client, args, labels)
+        elif args.views:
+            text = _views(client, args, labels)
         else:
             rep = build(client, args, labels)
             for w in rep.warnings:
@@ -86,6 +89,36 @@ def _check_reach(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--agg {args.agg}: not with --reach (it reads each run's whole history)")
     if args.format != "markdown":
         p.error(f"--format {args.format}: not with --reach (its table is Markdown)")
+
+
+#: The options ``--views`` (a column per view) does not combine with: dest -> why.
+_NOT_WITH_VIEWS = {
+    "reach": "it is a table of its own",
+    "paired": "its differences are of one metric",
+    "epsilon": "it annotates the table of one metric",
+}
+
+
+def _check_views(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, with one line, an option ``--views`` would silently ignore."""
+    if not args.views:
+        return
+    flags = {a.dest: a.option_strings[-1] for a in p._actions if a.option_strings}
+    for dest, why in _NOT_WITH_VIEWS.items():
+        if getattr(args, dest) not in (None, False):
+            p.error(f"{flags[dest]}: not with --views ({why})")
+    if len(set(args.views)) != len(args.views):
+        p.error(f"--views {' '.join(args.views)}: a view named twice")
+
+
+def _views(client: Any, args: argparse.Namespace, labels: dict[str, str]) -> str:
+    """``--views``: the table of ``--metric`` under each view (:mod:`fedexp.report.views`)."""
+    from fedexp.report.views import build_views, write_views
+
+    reports, skipped = build_views(client, args, labels)
+    for w in [*skipped, *(w for _, rep in reports for w in rep.warnings)]:
+        print(f"fedexp report: warning: {w}", file=sys.stderr)
+    return write_views(reports, args.format)
 
 
 def _check_out(p: argparse.ArgumentParser, out: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import textwrap
+from typing import NoReturn
 
 from fedexp.report import render
 from fedexp.report.collect import IGNORED_KEYS, IGNORED_PREFIXES, Agg
@@ -79,9 +80,17 @@ def _agg(text: str) -> Agg:
         raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--agg {text!r}: ")) from None
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Argparse's errors in one line: its usage (10 lines) is ``--help``'s (issue 70, item 11)."""
+
+    def error(self, message: str) -> NoReturn:
+        """``fedexp report: error: <message> (fedexp report --help lists the options)``, exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``fedexp report`` (imports nothing heavy)."""
-    p = argparse.ArgumentParser(
+    p = _OneLineErrors(
         prog="fedexp report", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Formatter
     )
     what = p.add_argument_group("which runs")
@@ -134,6 +143,17 @@ def parser() -> argparse.ArgumentParser:
         default="acc/mean",
         help="the metric shown; acc/mean is the unweighted mean over clients of each client's "
         "test accuracy (the papers' headline)",
+    )
+    layout.add_argument(
+        "--views",
+        nargs="+",
+        choices=("personal", "global", "gain", "new"),
+        default=None,
+        metavar="VIEW",
+        help="a column per view of --metric: personal (the clients' own models, acc/mean), "
+        "global (the global model on the same clients, global/acc/mean), gain (personal − "
+        "global per client, gain/acc/mean) and new (held-out clients tested as new ones, "
+        "new/acc/mean); e.g. --views personal global gain new (default: none, --metric alone)",
     )
     layout.add_argument(
         "--agg",

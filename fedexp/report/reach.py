@@ -37,6 +37,10 @@ def reach_runs(
 ) -> dict[tuple[str, ...], list[dict]]:
     """Per run: wire bytes (up, down) when ``metric`` first reaches ``target``, final value.
 
+    A run on a simulated clock (``system`` group, ``clock/cum_s``) also gives the round and
+    the simulated seconds at which it got there (``round``, ``time``; NaN without a clock or
+    where the target is never reached) and ``curve_time``.
+
     Reaching is ``metric ≥ target``, or ``metric ≤ target`` where ``lower`` (a loss:
     ``--lower-is-better``). Returns, per group of ``keys`` values, one dict per run with
     ``up``, ``down`` (NaN if the target is never reached), ``final`` and the run's curve
@@ -51,6 +55,7 @@ def reach_runs(
             continue
         up = history(client, run.run_id, "bytes/up_cum")
         down = history(client, run.run_id, "bytes/down_cum")
+        clock = history(client, run.run_id, "clock/cum_s")
         steps = sorted(curve)
         reached = [t for t in steps if (curve[t] <= target if lower else curve[t] >= target)]
         hit = reached[0] if reached else None
@@ -61,6 +66,10 @@ def reach_runs(
             "curve_bytes": [_at(up, t) for t in steps],
             "curve_metric": [curve[t] for t in steps],
         }
+        if clock:  # simulated seconds (round 0 at 0 s) and rounds to the target
+            row["time"] = _at(clock, hit) if hit is not None else float("nan")
+            row["round"] = float(hit) if hit is not None else float("nan")
+            row["curve_time"] = [_at(clock, t) for t in steps]
         out[tuple(key_value(k, run.get(k)) for k in keys)].append(row)
     if not out:
         raise FedexpError(f"--metric {metric!r}: no finished run has a history of it")
@@ -103,15 +112,19 @@ def reach_table(
 
     Rows are named by ``labels`` (display names; raw values without). The final metric is the
     mean ± sample std over the group's runs, a single run's value alone. ``lower``: the
-    target is reached from above (:func:`reach_runs`).
+    target is reached from above (:func:`reach_runs`). Where runs were timed on a simulated
+    clock (``system`` group), the mean rounds and simulated seconds to reach it come beside
+    the bytes.
     """
     import numpy as np
 
+    timed = any("time" in r for rows in groups.values() for r in rows)
+    extra = " rounds to reach | simulated s to reach |" if timed else ""
     lines = [
         f"| {key_name} | runs reaching {metric} {'≤' if lower else '≥'} {target:g} | "
         "KiB up to reach | "
-        f"KiB down to reach | final {metric} |",
-        "|---|---|---|---|---|",
+        f"KiB down to reach |{extra} final {metric} |",
+        "|---|---|---|---|---|" + ("---|---|" if timed else ""),
     ]
     for g in sorted(groups, key=lambda r: [sort_key(v) for v in r]):
         rows = groups[g]
@@ -122,9 +135,14 @@ def reach_table(
         final = f"{fin.mean():.4f}"
         if len(fin) > 1:
             final += f" ± {sample_std(fin):.4f}"
+        clock = ""
+        if timed:
+            rounds = np.mean([r.get("round", np.nan) for r in hit]) if hit else float("nan")
+            time = np.mean([r.get("time", np.nan) for r in hit]) if hit else float("nan")
+            clock = f" {rounds:.1f} | {time:.1f} |"
         lines.append(
-            f"| {label_of(g, labels or {})} | {len(hit)}/{len(rows)} | {up:.1f} | {down:.1f} | "
-            f"{final} |"
+            f"| {label_of(g, labels or {})} | {len(hit)}/{len(rows)} | {up:.1f} | {down:.1f} |"
+            f"{clock} {final} |"
         )
     return "\n".join(lines)
 
@@ -169,6 +187,9 @@ def reach_plot(
 ) -> dict[str, Any]:
     """Metric against cumulative uplink bytes, one line per group (mean over its runs).
 
+    Where every run was timed on a simulated clock (``system`` group), a second panel draws
+    the metric against the simulated seconds.
+
     Args:
         groups: :func:`reach_runs`' groups.
         path: the PNG to write.
@@ -178,15 +199,18 @@ def reach_plot(
 
     Returns:
         What the figure shows: ``lines`` (legend text -> (KiB, metric) points), ``xscale``,
-        ``xticks`` and ``xticklabels`` (read back from the axes).
+        ``xticks`` and ``xticklabels`` (read back from the axes); with a clock,
+        ``time_lines`` (legend text -> (seconds, metric) points).
     """
     import numpy as np
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullLocator
 
-    fig = Figure(figsize=(6.4, 4.4))  # (no pyplot: docs/design.md, "Stacked runs")
-    ax = fig.subplots()
+    timed = all("curve_time" in r for rows in groups.values() for r in rows)
+    fig = Figure(figsize=(12.0 if timed else 6.4, 4.4))  # (no pyplot: docs/design.md)
+    ax, clock_ax = fig.subplots(1, 2) if timed else (fig.subplots(), None)
     lines: dict[str, tuple[list[float], list[float]]] = {}
+    time_lines: dict[str, tuple[list[float], list[float]]] = {}
     for g in sorted(groups, key=lambda r: [sort_key(v) for v in r]):
         rows = groups[g]
         n = min(len(r["curve_metric"]) for r in rows)
@@ -195,6 +219,10 @@ def reach_plot(
         name = label_of(g, labels or {})
         ax.plot(xb, ym, marker=".", label=name)
         lines[name] = (xb.tolist(), ym.tolist())
+        if clock_ax is not None:
+            xs = np.mean([r["curve_time"][:n] for r in rows], axis=0)
+            clock_ax.plot(xs, ym, marker=".", label=name)
+            time_lines[name] = (xs.tolist(), ym.tolist())
     scale, linthresh, ticks, names = kib_ticks([x for xs, _ in lines.values() for x in xs])
     if scale == "symlog":
         ax.set_xscale("symlog", linthresh=linthresh, linscale=0.5)
@@ -207,6 +235,13 @@ def reach_plot(
         title=f"{metric} against bytes on the wire",
     )
     ax.legend(fontsize=7, title=key_name or None, title_fontsize=7)
+    if clock_ax is not None:
+        clock_ax.set(
+            xlabel="simulated seconds",
+            ylabel=metric,
+            title=f"{metric} against simulated time",
+        )
+        clock_ax.legend(fontsize=7, title=key_name or None, title_fontsize=7)
     fig.tight_layout()
     shown = {
         "lines": lines,
@@ -214,5 +249,7 @@ def reach_plot(
         "xticks": [float(t) for t in ax.get_xticks()],
         "xticklabels": [t.get_text() for t in ax.get_xticklabels()],
     }
+    if clock_ax is not None:
+        shown["time_lines"] = time_lines
     fig.savefig(path, dpi=110)
     return shown

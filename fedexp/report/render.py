@@ -71,10 +71,13 @@ def default_scale(metric: str) -> float:
     """The default ``--scale`` of ``metric``: 100 (percent) for fractions, else 1.
 
     Fractions are ``acc/mean``, ``auc/best_mean``, ... and their validation twins
-    (``val/acc/mean``); bytes, times and losses keep their units, so that bytes are never
-    shown × 100.
+    (``val/acc/mean``) and views (``global/acc/mean``, ``gain/acc/p10``, ``new/acc/mean``);
+    bytes, times and losses keep their units, so that bytes are never shown × 100.
     """
-    return 100.0 if metric.removeprefix("val/").split("/", 1)[0] in FRACTIONS else 1.0
+    name = metric.removeprefix("val/")
+    for view in ("global/", "gain/", "new/"):  # the views of a metric (--views)
+        name = name.removeprefix(view)
+    return 100.0 if name.split("/", 1)[0] in FRACTIONS else 1.0
 
 
 def default_labels(keys: Sequence[str]) -> dict[str, str]:

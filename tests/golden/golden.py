@@ -14,6 +14,9 @@ HERE = Path(__file__).resolve().parent
 ROUNDS = 3
 #: what a round's figures are compared on: not wall times
 _SKIP = ("time/", "system/", "memory/")
+#: aggregates added after the recording (issue 68): the clients' quantiles, derived from the
+#: same per-client figures as the recorded mean, worst and std
+_SKIP_SUFFIX = ("/p10", "/p50", "/p90")
 
 
 def state_path(name: str) -> Path:
@@ -56,7 +59,13 @@ def run_case(
         with recording_ties() as calls:
             aggregates, per_client = engine.evaluate()
         metrics.update(aggregates)
-        history.append({k: float(v) for k, v in sorted(metrics.items()) if not k.startswith(_SKIP)})
+        history.append(
+            {
+                k: float(v)
+                for k, v in sorted(metrics.items())
+                if not k.startswith(_SKIP) and not k.endswith(_SKIP_SUFFIX)
+            }
+        )
         values = torch.tensor([[m.get(k, math.nan) for k in DISCRETE] for m in per_client])
         slack = torch.cat(calls) if calls else torch.zeros(len(per_client), len(DISCRETE))
         assert len(slack) == len(per_client), "an evaluation scored clients out of turn"

@@ -31,6 +31,11 @@ def _table_rows(client_history: list[dict[str, float]]) -> list[dict[str, Any]]:
     return [{**r, **{k: int(r[k]) for k in _COUNTS if k in r}} for r in client_history]
 
 
+def _new_last(key: str) -> bool:
+    """Sort key: a new client's metric (``new/<m>``) after the clients' own."""
+    return key.startswith("new/")
+
+
 def _write_outputs(
     out: Path,
     cfg: DictConfig,
@@ -70,17 +75,18 @@ def _write_outputs(
             writer.writeheader()
             writer.writerows(_table_rows(client_history))  # round 3, client 0: not 3.0, 0.0
     OmegaConf.save(cfg, files[0], resolve=True)
+    # held-out clients' rows hold new/<m> (issue 68): every row's keys, the clients' own first
+    columns = sorted(dict.fromkeys(k for row in per_client for k in row), key=_new_last)
     with open(files[1], "w", newline="") as fh:
-        keys = list(per_client[0])
         writer = csv.writer(fh)
         best = sorted(engine.best)
-        writer.writerow(["client", "num_train", *keys, *(f"best_{k}" for k in best)])
+        writer.writerow(["client", "num_train", *columns, *(f"best_{k}" for k in best)])
         for n, row in enumerate(per_client):
             writer.writerow(
                 [
                     n,
                     engine.clients[n].num_train,
-                    *(row[k] for k in keys),
+                    *(row.get(k, "") for k in columns),
                     *(float(engine.best[k][n]) for k in best),
                 ]
             )
@@ -100,7 +106,7 @@ def _write_outputs(
             writer.writerows(edges.cpu().tolist())
     if not cfg.get("figures", True):
         return files
-    headline = next(iter(per_client[0]))
+    headline = columns[0]
     with together(aside=stacking.aside) as drawn:  # asked for at once, waited for once
         plot_rounds(history, out / "curves.png", headline)
         plot_clients(client_history, out / "clients.png", headline)

@@ -39,11 +39,13 @@ _RESUME_KEYS = (
     "sampling",
     "test_fraction",
     "val_fraction",
+    "holdout_clients",
 )
 
 #: Defaults of resume keys added after checkpoints were first written (older ones lack them).
 _RESUME_DEFAULTS = {
     "val_fraction": 0.0,
+    "holdout_clients": 0.0,
     "sampling": "replacement",
     "augment": {"_target_": "fedexp.data.augment.NoAugmentation"},
     "server_optimizer": {"_target_": "fedexp.engine.solver.server_optim.ServerSGD"},
@@ -185,3 +187,21 @@ def resume_target(resume: str) -> str:
         f"resume={resume}: no checkpoint found (expected {path / LAST_CHECKPOINT}, or a run's "
         f"folder holding {CHECKPOINTS}/{LAST_CHECKPOINT})"
     )
+
+
+def check_resume_early(cfg: DictConfig) -> None:
+    """Refuse a resume whose settings differ from the checkpoint's, before anything is logged.
+
+    The checkpoint's settings are read from its header alone (no tensor is read); the runner
+    checks them again as it loads it. Refused here, a resume leaves its run's ``cli.log`` as
+    it was (issue 70, item 11: the refused command's ``threads:`` line was appended to it).
+
+    Raises:
+        ConfigError: a setting that must not change did (:func:`_check_resume`).
+    """
+    from fedexp.engine.files.checkpoint import peek
+
+    path = Path(cfg.resume)
+    meta = peek(path / LAST_CHECKPOINT if path.is_dir() else path)
+    if meta is not None and isinstance(meta.get("config"), str):
+        _check_resume(cfg, meta["config"])

@@ -67,12 +67,19 @@ from fedexp.engine.round.transport import (
 )
 from fedexp.engine.solver.context import Context
 from fedexp.privacy.uplink import PrivateUplink
+from fedexp.system.clock import Clock, local_steps
+from fedexp.system.settings import SystemModel
 from fedexp.transfer import to_device
 
 
 def _sample(seed: int, num_clients: int, rate: float, round_: int) -> list[int]:
     """The round's fixed-size cohort (``rng.sample_clients``)."""
     return rng.sample_clients(seed, round_, num_clients, rate)
+
+
+def _sample_among(members: tuple[int, ...], seed: int, rate: float, round_: int) -> list[int]:
+    """The round's fixed-size cohort of ``members`` (the clients not held out), ascending."""
+    return [members[i] for i in rng.sample_clients(seed, round_, len(members), rate)]
 
 
 # Stream purpose of the set-up exchange (beside rng.CLIENT and the channels' purposes).
@@ -147,6 +154,17 @@ class Engine(Transport, Evaluation):
     stages: list[UplinkStage] = field(init=False, repr=False)
     #: the initial server state (derived, not checkpointed), built when a part needs it
     _server0: State | None = field(default=None, repr=False)
+    #: score the global model on every client's test split too (``eval_global``,
+    #: ``fedexp.engine.round.views``)
+    eval_global: bool = True
+    #: the clients kept out of training, scored as new clients (``holdout_clients``)
+    holdout: tuple[int, ...] = ()
+    #: a new client's local steps before its test (``holdout_steps``; None: the run's)
+    holdout_steps: int | None = None
+    #: every client's device, links and availability (``system`` group); None: no clock
+    system: SystemModel | None = None
+    #: the simulated clock (``fedexp.system.clock``), made from ``system``
+    clock: Clock | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._choose_stages()
@@ -163,17 +181,55 @@ class Engine(Transport, Evaluation):
         if self.ranks is None:
             self.exchange = Alone()
         else:
-            mean = privacy is None and self.algorithm.server_reads == "mean"
+            mean = privacy is None and self.algorithm.server_reads == "mean" and self._keeps_all
             self.exchange = RankExchange(self.ranks, mean, weakly(self._weight_tensor))
         seed, rate = self.seed, self.participation
         draw = privacy.sample if privacy is not None else partial(_sample, seed, n, rate)
-        self.sampler = Sampler(draw, n, self.algorithm.all_train, self.exchange.mine)
+        members = None
+        if self.holdout:  # the held-out clients never take part (``holdout_clients``)
+            members = tuple(self.training_clients())
+            draw = partial(_sample_among, members, seed, rate)
+        if self.system is not None:  # the simulated clock: available clients only, timed
+            self.clock = self._clock(members)
+            draw = self.clock.draw if privacy is None else draw
+        self.sampler = Sampler(draw, n, self.algorithm.all_train, self.exchange.mine, members)
         wire = Wire(weakly(self._uplink))
         lossy = not _exact(self.uplink)
         if privacy is None:
             self.stages = [wire]
         else:
             self.stages = [Privatize(privacy, self.x0, lossy, weakly(self._received)), wire]
+        if self.clock is not None:  # first on the server's side: it may drop late uploads
+            self.stages.insert(0, self.clock)
+
+    @property
+    def _keeps_all(self) -> bool:
+        """Whether the server keeps every sampled upload (no clock drops any)."""
+        return self.system is None or self.system.keeps_all
+
+    def _clock(self, members: tuple[int, ...] | None) -> Clock:
+        """The simulated clock of :attr:`system` (the ledger then keeps each client's bytes)."""
+        assert self.system is not None
+        self.ledger.per_client = True
+        n = len(self.clients)
+        return Clock(
+            self.system,
+            self.seed,
+            self.participation,
+            np.arange(n) if members is None else np.asarray(members, dtype=np.int64),
+            weakly(self._client_bytes),
+            weakly(self._client_steps),
+        )
+
+    def _client_bytes(self) -> tuple[np.ndarray, np.ndarray]:
+        """This round's bytes of every client, (up ``[N]``, down ``[N]``), every process's."""
+        n = len(self.clients)
+        return self.ledger.client_bytes("up", n), self.ledger.client_bytes("down", n)
+
+    def _client_steps(self) -> np.ndarray:
+        """Every client's local steps a round (``Context.steps_for`` of each, at once)."""
+        ctx = self.ctx
+        return local_steps(self._host_sizes(), ctx.local_steps, ctx.local_epochs, ctx.batch_size)
 
     def _received(self) -> Message | None:
         """What client 0 would receive now (the shape of an empty DP cohort's noise)."""
@@ -256,7 +312,8 @@ class Engine(Transport, Evaluation):
         for stage in self.stages:  # re-clip, server noise, the accountant
             up = stage.server(t, who, up)
         # the senders over every slice and process (a "mean" server may get one summed upload)
-        self.ctx.senders = Senders(who.sampled, self._host_sizes(), self.ctx.num_clients)
+        heard = who.sampled if up.heard is None else up.heard  # (a deadline may drop some)
+        self.ctx.senders = Senders(heard, self._host_sizes(), self.ctx.num_clients)
         self.server = self.algorithm.server_update(self.ctx, self.server, up.updates, up.weights)
         self.round = t + 1
         return self._record(who, up, started)
@@ -289,6 +346,7 @@ class Engine(Transport, Evaluation):
             or self.algorithm.server_reads != "mean"
             or self.privacy is not None
             or self.stack is not None
+            or not self._keeps_all
         ):
             return None
         size = max(1, budget // (_ROUND_COPIES * self.x0.numel() * self.x0.element_size()))
@@ -524,6 +582,8 @@ class Engine(Transport, Evaluation):
         }
         if self.privacy is not None:
             tree["privacy"] = self.privacy.state()
+        if self.clock is not None:
+            tree["clock"] = self.clock.state()
         return tree
 
     def load_state_tree(self, tree: dict[str, Any], round_: int, ledger: ByteLedger) -> None:
@@ -564,6 +624,9 @@ class Engine(Transport, Evaluation):
                 self.best[key] = value.to("cpu", torch.float64)
         if self.privacy is not None:
             self.privacy.load_state(tree.get("privacy", {}))
+        if self.clock is not None:
+            self.clock.load_state(tree.get("clock", {}))
+            ledger.per_client = True
         self.round = round_
         self.ledger = ledger
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.func import vmap
 
@@ -20,7 +21,8 @@ from fedexp.contract import Cohort, State
 from fedexp.data.client import ClientData, client_ids
 from fedexp.engine import rng
 from fedexp.engine.clients.pool import padded
-from fedexp.metrics import LOWER_IS_BETTER, aggregate
+from fedexp.engine.round.views import GLOBAL, NEW, NEWCOMER, VIEWS, with_gains
+from fedexp.metrics import aggregate, lower_is_better
 from fedexp.transfer import to_device
 
 if TYPE_CHECKING:
@@ -47,6 +49,14 @@ class Evaluation:
     client_states: ClientStates
     best: dict[str, torch.Tensor]
     ranks: Ranks | None
+    x0: torch.Tensor
+    #: score the global model on every client's test split too (``eval_global``)
+    eval_global: bool
+    #: the clients kept out of training (``holdout_clients``), ascending
+    holdout: tuple[int, ...]
+    #: a new client's local steps before its test (None: the run's local steps)
+    holdout_steps: int | None
+    _host_sizes: Callable[[], Any]
     _cohorts: Callable[[list[int], int], list[tuple[list[int], Cohort, Hashable]]]
     client_data: Callable[[Sequence[int]], list[ClientData]]
 
@@ -57,6 +67,9 @@ class Evaluation:
 
         Args:
             clients: whom to evaluate (default: every client); the per-client list follows it.
+                Held-out clients (``holdout_clients``) are scored as new clients
+                (:meth:`evaluate_newcomers`) when every client is evaluated: their rows hold
+                ``new/<m>``, and they count in no other aggregate.
 
         The aggregates are ``<m>/mean`` (the unweighted mean over clients, the papers'
         headline), ``/weighted`` (by test samples), ``/worst``, ``/std``, and ``<m>/best_mean``:
@@ -65,15 +78,23 @@ class Evaluation:
         also evaluated on it, with the same parameters: the same aggregates under ``val/``
         (``val/acc/mean``, ``val/acc/weighted`` by validation samples, ...), for tuning. The
         per-client metrics are the test split's.
+
+        With ``eval_global`` and a method that has a global model
+        (``Algorithm.global_vector``), each row also holds ``global/<m>``, the global model's
+        figure on the client's test split (scored with the clients' own in one pass), and
+        ``gain/<m>`` (:func:`fedexp.engine.round.views.with_gains`); their aggregates are
+        ``global/acc/mean``, ``gain/acc/worst``, ``gain/acc/hurt``...
         """
-        who = list(range(len(self.clients)) if clients is None else clients)
+        everyone = clients is None
+        who = self.training_clients() if everyone else list(clients)
         ranks = self.ranks
         local = who if ranks is None else ranks.mine(who)  # a rank scores its own clients
         per_client: list[dict[str, float]] = []
         val_rows: list[dict[str, float]] = []
         val_clients: list[int] = []
+        glob = self.global_model()
         for start in range(0, len(local), _BLOCK):  # a block of clients' vectors at a time
-            rows, val, scored = self._evaluate_block(local[start : start + _BLOCK])
+            rows, val, scored = self._evaluate_block(local[start : start + _BLOCK], glob)
             per_client += rows
             val_rows += val
             val_clients += scored
@@ -83,27 +104,118 @@ class Evaluation:
             val_rows = _in_order(ranks.gather_json([val_clients, val_rows]), order)
             val_clients = order
         val_weights = [float(self.clients[n].num_val) for n in val_clients]
+        if glob is not None:
+            per_client = with_gains(per_client)
         weights = [c["num_test"] for c in per_client]
         keys = [k for k in per_client[0] if k != "num_test"] if per_client else []
         out = aggregate(per_client, weights, keys) if per_client else {}
-        out.update(self._update_best(who, per_client, keys))
+        own = [k for k in keys if not k.startswith(VIEWS)]
+        out.update(self._update_best(who, per_client, own))
         if val_rows:
             out.update({f"{_VAL}{k}": v for k, v in aggregate(val_rows, val_weights).items()})
             val_scored = [{f"{_VAL}{k}": v for k, v in row.items()} for row in val_rows]
             out.update(self._update_best(val_clients, val_scored, list(val_scored[0])))
+        if everyone and self.holdout:
+            new_rows = self.evaluate_newcomers(glob)
+            new_keys = [k for k in new_rows[0] if k != "num_test"] if new_rows else []
+            if new_keys:
+                out.update(aggregate(new_rows, [r["num_test"] for r in new_rows], new_keys))
+            by_client = dict(zip(who, per_client, strict=True))
+            by_client.update(zip(self.holdout, new_rows, strict=True))
+            per_client = [by_client[n] for n in range(len(self.clients))]
         return out, per_client
 
+    def training_clients(self) -> list[int]:
+        """Every client but the held-out ones (``holdout_clients``), ascending."""
+        if not self.holdout:
+            return list(range(len(self.clients)))
+        out = set(self.holdout)
+        return [n for n in range(len(self.clients)) if n not in out]
+
+    def global_model(self) -> torch.Tensor | None:
+        """The vector the global view scores (``Algorithm.global_vector``); None: no view.
+
+        None with ``eval_global`` off, or for a method without a global model.
+        """
+        if not self.eval_global:
+            return None
+        got = self.algorithm.global_vector(self.ctx, self.server, self.client_average)
+        return None if got is None else got.detach()
+
+    def client_average(self, key: str) -> torch.Tensor:
+        """The training clients' mean of their state ``key``, weighted by training samples.
+
+        Block by block (a stack of :data:`_BLOCK` clients' rows at a time); over several
+        processes each rank sums its own clients' and the ranks' sums are added.
+        """
+        train = self.training_clients()
+        mine = train if self.ranks is None else self.ranks.mine(train)
+        sizes = np.asarray(self._host_sizes(), dtype=np.float64)  # on the host: no read
+        total: torch.Tensor | None = None
+        for start in range(0, len(mine), _BLOCK):
+            block = mine[start : start + _BLOCK]
+            rows = self.client_states.rows(block).stack(key)
+            w = torch.as_tensor(sizes[block]).to(rows.device, rows.dtype)
+            part = w @ rows
+            total = part if total is None else total + part
+        if total is None:
+            total = torch.zeros_like(self.x0)
+        if self.ranks is not None:
+            got = self.ranks.gather_tensors({"sum": total})
+            total = sum((g["sum"].to(total.device) for g in got), torch.zeros_like(total))
+        return total / float(sizes[train].sum())
+
+    def evaluate_newcomers(self, glob: torch.Tensor | None) -> list[dict[str, float]]:
+        """The held-out clients as new clients: ``new/<m>`` of each, in ``holdout`` order.
+
+        Each starts from ``Algorithm.newcomer`` (the global model by default), takes
+        ``holdout_steps`` local steps of the run's optimiser (fresh state, the task's loss) on
+        its training split through the cohort solver (on the model's coordinates of a longer
+        vector, FedRoD's [θ ; 0], whose rest is kept), drawing from its own streams (seed,
+        :data:`~fedexp.engine.round.views.NEWCOMER`, round, client), and is scored on its
+        test split. Nothing is kept. A method without a newcomer rule gives rows of
+        ``num_test`` alone.
+        """
+        algo, ctx, ranks = self.algorithm, self.ctx, self.ranks
+        who = list(self.holdout)
+        local = who if ranks is None else ranks.mine(who)
+        start = algo.newcomer(ctx, self.server, glob, self.x0)
+        rows: list[dict[str, float]] = [{} for _ in local]
+        if local and start is not None:
+            data = self.client_data(local)
+            groups = self._cohorts(local, NEWCOMER)
+            parts = []
+            d = ctx.model.layout.numel
+            for _, cohort, _ in groups:
+                x = start.detach().expand(len(cohort.clients), -1).clone()
+                steps = self.holdout_steps
+                steps = ctx.cohort_steps(cohort) if steps is None else steps
+                if steps:  # the model's coordinates (FedRoD's [θ ; p]: θ), the rest kept
+                    x[:, :d] = ctx.train(x[:, :d].contiguous(), cohort, steps=steps).params.detach()
+                parts.append(x)
+            order = torch.as_tensor([i for rows_, _, _ in groups for i in rows_])
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(len(local))
+            params = torch.cat(parts)[inverse.to(parts[0].device)]
+            scored = self._evaluate_many(params, data)
+            rows = [{f"{NEW}{k}": v for k, v in r.items()} for r in scored]
+        for n, r in zip(local, rows, strict=True):
+            r["num_test"] = float(self.clients[n].num_test)
+        if ranks is not None:
+            rows = _in_order(ranks.gather_json([local, rows]), who)
+        return rows
+
     def _evaluate_block(
-        self, local: list[int]
+        self, local: list[int], glob: torch.Tensor | None = None
     ) -> tuple[list[dict[str, float]], list[dict[str, float]], list[int]]:
         """Clients ``local`` on their test (and validation) splits.
 
-        Returns (their test metrics with ``num_test``, the validation metrics of those with a
-        validation split, who those are).
+        Returns (their test metrics with ``num_test``, and ``global/<m>`` of ``glob`` when
+        given, the validation metrics of those with a validation split, who those are).
         """
         params = self.eval_vectors(local)
         data = self.client_data(local)
-        rows = self._evaluate_many(params, data)
+        rows = self._evaluate_many(params, data, glob)
         for d, m in zip(data, rows, strict=True):
             m["num_test"] = float(d.num_test)
         val_who = [i for i, d in enumerate(data) if d.num_val]
@@ -158,9 +270,15 @@ class Evaluation:
 
     @torch.no_grad()
     def _evaluate_many(
-        self, params: torch.Tensor, data: list[ClientData]
+        self, params: torch.Tensor, data: list[ClientData], glob: torch.Tensor | None = None
     ) -> list[dict[str, float]]:
         """Each client's metrics of ``params[i]`` (``[m, d]``) on ``data[i]``'s test split.
+
+        With ``glob`` (a ``[d]`` vector) each row also holds ``global/<m>``: the same test
+        inputs through ``glob`` (one plain pass, stride 0 along the clients), its logits
+        scored with the clients' in the same batched metrics (one transfer to the host, as
+        without it). Where the clients are evaluated with ``glob`` itself (FedAvg: the global
+        model expanded) its figures are theirs, not computed twice: the gain is exactly 0.
 
         Clients are evaluated together (issue 14): their test inputs padded into one batch
         (gathered from their pool at once), one vmapped forward pass of the algorithm's
@@ -173,8 +291,17 @@ class Evaluation:
         ctx = self.ctx
         if not data:
             return []
+        if glob is not None and _is_expanded(params, glob):  # personal == global
+            rows = self._evaluate_many(params, data)
+            return [{**r, **{f"{GLOBAL}{k}": v for k, v in r.items()}} for r in rows]
         if not hasattr(ctx.task, "evaluate_batch") or not ctx.vmap_ok or len(data) == 1:
-            return [ctx.evaluate(p, d, self._forward) for p, d in zip(params, data, strict=True)]
+            return [
+                _with_global(
+                    ctx.evaluate(p, d, self._forward),
+                    None if glob is None else ctx.evaluate(glob, d, self._forward),
+                )
+                for p, d in zip(params, data, strict=True)
+            ]
         ctx.model.module.eval()
         budget = max(ctx.eval_batch_size, 8192)
         out: list[dict[str, float]] = []
@@ -187,22 +314,31 @@ class Evaluation:
                     break
                 stop += 1
             try:
-                out.extend(self._evaluate_chunk(params[start:stop], data[start:stop]))
+                out.extend(self._evaluate_chunk(params[start:stop], data[start:stop], glob))
             except RuntimeError as exc:  # an op vmap refuses: client by client from now on
                 ctx.vmap_ok = False
                 log.warning("batched evaluation: cannot vmap (%s)", str(exc).splitlines()[0][:160])
-                return out + [
-                    ctx.evaluate(p, d, self._forward)
-                    for p, d in zip(params[start:], data[start:], strict=True)
-                ]
+                return out + self._evaluate_many(params[start:], data[start:], glob)
             start = stop
         return out
 
     def _evaluate_chunk(
-        self, params: torch.Tensor, data: list[ClientData]
+        self, params: torch.Tensor, data: list[ClientData], glob: torch.Tensor | None = None
     ) -> list[dict[str, float]]:
         xs, ys, lengths = _padded_tests(data)
-        m, n = ys.shape[:2]
+        logits = self._chunk_logits(params, xs)
+        if glob is None:
+            return self.ctx.task.evaluate_batch(logits, ys, lengths)
+        m = ys.shape[0]
+        shared = self._chunk_logits(glob.expand(m, *glob.shape), xs)
+        rows = self.ctx.task.evaluate_batch(
+            torch.cat([logits, shared]), torch.cat([ys, ys]), torch.cat([lengths, lengths])
+        )
+        return [_with_global(r, g) for r, g in zip(rows[:m], rows[m:], strict=True)]
+
+    def _chunk_logits(self, params: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """``[m, n, ...]`` logits of the clients' padded inputs under ``params[i]``."""
+        m, n = xs.shape[:2]
         if params.stride(0) == 0:  # one vector for all: one plain pass
             flat = xs.reshape(m * n, *xs.shape[2:])
             # small inputs (tabular rows) go through in passes of up to 8,192
@@ -214,7 +350,7 @@ class Evaluation:
             logits = self.ctx.model.forward_stacked(params, xs)  # vmap's bits, without vmap
         else:
             logits = vmap(self._forward)(params, xs)
-        return self.ctx.task.evaluate_batch(logits, ys, lengths)
+        return logits
 
     def _stacked_forward(self) -> bool:
         """Whether the clients' logits are the model's own batched forward pass.
@@ -235,7 +371,7 @@ class Evaluation:
             best = self.best.setdefault(
                 key, torch.full((len(self.clients),), math.nan, dtype=torch.float64)
             )
-            lower = key.removeprefix(_VAL) in LOWER_IS_BETTER
+            lower = lower_is_better(key.removeprefix(_VAL))
             better = torch.minimum if lower else torch.maximum
             new = torch.tensor([m[key] for m in scored], dtype=torch.float64)
             idx = client_ids(who)
@@ -261,6 +397,24 @@ def _padded_tests(data: list[ClientData]) -> tuple[torch.Tensor, torch.Tensor, t
     xs = torch.nn.utils.rnn.pad_sequence([d.x_test for d in data], batch_first=True)
     ys = torch.nn.utils.rnn.pad_sequence([d.y_test for d in data], batch_first=True)
     return xs, ys, torch.tensor([d.num_test for d in data], dtype=torch.int64)
+
+
+def _is_expanded(params: torch.Tensor, vector: torch.Tensor) -> bool:
+    """Whether ``params`` is ``vector`` expanded along the clients (the same storage)."""
+    return (
+        params.dim() == vector.dim() + 1
+        and params.stride(0) == 0
+        and params.data_ptr() == vector.data_ptr()
+        and params.shape[1:] == vector.shape
+        and params.stride()[1:] == vector.stride()
+    )
+
+
+def _with_global(row: dict[str, float], glob: dict[str, float] | None) -> dict[str, float]:
+    """A client's row with the global model's figures as ``global/<m>`` (none: as it is)."""
+    if glob is None:
+        return row
+    return {**row, **{f"{GLOBAL}{k}": v for k, v in glob.items()}}
 
 
 def _in_order(gathered: list, who: list[int]) -> list[dict[str, float]]:

@@ -79,7 +79,7 @@ class RankExchange:
 
     def round_ledger(self, run: ByteLedger) -> ByteLedger:
         """A ledger of this rank's messages, merged into the run's by :meth:`combine`."""
-        return ByteLedger()
+        return ByteLedger(per_client=run.per_client)
 
     def combine(self, who: Who, up: Uplink, mine: ByteLedger, run: ByteLedger) -> Uplink:
         """Every rank's metrics, messages and uploads (or their weighted sum), on every rank.

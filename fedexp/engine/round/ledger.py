@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class ByteLedger:
@@ -18,18 +20,46 @@ class ByteLedger:
     #: named parts of multi-part messages: "<direction>/<part>" -> bytes, this round and in all
     parts_round: dict[str, int] = field(default_factory=dict)
     parts_total: dict[str, int] = field(default_factory=dict)
+    #: whether this round's bytes are also kept client by client (:meth:`client_bytes`: the
+    #: simulated clock's, ``fedexp.system``); off, nothing more is kept
+    per_client: bool = False
+    #: direction -> this round's (clients, bytes each) chunks, as counted (``per_client``)
+    _chunks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(
+        default_factory=lambda: {"up": [], "down": []}, repr=False
+    )
 
     def start_round(self) -> None:
         """Reset the per-round counters."""
         self.round = {"up": 0, "down": 0}
         self.round_dense = {"up": 0, "down": 0}
         self.parts_round = {}
+        self._chunks = {"up": [], "down": []}
 
-    def add(self, direction: str, payload: bytes, numel: int, part: str = "") -> None:
+    def _keep(self, direction: str, clients: Sequence[int] | None, sizes: np.ndarray) -> None:
+        """This round's messages of ``clients`` (``sizes`` bytes each), with ``per_client``."""
+        if self.per_client and clients is not None:
+            ids = np.asarray(clients, dtype=np.int64).reshape(-1)
+            sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), ids.shape)
+            self._chunks[direction].append((ids, sizes))
+
+    def client_bytes(self, direction: str, num_clients: int) -> np.ndarray:
+        """This round's bytes of each client in ``direction`` (int64 ``[N]``; ``per_client``)."""
+        chunks = self._chunks[direction]
+        if not chunks:
+            return np.zeros(num_clients, dtype=np.int64)
+        ids = np.concatenate([c for c, _ in chunks])
+        sizes = np.concatenate([b for _, b in chunks])
+        return np.bincount(ids, weights=sizes, minlength=num_clients).astype(np.int64)
+
+    def add(
+        self, direction: str, payload: bytes, numel: int, part: str = "", client: int | None = None
+    ) -> None:
         """Count one message (part) of ``numel`` entries in ``direction`` ("up" or "down").
 
-        A named ``part`` of a multi-part message is also counted under its name.
+        A named ``part`` of a multi-part message is also counted under its name; ``client``:
+        whose message it is (kept with :attr:`per_client`).
         """
+        self._keep(direction, None if client is None else [client], np.int64(len(payload)))
         if part:
             key = f"{direction}/{part}"
             self.parts_round[key] = self.parts_round.get(key, 0) + len(payload)
@@ -40,8 +70,20 @@ class ByteLedger:
         self.total_dense[direction] += 4 * numel
         self.messages[direction] += 1
 
-    def add_many(self, direction: str, count: int, size: int, numel: int, part: str = "") -> None:
-        """Count ``count`` messages (parts) of ``size`` bytes and ``numel`` entries each."""
+    def add_many(
+        self,
+        direction: str,
+        count: int,
+        size: int,
+        numel: int,
+        part: str = "",
+        clients: Sequence[int] | None = None,
+    ) -> None:
+        """Count ``count`` messages (parts) of ``size`` bytes and ``numel`` entries each.
+
+        ``clients``: whose messages they are, one each (kept with :attr:`per_client`).
+        """
+        self._keep(direction, clients, np.int64(size))
         if part:
             key = f"{direction}/{part}"
             self.parts_round[key] = self.parts_round.get(key, 0) + count * size
@@ -52,8 +94,19 @@ class ByteLedger:
         self.total_dense[direction] += count * 4 * numel
         self.messages[direction] += count
 
-    def add_sizes(self, direction: str, sizes: Sequence[int], numel: int, part: str = "") -> None:
-        """Count one message (part) of ``numel`` entries per entry of ``sizes`` (its bytes)."""
+    def add_sizes(
+        self,
+        direction: str,
+        sizes: Sequence[int],
+        numel: int,
+        part: str = "",
+        clients: Sequence[int] | None = None,
+    ) -> None:
+        """Count one message (part) of ``numel`` entries per entry of ``sizes`` (its bytes).
+
+        ``clients``: whose messages they are, one a size (kept with :attr:`per_client`).
+        """
+        self._keep(direction, clients, np.asarray(sizes, dtype=np.int64))
         total, count = int(sum(int(b) for b in sizes)), len(sizes)
         if part:
             key = f"{direction}/{part}"
@@ -84,12 +137,19 @@ class ByteLedger:
 
     def round_record(self) -> dict:
         """This round's counts (a fresh ledger's, for :meth:`merge` on every rank)."""
-        return {
+        record = {
             "round": self.round,
             "round_dense": self.round_dense,
             "messages": self.messages,
             "parts_round": self.parts_round,
         }
+        if self.per_client:  # (the clients' bytes, nonzero ones only: [[clients], [bytes]])
+            record["clients"] = {}
+            for d in ("up", "down"):
+                sent = self.client_bytes(d, 0)
+                who = np.flatnonzero(sent)
+                record["clients"][d] = [who.tolist(), sent[who].tolist()]
+        return record
 
     def merge(self, records: Sequence[dict]) -> None:
         """Add every rank's :meth:`round_record` of this round (a run over several ranks)."""
@@ -103,6 +163,8 @@ class ByteLedger:
             for key, size in rec["parts_round"].items():
                 self.parts_round[key] = self.parts_round.get(key, 0) + size
                 self.parts_total[key] = self.parts_total.get(key, 0) + size
+            for d, (clients, sizes) in rec.get("clients", {}).items():
+                self._keep(d, clients, np.asarray(sizes, dtype=np.int64))
 
     def to_meta(self) -> dict:
         """Cumulative counters for a checkpoint."""

@@ -67,18 +67,22 @@ class Sampler:
         all_train: every client trains each round (``Algorithm.all_train``); the sampled
             ones alone upload.
         mine: this process's clients of a list (the exchange's).
+        members: the clients that may take part, ascending (``holdout_clients`` keeps the
+            others out of every round); None: all ``num_clients``.
     """
 
     draw: Callable[[int], list[int]]
     num_clients: int
     all_train: bool
     mine: Callable[[list[int]], list[int]]
+    members: tuple[int, ...] | None = None
 
     def __call__(self, round_: int) -> Who:
         """The round's :class:`Who`."""
         sampled = self.draw(round_)
-        everyone = self.all_train and len(sampled) < self.num_clients
-        trained = list(range(self.num_clients)) if everyone else sampled
+        pool = range(self.num_clients) if self.members is None else self.members
+        everyone = self.all_train and len(sampled) < len(pool)
+        trained = list(pool) if everyone else sampled
         workers = self.mine(trained)
         return Who(sampled, trained, workers, workers if trained is sampled else self.mine(sampled))
 
@@ -100,6 +104,8 @@ class Uplink:
         summed: this process's Σ_n ω_n u_n, summed slice by slice (a round in slices,
             ``Engine._sliced``), in place of its decoded uploads: the exchange makes it the
             round's upload (``Alone``), or adds the processes' sums (``RankExchange``).
+        heard: the senders whose uploads the server keeps, where a stage dropped some (the
+            simulated clock's deadline, ``fedexp.system.clock``); None: every sampled one.
     """
 
     uploads: Stacked | None
@@ -111,6 +117,7 @@ class Uplink:
     weights: dict[int, float] = field(default_factory=dict)
     report: dict[str, float] = field(default_factory=dict)
     summed: dict[str, torch.Tensor] | None = None
+    heard: list[int] | None = None
 
 
 class UplinkStage:

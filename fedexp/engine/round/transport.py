@@ -143,7 +143,7 @@ class Transport:
             codec = DenseCodec() if kind == "exact" else channel.codec
             payload = codec.encode(flat.to(torch.float32))
             received = codec.decode(payload, numel).to(dev)
-            self.ledger.add(direction, payload, numel, part=name)
+            self.ledger.add(direction, payload, numel, part=name, client=n)
             return received.reshape(shape).to(msg.dtype), {}
         values: dict[str, torch.Tensor] = {}
         received = self._transmit_cohort(direction, [n], name, kind, channel, flat[None], values)
@@ -281,7 +281,7 @@ class Transport:
         same = m > 1 and stack.stride(0) == 0  # one message for all (the global model)
         if not dense and kind == "model" and _exact(channel):  # the model itself, lossless
             rows = stack.reshape(m, numel)[: 1 if same else m].to(torch.float32)
-            received = self._deliver(direction, name, channel.codec, rows, numel, m)
+            received = self._deliver(direction, name, channel.codec, rows, numel, clients)
             return received.expand(m, numel).reshape(m, *shape).to(stack.dtype)
         if not dense:
             flat = stack.reshape(m, numel)
@@ -297,21 +297,28 @@ class Transport:
             received = received.expand(m, *shape).to(stack.dtype)
         else:
             received = stack.to(torch.float32).to(stack.dtype)
-        self.ledger.add_many(direction, m, 4 * numel, numel, part=name)
+        self.ledger.add_many(direction, m, 4 * numel, numel, part=name, clients=clients)
         return received
 
     def _deliver(
-        self, direction: str, name: str, codec: Codec, sent: torch.Tensor, numel: int, count: int
+        self,
+        direction: str,
+        name: str,
+        codec: Codec,
+        sent: torch.Tensor,
+        numel: int,
+        clients: list[int],
     ) -> torch.Tensor:
         """What the receivers decode of the coded messages ``sent`` ``[r, numel]``; bytes counted.
 
-        ``count`` messages cross the wire: one per row, or (``r`` = 1) the one row to all
-        ``count`` receivers. Where payloads are written (:attr:`encode_on`, or a codec without
+        ``count`` = ``len(clients)`` messages cross the wire: one per row, or (``r`` = 1) the
+        one row to all ``count`` receivers (each client's bytes kept by the ledger with
+        ``per_client``). Where payloads are written (:attr:`encode_on`, or a codec without
         a length formula) each message is counted at ``len(payload)``; elsewhere at its
         codec's length formula (``Codec.sizes_many``, one read of the sizes) and the receivers'
         value is ``Codec.received_many`` of ``sent``, on its device: no bit stream is written.
         """
-        dev = sent.device
+        dev, count = sent.device, len(clients)
         on_host = dev.type in self.encode_on
         sizes = None if on_host else codec.sizes_many(sent)
         if sizes is None:
@@ -325,9 +332,11 @@ class Transport:
             counted = sizes.tolist()
             received = codec.received_many(sent)
         if sent.shape[0] == count:
-            self.ledger.add_sizes(direction, counted, numel, part=name)
+            self.ledger.add_sizes(direction, counted, numel, part=name, clients=clients)
         else:
-            self.ledger.add_many(direction, count, int(counted[0]), numel, part=name)
+            self.ledger.add_many(
+                direction, count, int(counted[0]), numel, part=name, clients=clients
+            )
         return received
 
     def _transmit_cohort(
@@ -366,14 +375,14 @@ class Transport:
             sent, new, values = channel.compress_many(flat, res, keys, scale)
             if new is not None:
                 store.write_stack(clients, name, new)  # copied into the rows
-            received = self._deliver(direction, name, channel.codec, sent, numel, m)
+            received = self._deliver(direction, name, channel.codec, sent, numel, clients)
         else:
             held = self._held(direction, clients, name, flat)
             ref = held
             if not channel.error_feedback:
                 ref = self._reference(direction, clients, name, held)
             sent, _, values = channel.compress_many(flat - ref, None, keys, scale)
-            received = held + self._deliver(direction, name, channel.codec, sent, numel, m)
+            received = held + self._deliver(direction, name, channel.codec, sent, numel, clients)
             self.replica[direction].write_stack(clients, name, received)
             if not channel.error_feedback:
                 self.reference[direction].write_stack(clients, name, flat)
