@@ -191,6 +191,9 @@ def assert_eval_stack_is_eval_params(engine, clients: list[int] | None = None, p
     """``eval_stack`` of ``clients`` (default: every client, in reverse order) equals
     ``eval_params`` client by client, bitwise; returns the stack.
 
+    ``eval_params`` is the stack of one client (``Algorithm.eval_params``): each row must not
+    depend on which other clients, or in which order, share the cohort.
+
     ``personal``: the first two rows must differ too (a mix-up of clients would show).
     """
     import torch

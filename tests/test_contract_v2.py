@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from fedexp.algorithms.base import StackedUpdates
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.engine import rng
 from fedexp.engine.runner import build_engine, run
+from fedexp.engine.solver import passes
 from fedexp.engine.solver.optim import SGD, Adam
 from fedexp.tracking.base import NullTracker
 from helpers import assert_resume_exact, solo
@@ -111,7 +112,7 @@ def test_batchnorm_statistics_follow_a_plain_pytorch_loop(small_cfg):
     x0 = ctx.model.initial().double()
     double = _double(data)
     ours = ctx.train(x0[None], solo(double, key=3), steps=4, lr=0.1)
-    stream = rng.Stream(3)
+    stream = passes.Stream(3)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     module.train()
     for _ in range(4):
@@ -187,8 +188,10 @@ class _TwoParts(FedAvg):
     uplink_parts = MappingProxyType({"id": "exact"})
     downlink_parts = MappingProxyType({"tag": "exact"})
 
-    def downlink(self, ctx, server, client):
-        return {"model": server["x"], "tag": torch.tensor([float(client), 0.5])}
+    def downlinks(self, ctx, server, clients):
+        ids = torch.tensor(clients, dtype=torch.float32)
+        tag = torch.stack([ids, torch.full_like(ids, 0.5)], dim=1)  # per client: [n, 0.5]
+        return StackedUpdates(clients, {"model": server["x"].expand(len(clients), -1), "tag": tag})
 
     def client_update(self, ctx, model_in, states, cohort):
         assert torch.all(model_in["tag"][:, 1] == 0.5)  # an exact part arrives exact

@@ -156,16 +156,9 @@ class APFL(FedAvg):
         metrics = {"train_loss": local.loss, "alpha": alpha[:, 0]}
         return CohortResult(model_in - w, new_states, metrics)
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """v̄_n = α_n v_n + (1 − α_n) w, w the current global model."""
-        w = server["x"]
-        return self.mixture(ctx, w, client_state["v"], client_state["alpha"].to(w))
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
-        """:meth:`eval_params` of every client at once."""
+        """v̄_n = α_n v_n + (1 − α_n) w of every client, w the current global model."""
         w = server["x"].expand(len(clients), -1)
         return self.mixture(ctx, w, states.stack("v"), states.stack("alpha").to(w))

@@ -12,15 +12,16 @@ state"). A round, for the sampled clients (in sub-cohorts of alike work, ``Conte
 An algorithm states one client's work once, as its paper writes it, over stacked ``[m, ...]``
 tensors; one client alone is a cohort of one. The local solver (``Context.train``,
 ``fedexp.engine.solver.steps``) decides how the steps execute. Messages cross the client/server
-boundary as bytes (``fedexp.comm``); the hooks only see decoded tensors. Evaluation uses
-``eval_params``. Hooks must not keep state on ``self``. The contract's types live in
-``fedexp.contract``.
+boundary as bytes (``fedexp.comm``); the hooks only see decoded tensors. An algorithm states
+its messages and its evaluated vectors once, for the cohort (``downlinks``, ``eval_stack``);
+the one-client views (``downlink``, ``eval_params``) are derived. Hooks must not keep state on
+``self``. The contract's types live in ``fedexp.contract``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import torch
@@ -41,6 +42,7 @@ from fedexp.contract import (
 )
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.context import Context
+from fedexp.transfer import to_device
 
 __all__ = [
     "PART_KINDS",
@@ -53,10 +55,49 @@ __all__ = [
     "Stacked",
     "StackedUpdates",
     "State",
+    "Updates",
+    "Weights",
+    "broadcast",
+    "gather_rows",
     "parts_updates",
+    "scatter_rows",
     "update_parts",
     "weighted_mean",
 ]
+
+#: What :meth:`Algorithm.server_update` receives: the decoded uploads by client (a
+#: :class:`StackedUpdates` read as ``{client: upload}``, or a plain dict) ...
+Updates = Mapping[int, Message]
+#: ... and their aggregation weights ω_n, summing to one over the uploads.
+Weights = dict[int, float]
+
+
+def broadcast(clients: list[int], message: Message) -> StackedUpdates:
+    """One message for every client of ``clients``, expanded (stride 0 along the clients).
+
+    What :meth:`Algorithm.downlinks` returns for a message shared by all (the global model,
+    SCAFFOLD's (x, c), IFCA's k clusters): the engine then codes it once and counts it m times.
+    """
+    m = len(clients)
+    if isinstance(message, torch.Tensor):
+        return StackedUpdates(clients, message.expand(m, *message.shape))
+    return StackedUpdates(clients, {k: v.expand(m, *v.shape) for k, v in message.items()})
+
+
+def gather_rows(table: torch.Tensor, clients: list[int]) -> torch.Tensor:
+    """``[m, ...]`` the rows ``clients`` of a server table ``[N, ...]``: one gather."""
+    return table.index_select(0, to_device(clients, table.device, torch.int64))
+
+
+def scatter_rows(table: torch.Tensor, updates: Updates) -> torch.Tensor:
+    """``table`` ``[N, d]`` with row n set to client n's upload, for every n of ``updates``.
+
+    What a server that keeps every client's model writes (FedAMP's W, FPFC's Θ): one scatter
+    of the stacked uploads (bare tensors), cast to the table's dtype.
+    """
+    clients = sorted(updates)
+    rows = to_device(clients, table.device, torch.int64)
+    return table.index_copy(0, rows, update_parts(updates, clients)[""].to(table))
 
 
 class Algorithm(ABC):
@@ -107,6 +148,22 @@ class Algorithm(ABC):
     #: is not taken for one): an adaptive ``server_optimizer`` is refused without it
     server_optimized: bool = False
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Refuse a subclass that writes a one-client view: the contract asks each thing once.
+
+        Raises:
+            TypeError: the class defines ``downlink`` or ``eval_params`` (derived from
+                ``downlinks`` and ``eval_stack``, which the engine calls: an override would
+                be silently left out of the round).
+        """
+        super().__init_subclass__(**kwargs)
+        for view, stacked in (("downlink", "downlinks"), ("eval_params", "eval_stack")):
+            if view in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__qualname__}.{view}: one client's view is derived; write "
+                    f"{stacked}(ctx, server, ..., clients) for the cohort instead"
+                )
+
     def init_server(self, ctx: Context, x0: torch.Tensor) -> State:
         """Server state before round 0 (default: the global model ``x``)."""
         return {"x": x0.clone()}
@@ -115,22 +172,22 @@ class Algorithm(ABC):
         """Client state before round 0 (default: empty)."""
         return {}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> Message | None:
-        """The message sent to ``client`` this round (default: the global model)."""
-        return server["x"]
-
     def downlinks(
         self, ctx: Context, server: State, clients: list[int]
     ) -> Mapping[int, Message | None]:
-        """Every sampled client's :meth:`downlink` message of the round, in one call.
+        """Every sampled client's message of the round (``clients`` ascending), in one call.
 
-        The engine's entry point; the default asks :meth:`downlink` client by client. An
-        algorithm whose messages are cheaper computed together (FedAMP's cloud models)
-        overrides it; the messages must equal :meth:`downlink`'s up to rounding. Returning a
-        :class:`StackedUpdates` of ``clients`` (per-client messages made by one gather) keeps
-        the round's ops from growing with the cohort.
+        What an algorithm states (the engine's entry point; :meth:`downlink` derives one
+        client's from it). A :class:`StackedUpdates` of ``clients``, its stacks ``[m, ...]``,
+        keeps the round's ops from growing with the cohort: one message for all expanded
+        (:func:`broadcast`), per-client messages made by one gather (:func:`gather_rows`).
+        ``{n: None}``: nothing is sent. Default: the global model for every client, expanded.
         """
-        return {n: self.downlink(ctx, server, n) for n in clients}
+        return broadcast(clients, server["x"])
+
+    def downlink(self, ctx: Context, server: State, client: int) -> Message | None:
+        """The message sent to ``client`` alone: its row of :meth:`downlinks` (not overridden)."""
+        return self.downlinks(ctx, server, [client])[client]
 
     @abstractmethod
     def client_update(
@@ -148,43 +205,34 @@ class Algorithm(ABC):
 
     @abstractmethod
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, Message],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """New server state from the decoded updates (weights sum to one over ``updates``)."""
-
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """The vector client ``client`` is evaluated with (default: the global model)."""
-        return server["x"]
 
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
         """``[m, d]`` the vectors ``clients`` are evaluated with, at once.
 
-        What the engine calls (a fixed number of ops for any cohort when overridden: the
-        global model expanded, ``states.stack(key)``, one gather of server rows); it must
-        equal :meth:`eval_params` row by row. A vector shared by every client is returned
-        expanded (stride 0 along the clients), which the evaluation reads as one plain
-        forward pass. The default: the global model expanded where :meth:`eval_params` is
-        the base's (no read of the states: their keys, an optimiser's momentum, cost nothing),
-        else :meth:`eval_params` client by client.
+        What an algorithm states (the engine calls it; :meth:`eval_params` derives one
+        client's from it), in a fixed number of ops for any cohort: the global model expanded,
+        ``states.stack(key)``, one gather of server rows (:func:`gather_rows`). A vector
+        shared by every client is returned expanded (stride 0 along the clients), which the
+        evaluation reads as one plain forward pass. Default: the global model, expanded (no
+        read of the states: their keys, an optimiser's momentum, cost nothing).
         """
-        if type(self).eval_params is Algorithm.eval_params:
-            x = server["x"]
-            return x.expand(len(clients), *x.shape)
-        vectors = [
-            self.eval_params(ctx, server, s, n) for s, n in zip(states, clients, strict=True)
-        ]
-        first = vectors[0]
-        if all(v is first for v in vectors):
-            return first.expand(len(vectors), *first.shape)
-        return torch.stack(vectors)
+        x = server["x"]
+        return x.expand(len(clients), *x.shape)
+
+    def eval_params(
+        self, ctx: Context, server: State, client_state: State, client: int
+    ) -> torch.Tensor:
+        """The vector client ``client`` is evaluated with: its row of :meth:`eval_stack`.
+
+        Derived, not overridden: the view of one client of what :meth:`eval_stack` states.
+        """
+        states = CohortStates.of_rows([client_state])
+        return self.eval_stack(ctx, server, states, [client])[0]
 
     #: True when :meth:`eval_models` computes the evaluated vectors from the clients' data
     eval_with_data: bool = False
@@ -194,22 +242,47 @@ class Algorithm(ABC):
     ) -> torch.Tensor:
         """[m, d] the vectors the clients of ``cohort`` are evaluated with, from their data.
 
-        Called by the engine instead of :meth:`eval_params` when :attr:`eval_with_data` is
+        Called by the engine instead of :meth:`eval_stack` when :attr:`eval_with_data` is
         set: for protocols that do work on a client's training data before testing it
         (FedAvg-FT fine-tunes the current global model; IFCA estimates the client's cluster).
         The cohort draws from evaluation streams (``rng.EVAL``), apart from the training
-        draws; nothing it computes is kept. Default: :meth:`eval_params` of each client.
+        draws; nothing it computes is kept. Default: :meth:`eval_stack` of the cohort.
         """
-        return torch.stack(
-            [
-                self.eval_params(ctx, server, s, n)
-                for n, s in zip(cohort.clients, states, strict=True)
-            ]
-        )
+        return self.eval_stack(ctx, server, CohortStates.of_rows(states), cohort.clients)
 
     def predict(self, ctx: Context, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Logits of ``x`` under :meth:`eval_params`'s vector (default: the model at it)."""
         return ctx.model(params, x)
+
+    def global_vector(
+        self, ctx: Context, server: State, average: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The run's global model, a vector :meth:`predict` reads; None: the method has none.
+
+        What the evaluation scores beside the personal models (``global/acc/mean``, and the
+        gain of personalisation ``gain/...``, docs/protocols.md) and what a new client starts
+        from (:meth:`newcomer`). Default: the server's ``x`` where it is a whole model and
+        the method predicts with the model itself. ``average(key)``: the clients'
+        training-sample-weighted mean of their state ``key`` (every training client's), for a
+        method whose only models are the clients' (local-only's one-shot average).
+        """
+        x = server.get("x")
+        if x is None or type(self).predict is not Algorithm.predict:
+            return None
+        return x if x.numel() == ctx.model.layout.numel else None
+
+    def newcomer(
+        self, ctx: Context, server: State, global_model: torch.Tensor | None, x0: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The vector a client that never trained starts from (``holdout_clients``).
+
+        The engine takes ``holdout_steps`` local steps from it on the new client's training
+        split and scores the result on its test split (``new/acc/mean``; the protocol of
+        pFedHN, Shamsian et al., ICML 2021, and Per-FedAvg, Fallah et al., NeurIPS 2020).
+        Default: the global model (:meth:`global_vector`, here ``global_model``; None: no
+        newcomer rule, no ``new/`` metrics). ``x0``: the run's common initial model.
+        """
+        return global_model
 
     # Optional set-up exchange before round 0 (e.g. pFedNet's similarity network).
     def client_sketch(

@@ -71,12 +71,6 @@ class Ditto(FedAvg):
         metrics = {**result.metrics, "personal_loss": personal.loss}
         return CohortResult(result.updates, new_states, metrics)
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """Client n is evaluated with its personal model v_n."""
-        return client_state["v"]
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:

@@ -358,18 +358,10 @@ class FedALA(FedAvg):
         metrics = {"ala_epochs": epochs, "train_loss": local.loss}
         return CohortResult(model_in - local.params, new_states, metrics)
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """Θ_i + (Θ − Θ_i) ⊙ W_i with the current Θ ("mix"), or Θ_i ("local")."""
-        if self.evaluate == "local":
-            return client_state["theta"]
-        return self.mix(ctx, server["x"], client_state["theta"], client_state["W"])
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
-        """:meth:`eval_params` of every client at once."""
+        """Θ_i + (Θ − Θ_i) ⊙ W_i with the current Θ ("mix"), or Θ_i ("local"), of every client."""
         if self.evaluate == "local":
             return states.stack("theta")
         glob = server["x"].expand(len(clients), -1)

@@ -71,9 +71,12 @@ from fedexp.algorithms.base import (
     Stacked,
     StackedUpdates,
     State,
+    Updates,
+    Weights,
+    gather_rows,
+    scatter_rows,
 )
 from fedexp.config.ranges import Fraction, NonNegative, Positive
-from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
@@ -194,11 +197,6 @@ class FedAMP(Algorithm):
             )
         return {"W": x0.detach().expand(ctx.num_clients, -1).clone()}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
-        """The personalised cloud model u_i."""
-        rows = to_device([client], server["W"].device)
-        return self.cloud_models(server["W"], rows)[0]
-
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
         """All ``clients``' cloud models at once, [m, d] (pairwise terms [m, N], not [m, N, d])."""
         W = server["W"]
@@ -222,29 +220,15 @@ class FedAMP(Algorithm):
         return CohortResult(local.params, new_states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """W[i] ← w_i for the clients that reported (no averaging; ``weights`` unused)."""
         if not updates:
             return server
-        W = server["W"]
-        clients = sorted(updates)
-        idx = to_device(clients, W.device)
-        return {**server, "W": W.index_copy(0, idx, update_parts(updates, clients)[""].to(W))}
-
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """Client i's personalised model w_i = W[i]."""
-        return server["W"][client]
+        return {**server, "W": scatter_rows(server["W"], updates)}
 
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
-        """The clients' rows of W, [m, d]: one gather."""
-        W = server["W"]
-        return W.index_select(0, to_device(clients, W.device, torch.int64))
+        """The clients' personalised models w_i = W[i], [m, d]: one gather."""
+        return gather_rows(server["W"], clients)

@@ -21,6 +21,8 @@ from fedexp.algorithms.base import (
     CohortStates,
     Stacked,
     State,
+    Updates,
+    Weights,
     weighted_mean,
 )
 from fedexp.config.ranges import Range
@@ -72,11 +74,7 @@ class FedAvg(Algorithm):
         return CohortResult(model_in - local.params, new_states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """X ← x − η_s Σ ω_n Δ_n (the run's ``server_optimizer``: FedAdam, ... on that mean)."""
         if not updates:

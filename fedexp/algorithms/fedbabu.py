@@ -25,7 +25,7 @@ which has no decay schedule), on minibatches from the client's evaluation stream
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import torch
@@ -92,6 +92,12 @@ class FedBABU(FedPer):
                 "choose one with both (model=mlp, vgg8, resnet9, densenet) or set algorithm.head"
             )
         return super().init_server(ctx, x0)
+
+    def global_vector(
+        self, ctx: Context, server: State, average: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """``x``: the federated body with the head every client shares, frozen at x0's."""
+        return server["x"]
 
     def finetune_steps_for(self, ctx: Context, data: ClientData) -> int:
         """τ_ft of one client: ``finetune_steps``, or ``finetune_epochs`` passes of minibatches."""

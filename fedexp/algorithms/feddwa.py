@@ -55,10 +55,12 @@ from fedexp.algorithms.base import (
     Cohort,
     CohortResult,
     CohortStates,
-    Message,
     Stacked,
     StackedUpdates,
     State,
+    Updates,
+    Weights,
+    gather_rows,
 )
 from fedexp.config.ranges import PositiveInt, Range
 from fedexp.contract import update_parts
@@ -128,15 +130,9 @@ class FedDWA(Algorithm):
         """The evaluated vector starts at x0."""
         return {} if self.evaluate == "personal" else {self.evaluate: x0.clone()}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> Message:
-        """Client i's personalised model Σ_j w_ji θ_j from its last participation."""
-        return server["personal"][client]
-
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
-        """The clients' personalised models, [m, d]: one gather of the server's rows."""
-        personal = server["personal"]
-        rows = to_device(clients, personal.device)
-        return StackedUpdates(clients, personal.index_select(0, rows))
+        """Client i's personalised model Σ_j w_ji θ_j from its last participation, [m, d]."""
+        return StackedUpdates(clients, gather_rows(server["personal"], clients))
 
     # ----------------------------------------------------------------- client
     def client_update(
@@ -157,11 +153,7 @@ class FedDWA(Algorithm):
 
     # ----------------------------------------------------------------- server
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, Message],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """Row i ← Σ_j w_ji θ_j for every received i (j over the received clients)."""
         if not updates:
@@ -176,20 +168,10 @@ class FedDWA(Algorithm):
         mixed = (w.T.to(models.dtype) @ models).to(personal.dtype)
         return {**server, "personal": personal.index_copy(0, idx, mixed)}
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """θ̂_i ("guide"), θ_i ("model") or the server's aggregate ("personal")."""
-        if self.evaluate == "personal":
-            return server["personal"][client]
-        return client_state[self.evaluate]
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
-        """:meth:`eval_params` of every client at once (one gather of the server's rows)."""
+        """θ̂_i ("guide"), θ_i ("model") or the server's aggregate ("personal"), [m, d]."""
         if self.evaluate == "personal":
-            personal = server["personal"]
-            rows = to_device(clients, personal.device)
-            return personal.index_select(0, rows)
+            return gather_rows(server["personal"], clients)
         return states.stack(self.evaluate)

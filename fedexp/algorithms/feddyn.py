@@ -31,6 +31,8 @@ from fedexp.algorithms.base import (
     CohortStates,
     Stacked,
     State,
+    Updates,
+    Weights,
     weighted_mean,
 )
 from fedexp.config.ranges import Range
@@ -80,11 +82,7 @@ class FedDyn(Algorithm):
         return CohortResult(delta, new_states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """H ← h + α·share·mean Δ, then x ← (x − mean Δ) − h/α (share = |S|/N when uniform)."""
         if not updates:

@@ -51,6 +51,8 @@ from fedexp.algorithms.base import (
     CohortStates,
     Stacked,
     State,
+    Updates,
+    Weights,
     update_parts,
 )
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
@@ -135,11 +137,7 @@ class FedNova(FedAvg):
         return CohortResult(upload, states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """X ← x − η_s τ_eff Σ ω_n d_n, τ_eff = Σ ω_n a_n: FedAvg's step on that mean.
 

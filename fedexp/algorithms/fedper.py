@@ -16,7 +16,7 @@ it) it is local-only training (both tested).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,9 +24,12 @@ from fedexp.algorithms.base import (
     Cohort,
     CohortResult,
     CohortStates,
-    Message,
     Stacked,
+    StackedUpdates,
     State,
+    Updates,
+    Weights,
+    broadcast,
     weighted_mean,
 )
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
@@ -111,14 +114,9 @@ class FedPer(FedAvg):
         """Every head starts at the initial model's."""
         return {"head": x0[self.personal_idx(ctx)].clone()}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
-        """The body only: the head's bytes never cross the network."""
-        return server["x"][self.body_idx(ctx)]
-
-    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> dict[int, Message]:
-        """The same body for every client, cut once (the engine then encodes it once)."""
-        body = self.downlink(ctx, server, clients[0]) if clients else None
-        return dict.fromkeys(clients, body)
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """The body only, the same for every client (the head's bytes never cross)."""
+        return broadcast(clients, server["x"][self.body_idx(ctx)])
 
     def client_update(
         self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
@@ -139,11 +137,7 @@ class FedPer(FedAvg):
         return CohortResult(update, new_states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """Body ← body − η_s Σ ω_n Δ_n (the head coordinates of ``x`` are left alone).
 
@@ -156,12 +150,6 @@ class FedPer(FedAvg):
             ctx, server, "x", mean, self.server_lr, idx=self.body_idx(ctx)
         )
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """The current body with the client's own head."""
-        return self.assemble(ctx, server["x"][self.body_idx(ctx)], client_state["head"])
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
@@ -172,3 +160,19 @@ class FedPer(FedAvg):
         full = server["x"].expand(len(clients), -1).clone()
         full[:, self.personal_idx(ctx)] = states.stack("head").to(full)
         return full
+
+    def global_vector(
+        self, ctx: Context, server: State, average: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """None: the heads are never aggregated, so there is no global model to score."""
+        return None
+
+    def newcomer(
+        self, ctx: Context, server: State, global_model: torch.Tensor | None, x0: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The current body with a new head, the initial model's (what ``init_client`` gives).
+
+        ``x`` holds exactly that: the body in its body coordinates, the initial head in the
+        others; the new client's local steps then train both.
+        """
+        return server["x"]

@@ -58,6 +58,8 @@ FedAvg exactly; p = 0 makes the personalised model the generic one (both tested)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
@@ -234,15 +236,6 @@ class FedRoD(FedAvg):
         new_states = unstack_states(states, opt, local.opt_state, p=p, counts=counts)
         return CohortResult(model_in - theta, new_states, {"train_loss": local.loss})
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """[x ; p_n] (p_n = 0 with ``evaluate_with="generic"``)."""
-        p = client_state["p"]
-        return torch.cat(
-            [server["x"], p if self.evaluate_with == "personal" else p.new_zeros(p.shape)]
-        )
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
@@ -252,6 +245,13 @@ class FedRoD(FedAvg):
             shared = torch.cat([x, p.new_zeros(p.shape[1:])])
             return shared.expand(len(clients), -1)
         return torch.cat([x.expand(len(clients), -1), p], dim=1)
+
+    def global_vector(
+        self, ctx: Context, server: State, average: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """[x ; 0]: the generic predictor g (a zero head p adds nothing to its logits)."""
+        x = server["x"]
+        return torch.cat([x, x.new_zeros(self._joint(ctx).head.numel())])
 
     def predict(self, ctx: Context, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """g(z) + p(z): the model at θ plus the model at θ with its head replaced by p."""

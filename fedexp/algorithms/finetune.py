@@ -80,11 +80,20 @@ class _FineTune:
         x = server["x"].repeat(len(cohort), 1)
         return ctx.train(x, cohort, steps=self._steps(ctx, cohort)).params
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
-        """``evaluate="last"``: the fine-tuned model of the client's last round (else x)."""
-        return client_state.get("ft", server["x"])
+        """``evaluate="last"``: the fine-tuned model of each client's last round (else x).
+
+        The global model expanded where none of ``clients`` has fine-tuned yet (one host read
+        of the mask: a shared vector is evaluated as one plain pass).
+        """
+        x = server["x"]
+        has = states.present.get("ft")
+        if "ft" not in states or (has is not None and not bool(has.any())):
+            return x.expand(len(clients), *x.shape)
+        ft = states.stack("ft")
+        return ft if has is None else torch.where(has[:, None], ft, x.to(ft))
 
 
 class FedAvgFT(_FineTune, FedAvg):

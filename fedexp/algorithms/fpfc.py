@@ -56,9 +56,12 @@ from fedexp.algorithms.base import (
     Stacked,
     StackedUpdates,
     State,
+    Updates,
+    Weights,
+    gather_rows,
+    scatter_rows,
 )
 from fedexp.config.ranges import Positive, Range
-from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.graph.fusion import check_penalty, prox_rows
@@ -123,15 +126,9 @@ class FPFC(Algorithm):
         """θ_i starts at the common initial model."""
         return {"theta": x0.clone()}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
-        """The client's proximal centre c_i."""
-        return server["centre"][client]
-
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
-        """The clients' centres c_i, [m, d]: one gather of the server's rows."""
-        centre = server["centre"]
-        rows = to_device(clients, centre.device)
-        return StackedUpdates(clients, centre.index_select(0, rows))
+        """The clients' proximal centres c_i, [m, d]: one gather of the server's rows."""
+        return StackedUpdates(clients, gather_rows(server["centre"], clients))
 
     def client_update(
         self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
@@ -150,20 +147,14 @@ class FPFC(Algorithm):
         return CohortResult(local.params, new_states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """Write Θ; ζ- then v-step on the edges touching a sampled client; new centres."""
         if not updates:
             return server
-        clients = sorted(updates)
-        n = server["theta"].shape[0]
-        sampled = to_device(clients, server["theta"].device)
-        received = update_parts(updates, clients)[""].to(server["theta"])
-        theta = server["theta"].index_copy(0, sampled, received)
+        theta = scatter_rows(server["theta"], updates)
+        n = theta.shape[0]
+        sampled = to_device(sorted(updates), theta.device)
         edges = complete_edges(n, theta.device)
         touched = torch.zeros(n, dtype=torch.bool, device=theta.device).index_fill(0, sampled, True)
         active = (touched[edges[:, 0]] | touched[edges[:, 1]])[:, None]
@@ -185,12 +176,6 @@ class FPFC(Algorithm):
         edges = complete_edges(n, theta.device)
         pairs = q_rows(zeta - dual / self.rho, edges, n)
         return {"centre": (theta.sum(dim=0) - theta + pairs) / (n - 1)}
-
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """The client's own θ_i."""
-        return client_state["theta"]
 
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]

@@ -61,9 +61,12 @@ from fedexp.algorithms.base import (
     Cohort,
     CohortResult,
     CohortStates,
-    Message,
     Stacked,
+    StackedUpdates,
     State,
+    Updates,
+    Weights,
+    broadcast,
 )
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import PositiveInt, Range
@@ -147,9 +150,9 @@ class IFCA(Algorithm):
         """No cluster chosen yet (−1)."""
         return {"cluster": torch.full((1,), -1, dtype=torch.long, device=x0.device)}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> Message:
-        """All k cluster models (one "model" part)."""
-        return {"clusters": server["clusters"]}
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """All k cluster models (one "model" part), the same for every client."""
+        return broadcast(clients, {"clusters": server["clusters"]})
 
     # ----------------------------------------------------------------- client
     def client_update(
@@ -191,11 +194,7 @@ class IFCA(Algorithm):
 
     # ----------------------------------------------------------------- server
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, Message],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """θ_j ← θ_j − η_s Σ_{ĵ_n = j} ω_n Δ_n / Σ_{ĵ_n = j} ω_n; unchosen clusters stay.
 
@@ -244,9 +243,10 @@ class IFCA(Algorithm):
         j, _ = self.estimate(ctx, server["clusters"], cohort)
         return server["clusters"][j.to(server["clusters"].device)]
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
+    def eval_stack(
+        self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
-        """``evaluate="last"``: θ_ĵ of the client's last participation (θ_0 before its first)."""
-        j = max(int(client_state["cluster"][0]), 0)
-        return server["clusters"][j]
+        """``evaluate="last"``: θ_ĵ of each client's last participation (θ_0 before its first)."""
+        clusters = server["clusters"]
+        j = states.stack("cluster")[:, 0].clamp_min(0)
+        return clusters.index_select(0, j.to(clusters.device))

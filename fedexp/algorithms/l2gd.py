@@ -43,6 +43,7 @@ Choices the paper leaves open (written here, on purpose):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated
 
 import torch
@@ -53,7 +54,11 @@ from fedexp.algorithms.base import (
     CohortResult,
     CohortStates,
     Stacked,
+    StackedUpdates,
     State,
+    Updates,
+    Weights,
+    broadcast,
     weighted_mean,
 )
 from fedexp.config.ranges import Positive, PositiveInt, Range
@@ -135,9 +140,9 @@ class L2GD(Algorithm):
         """The client's x_i starts at the common initial model."""
         return {"x": x0.clone()}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
-        """The current mean x̄."""
-        return server["xbar"]
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """The current mean x̄, the same for every client."""
+        return broadcast(clients, server["xbar"])
 
     def client_update(
         self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
@@ -163,25 +168,21 @@ class L2GD(Algorithm):
         return CohortResult(model_in - local.params, new_states, metrics)
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """The new mean x̄ ← x̄ − mean_i Δ_i: the plain mean of the uploaded x_i."""
         if not updates:
             return server
         return {**server, "xbar": server["xbar"] - weighted_mean(updates, weights)}
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """Client i is evaluated with its own x_i."""
-        return client_state["x"]
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
         """Every client's own x_i, at once."""
         return states.stack("x")
+
+    def global_vector(
+        self, ctx: Context, server: State, average: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """x̄: the server's mean model, the one every averaging step pulls the x_i towards."""
+        return server["xbar"]

@@ -6,9 +6,20 @@ own model, starting from the common initial model, and is evaluated with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from fedexp.algorithms.base import Algorithm, Cohort, CohortResult, CohortStates, Stacked, State
+from fedexp.algorithms.base import (
+    Algorithm,
+    Cohort,
+    CohortResult,
+    CohortStates,
+    Stacked,
+    State,
+    Updates,
+    Weights,
+)
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 
@@ -26,9 +37,9 @@ class LocalOnly(Algorithm):
         """Each client starts from the common initial model."""
         return {"theta": x0.clone()}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor | None:
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> dict[int, None]:
         """Nothing is sent."""
-        return None
+        return dict.fromkeys(clients)
 
     def client_update(
         self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
@@ -41,23 +52,29 @@ class LocalOnly(Algorithm):
         return CohortResult(None, new_states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """Nothing to aggregate."""
         return server
-
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """The client's own model."""
-        return client_state["theta"]
 
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
         """Every client's own model, at once."""
         return states.stack("theta")
+
+    def global_vector(
+        self, ctx: Context, server: State, average: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """No model is shared: the clients' one-shot average, Σ_n (n_n / n) θ_n.
+
+        What the clients would have if they pooled their local models once (model averaging
+        without rounds), the global model local-only's personal ones are judged against.
+        """
+        return average("theta")
+
+    def newcomer(
+        self, ctx: Context, server: State, global_model: torch.Tensor | None, x0: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A new client trains alone too: from the common initial model."""
+        return x0

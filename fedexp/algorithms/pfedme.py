@@ -110,12 +110,6 @@ class PFedMe(FedAvg):
         new_states = unstack_states(states, self.inner, {}, theta=theta)
         return CohortResult(model_in - w, new_states, {"train_loss": total / max(rounds, 1)})
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """Client i is evaluated with its personalised model θ̃_i."""
-        return client_state["theta"]
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:

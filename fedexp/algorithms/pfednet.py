@@ -14,7 +14,7 @@ paper's Algorithm 1), and the server takes
 
 Precision: the server keeps Z and the ADMM's W and Ω in float64 from round to round (float32
 only on devices without float64, such as MPS) and casts a column to the model's dtype only where
-it meets the model (:meth:`PFedNet.downlink`, :meth:`PFedNet.eval_params`). Stored in float32,
+it meets the model (:meth:`PFedNet.downlinks`, :meth:`PFedNet.eval_stack`). Stored in float32,
 the columns the fusion penalty has almost fused keep one-ulp differences which that penalty
 counts, and the Z-step misses its objective target (``docs/pfednet_math.md`` §5).
 
@@ -27,6 +27,7 @@ local training (the authors' image code: a shared phase, then a personal phase).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated
 
 import torch
@@ -39,6 +40,8 @@ from fedexp.algorithms.base import (
     Stacked,
     StackedUpdates,
     State,
+    Updates,
+    Weights,
 )
 from fedexp.config.ranges import NonNegative, NonNegativeInt, Positive, PositiveInt, Range
 from fedexp.contract import update_parts
@@ -144,12 +147,11 @@ class PFedNet(Algorithm):
             return "joint"
         return "x" if round_ % (self.x_rounds + self.z_rounds) < self.x_rounds else "z"
 
-    def _model_of(self, ctx: Context, server: State, n: int) -> torch.Tensor:
-        """y⁽ⁿ⁾ in the model's dtype (that of x): Z's float64 column is cast here, and only here."""
-        return self._models_of(ctx, server, to_device([n], server["Z"].device))[0]
-
     def _models_of(self, ctx: Context, server: State, clients: torch.Tensor) -> torch.Tensor:
-        """[m, d] the models y⁽ⁿ⁾ of ``clients`` (int64 [m]): one gather of Z's columns."""
+        """[m, d] the models y⁽ⁿ⁾ of ``clients`` (int64 [m]): one gather of Z's columns.
+
+        In the model's dtype (that of x): Z's float64 columns are cast here, and only here.
+        """
         x = server["x"]
         y = torch.empty(clients.shape[0], ctx.model.layout.numel, device=x.device, dtype=x.dtype)
         y[:, ctx.shared_idx] = x
@@ -218,10 +220,6 @@ class PFedNet(Algorithm):
         zeros = torch.zeros(d2, edges.shape[0], dtype=server_dtype(ctx.device), device=ctx.device)
         return {**server, "edges": edges.to(ctx.device), "W": zeros, "Omega": zeros.clone()}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
-        """y⁽ⁿ⁾ = Mx + Nz⁽ⁿ⁾."""
-        return self._model_of(ctx, server, client)
-
     def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
         """Every y⁽ⁿ⁾ of the round, [m, d]: one gather of Z's columns."""
         rows = to_device(clients, server["Z"].device)
@@ -250,11 +248,7 @@ class PFedNet(Algorithm):
         return CohortResult(self._upload(ctx, phase, grad), states, {"train_loss": loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """x-step and/or Z-step (both given in the module docstring)."""
         if not updates:
@@ -309,17 +303,25 @@ class PFedNet(Algorithm):
             "admm_dual": torch.tensor(float(info["dual_residual"])),
         }
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """Client n is evaluated with its personalised model y⁽ⁿ⁾."""
-        return self._model_of(ctx, server, client)
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
         """Every y⁽ⁿ⁾ at once: one gather of Z's columns."""
         return self._models_of(ctx, server, to_device(clients, server["Z"].device))
+
+    def global_vector(
+        self, ctx: Context, server: State, average: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The shared part x with the mean personal part z̄ = (1/N) Σ_n z⁽ⁿ⁾ (uniform ω_n).
+
+        The centre the network's fused penalty pulls the personal parts towards; with a
+        model that is all personal part (logistic regression) the mean of the clients' models.
+        """
+        x = server["x"]
+        g = torch.empty(ctx.model.layout.numel, device=x.device, dtype=x.dtype)
+        g[ctx.shared_idx] = x
+        g[ctx.personal_idx] = server["Z"].mean(dim=1).to(g.dtype)
+        return g
 
     def server_metrics(self, ctx: Context, server: State) -> dict[str, float]:
         """Spread of the personal parts (mean ‖z⁽ⁿ⁾ − z̄‖₂) and the last ADMM's figures."""

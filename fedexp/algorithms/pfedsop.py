@@ -52,7 +52,11 @@ from fedexp.algorithms.base import (
     CohortResult,
     CohortStates,
     Stacked,
+    StackedUpdates,
     State,
+    Updates,
+    Weights,
+    broadcast,
     weighted_mean,
 )
 from fedexp.config.ranges import Positive, Range
@@ -123,9 +127,9 @@ class PFedSOP(Algorithm):
         """x_i = the common initial model; no Δ_i yet."""
         return {"x": x0.clone(), "delta": torch.zeros_like(x0), "seen": x0.new_zeros(1)}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> torch.Tensor:
-        """The global gradient update Δ_{t−1} (coded as an update)."""
-        return server["delta"]
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """The global gradient update Δ_{t−1} (coded as an update), the same for every client."""
+        return broadcast(clients, server["delta"])
 
     def personalized_update(self, local: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
         """Δp = (1 − β) Δ_i + β Δ_{t−1} (Eq. 15); Δ_{t−1} alone without the PC."""
@@ -171,22 +175,12 @@ class PFedSOP(Algorithm):
         return CohortResult(delta, new_states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, torch.Tensor],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """Δ_t = the mean of the received Δ_j (Eq. 13); unchanged if none arrived."""
         if not updates:
             return server
         return {**server, "delta": weighted_mean(updates, weights)}
-
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """Client i is evaluated with its personal model x_i."""
-        return client_state["x"]
 
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]

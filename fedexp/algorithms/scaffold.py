@@ -35,9 +35,12 @@ from fedexp.algorithms.base import (
     Cohort,
     CohortResult,
     CohortStates,
-    Message,
     Stacked,
+    StackedUpdates,
     State,
+    Updates,
+    Weights,
+    broadcast,
     update_parts,
 )
 from fedexp.algorithms.fedavg import ServerLr
@@ -77,9 +80,9 @@ class Scaffold(Algorithm):
         """c_n = 0."""
         return {"c": torch.zeros_like(x0)}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> Message:
-        """(x, c)."""
-        return {"x": server["x"], "c": server["c"]}
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """(x, c), the same for every client."""
+        return broadcast(clients, {"x": server["x"], "c": server["c"]})
 
     def client_update(
         self, ctx: Context, model_in: Stacked | None, states: CohortStates, cohort: Cohort
@@ -98,11 +101,7 @@ class Scaffold(Algorithm):
         return CohortResult({"dy": dy, "dc": c_new - c_n}, new_states, {"train_loss": local.loss})
 
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, Message],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """X ← x − η_g Σ ω_n Δy_n and c ← c + share · Σ ω_n Δc_n (share = |S|/N when uniform).
 

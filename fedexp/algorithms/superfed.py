@@ -192,17 +192,10 @@ class SuPerFed(FedAvg):
         metrics = {"train_loss": out.loss, "lam_eval": lam[:, 0]}
         return CohortResult(model_in - g, new_states, metrics)
 
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """(1 − λ_n) w_g + λ_n w_l,n at the client's evaluation λ, w_g the global model."""
-        lam = client_state["lam_eval"].to(server["x"])
-        return self.mixture(ctx, server["x"], client_state["local"], lam)
-
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
     ) -> torch.Tensor:
-        """:meth:`eval_params` of every client at once."""
+        """(1 − λ_n) w_g + λ_n w_l,n at each client's evaluation λ, w_g the global model."""
         g = server["x"].expand(len(clients), -1)
         lam = states.stack("lam_eval").to(g)
         return self.mixture(ctx, g, states.stack("local"), lam)

@@ -51,9 +51,12 @@ from fedexp.algorithms.base import (
     Cohort,
     CohortResult,
     CohortStates,
-    Message,
     Stacked,
+    StackedUpdates,
     State,
+    Updates,
+    Weights,
+    broadcast,
     weighted_mean,
 )
 from fedexp.algorithms.fedavg import ServerLr
@@ -140,9 +143,9 @@ class TDPFed(Algorithm):
         """θ_k starts at the common initial model."""
         return {"theta": x0.clone()}
 
-    def downlink(self, ctx: Context, server: State, client: int) -> Message | None:
-        """The global factors A (and the biases)."""
-        return server["a"]
+    def downlinks(self, ctx: Context, server: State, clients: list[int]) -> StackedUpdates:
+        """The global factors A (and the biases), the same for every client."""
+        return broadcast(clients, server["a"])
 
     # ------------------------------------------------------------------ client
     def factor_loss(
@@ -214,11 +217,7 @@ class TDPFed(Algorithm):
 
     # ------------------------------------------------------------------ server
     def server_update(
-        self,
-        ctx: Context,
-        server: State,
-        updates: dict[int, Message],
-        weights: dict[int, float],
+        self, ctx: Context, server: State, updates: Updates, weights: Weights
     ) -> State:
         """AFM (eq. 18) or ACT (eqs. 19-20 and ALS sweeps back to factors)."""
         a = server["a"]
@@ -240,12 +239,6 @@ class TDPFed(Algorithm):
             fitted = als(target, cp.factors(afm, e), self.act_sweeps)
             new[e.offset : e.offset + e.size] = torch.cat([f.reshape(-1) for f in fitted])
         return {**server, "a": new}
-
-    def eval_params(
-        self, ctx: Context, server: State, client_state: State, client: int
-    ) -> torch.Tensor:
-        """Client k is evaluated with its personalised model θ_k."""
-        return client_state["theta"]
 
     def eval_stack(
         self, ctx: Context, server: State, states: CohortStates, clients: list[int]
