@@ -48,12 +48,12 @@ def _set_threads(cfg: DictConfig, hc: DictConfig) -> None:
     The cores available over the processes sharing them: the sweep's parallel jobs (the
     launcher's ``n_jobs``), the run's ranks; ``threads=N`` overrides. One line, e.g.
     ``threads: 1 (2 cores shared by 2 sweep jobs)``. Where a core is left idle and the run
-    draws figures, they are drawn in a helper process there (:mod:`fedexp.drawer`).
+    draws figures, they are drawn in a helper process there (:mod:`fedexp.figures.drawer`).
     """
     from hydra.types import RunMode
 
-    from fedexp import drawer
     from fedexp.engine.threads import apply_threads, available_cores, launcher_jobs
+    from fedexp.figures import drawer
 
     jobs = 1
     if hc.mode == RunMode.MULTIRUN and hc.launcher is not None:
@@ -194,21 +194,21 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
         print(f"fedexp: error: {exc}", file=sys.stderr)
         _discard_folder(hc)
         sys.exit(USAGE)
+    from fedexp.cli_distributed import env_place, say_once
+    from fedexp.cli_group_lost import as_started, raise_if_group_lost, sigterm_after_failure
     from fedexp.engine.runner import run
     from fedexp.engine.threads import round_callbacks
 
     tags = _prepare(cfg, hc)
-    previous = _sigterm_as_exception()
+    previous, done = _sigterm_as_exception(), False
     try:  # (round_callbacks: threads that follow the load, fedexp.engine.threads)
         result = run(cfg, run_name=_run_name(cfg, hc), tags=tags, callbacks=round_callbacks())
+        done = True
     except (FedexpError, KeyboardInterrupt) as exc:
-        line = f"fedexp: {describe_stop(exc, cfg, hc)}"
-        if isinstance(exc, ConfigError):  # every rank of a group meets it: one says it
-            from fedexp.cli_distributed import say_once
-
-            say_once(line)
-        else:
-            print(line, file=sys.stderr)
+        if isinstance(exc, Terminated):
+            raise_if_group_lost(exc)  # (torchrun: a rank that died, said so)
+        # one line a machine (in a group, the others' may follow: torchrun's resume command)
+        say_once(f"fedexp: {as_started(describe_stop(exc, cfg, hc), env_place())}")
         code = 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
         if not isinstance(exc, KeyboardInterrupt):
             code = USAGE if isinstance(exc, ConfigError) else 1
@@ -217,7 +217,8 @@ def _single_run(cfg: DictConfig, hc: DictConfig) -> float:
         sys.exit(code)
     finally:
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            failed = sigterm_after_failure(previous, env_place())
+            signal.signal(signal.SIGTERM, previous if done else failed)
     print_table(result)
     return _objective(cfg, result)
 
@@ -569,7 +570,7 @@ def entry() -> None:
     """
     import gc
 
-    from fedexp.drawer import allow_helper
+    from fedexp.figures.drawer import allow_helper
 
     allow_helper()
     try:
@@ -661,14 +662,14 @@ def _early_helper(args: list[str]) -> None:
 
     Its start (matplotlib, a first figure of each kind: about a second of a core) then
     overlaps the run's own start, which runs on one core, not the run's rounds, whose torch
-    threads take every core (:mod:`fedexp.drawer`). A sweep's jobs start theirs where a core
+    threads take every core (:mod:`fedexp.figures.drawer`). A sweep's jobs start theirs where a core
     is idle (:func:`_set_threads`), which also lets this one go where the run has none
     (``figures=false``, ranks on every core).
     """
     import os
 
-    from fedexp import drawer
     from fedexp.engine.threads import available_cores
+    from fedexp.figures import drawer
 
     if any(a in ("-m", "--multirun") for a in args) or "LOCAL_RANK" in os.environ:
         return

@@ -368,6 +368,9 @@ def join(cfg: DictConfig, hc: DictConfig, place: Place) -> Ranks:
     ranks = init_from_env(str(cfg.distributed.get("backend", "auto")))
     if ranks is None:
         raise ConfigError(f"WORLD_SIZE={place.size}: no process group could be joined")
+    from fedexp.engine.processes.group_pids import note_group
+
+    note_group(ranks)  # every rank's pid: a survivor names the one that died (SIGTERM)
     mine = str(cfg.get("output_dir") or hc.runtime.output_dir) if ranks.leader else None
     with open_dict(cfg):
         cfg.output_dir = ranks.gather_json(mine)[0]  # JSON bytes: nothing is unpickled

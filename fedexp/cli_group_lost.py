@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from fedexp.cli_distributed import Place
+    from fedexp.errors import Terminated
 
 
 def _node() -> str:
@@ -87,8 +89,11 @@ def lost_line(exc: Exception, cfg: DictConfig, overrides: Sequence[str], place: 
     ``node 0 of 2: a process of another node stopped in round 3; checkpoint kept: torchrun
     --nnodes=2 ... -m fedexp run ... resume=<run>/checkpoints`` (the node's own torchrun
     command: the same on every node but for its ``--node-rank``), ``overrides`` being the
-    command line's (a follower's own ``hydra.*`` ones left out). A resume needs the
-    checkpoint where every node reads it: the run's folder on storage the nodes share.
+    command line's (a follower's own ``hydra.*`` ones left out). A rank of this machine
+    that died is named (``rank 1 died (signal 9, SIGKILL) in round 3``: ``exc.who``,
+    :func:`~fedexp.engine.processes.launch.dead_sibling`); one machine's line has no
+    ``node 0 of 1:``. A resume needs the checkpoint where every node reads it: the run's
+    folder on storage the nodes share.
     """
     from omegaconf import OmegaConf
 
@@ -96,13 +101,53 @@ def lost_line(exc: Exception, cfg: DictConfig, overrides: Sequence[str], place: 
     from fedexp.errors import RankDied
 
     where = str(getattr(exc, "where", "")).strip()
-    alive = _siblings_alive(place)
-    who = {True: "another node", False: "this node", None: "the group"}[alive]
-    text = f"node {_node()} of {place.nodes}: a process of {who} stopped {where}".rstrip()
+    said = str(getattr(exc, "who", "") or "")  # "rank 1 died (signal 9, SIGKILL)": known here
+    if not said:
+        alive = _siblings_alive(place)
+        node = {True: "another node", False: "this node", None: "the group"}[alive]
+        said = f"a process of {node} stopped"
+    text = f"{said} {where}".rstrip()
+    if place.nodes > 1:
+        text = f"node {_node()} of {place.nodes}: {text}"
     hc = OmegaConf.create({"overrides": {"task": [str(o) for o in overrides]}})
-    line = describe_stop(RankDied(text), cfg, hc)
-    command = _relaunch(place)
-    if command is not None:
-        quoted = " ".join(shlex.quote(a) for a in command)
-        line = line.replace("; checkpoint kept: fedexp run ", f"; checkpoint kept: {quoted} run ")
-    return line
+    return as_started(describe_stop(RankDied(text), cfg, hc), place)
+
+
+def as_started(line: str, place: Place | None) -> str:
+    """``line`` with its resume command as the group was started, else as it is.
+
+    Under torchrun: ``torchrun [its options] -m fedexp run ...`` (:func:`_relaunch`).
+    """
+    command = _relaunch(place) if place is not None else None
+    if command is None:
+        return line
+    quoted = " ".join(shlex.quote(a) for a in command)
+    return line.replace("; checkpoint kept: fedexp run ", f"; checkpoint kept: {quoted} run ")
+
+
+def raise_if_group_lost(exc: Terminated) -> None:
+    """SIGTERM in a group started from outside, because a rank of this machine died: that.
+
+    torchrun's agent, seeing a rank die, sends SIGTERM to the others, often before their
+    collectives fail; the survivor then names the rank that died, with the group's resume
+    command (:class:`~fedexp.engine.processes.launch.GroupLost`, said by :func:`lost_line`),
+    and removes its scratch folder. A SIGTERM with every rank alive stays "terminated
+    (SIGTERM)".
+
+    Raises:
+        GroupLost: a rank of this machine is gone.
+    """
+    from fedexp.engine.processes.launch import group_lost
+
+    lost = group_lost(exc)
+    if lost is not None:
+        raise lost from None
+
+
+def sigterm_after_failure(previous: Any, place: Place | None) -> Any:
+    """SIGTERM's handler once a run failed: ignored in a group (``place``), else ``previous``.
+
+    torchrun's agent sends SIGTERM as soon as a rank ends; restored to its default, it would
+    end this rank before its one line is out (and leave its scratch folder).
+    """
+    return signal.SIG_IGN if place is not None else previous

@@ -55,7 +55,7 @@ class Cohort:
         clients: their ids, ascending.
         data: their data (rows of ``pool``).
         rows: int64 [m] the clients' pool rows.
-        keys: int64 [m] their round streams' keys (:func:`fedexp.engine.rng.stream_keys`).
+        keys: int64 [m] their round streams' keys (:func:`fedexp.streams.stream_keys`).
         draws: int64 [m] minibatches each stream has drawn so far this round.
         pool: the run's training data (:class:`fedexp.engine.clients.pool.TrainPool`).
         streams: the clients' round streams as generators (made by the solver on the first

@@ -139,9 +139,9 @@ def worker(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-        from fedexp.engine import rng
+        from fedexp.engine.solver import passes
 
-        rng.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
+        passes.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
         import fedexp
         from fedexp.engine.runner import build_engine
         from helpers import compose_config

@@ -124,18 +124,18 @@ def main() -> None:
     parser.add_argument(
         "--tensor-draws",
         action="store_true",
-        help="draw the passes with tensor ops (rng.pass_indices_tensor: a short CPU run's "
+        help="draw the passes with tensor ops (passes.pass_indices_tensor: a short CPU run's "
         "path; GPU runs took it before 2026-11-30, they take the host's kernel now), not the "
         "compiled kernel: that path's ops and host reads, counted here",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from fedexp.engine import rng
+    from fedexp.engine.solver import passes
 
     if args.tensor_draws:
-        rng.pass_indices = rng.pass_indices_tensor
+        passes.pass_indices = passes.pass_indices_tensor
     else:  # the steady state: the CPU's compiled pass kernel from the first round
-        rng.use_compiled_passes()
+        passes.use_compiled_passes()
     rows = []
     header = "| model | clients | ops/round | host reads/round | updates/s | round s | peak MiB |"
     bound = args.device.startswith("cuda")

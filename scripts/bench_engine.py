@@ -145,9 +145,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from fedexp.engine import rng
+    from fedexp.engine.solver import passes
 
-    rng.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
+    passes.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
     print(
         f"torch {torch.__version__}, 1 thread, E={args.steps}, B={args.batch}, "
         f"{args.rounds} timed rounds after one warm-up round\n"

@@ -290,9 +290,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from fedexp.engine import rng
+    from fedexp.engine.solver import passes
 
-    rng.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
+    passes.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
     results = {}
     with tempfile.TemporaryDirectory(prefix="fedexp-bench-privacy-") as tmp:
         if args.profile:

@@ -52,13 +52,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from fedexp.engine import rng
+    from fedexp import streams
+    from fedexp.engine.solver import passes
 
-    rng.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
-    from fedexp.engine import rng
+    passes.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
+    from fedexp.engine.solver import passes
 
     out = Path("/tmp/fedexp-bench-sampling")
-    engines = {s: build(s, args.clients, args.steps, out / s) for s in rng.SAMPLINGS}
+    engines = {s: build(s, args.clients, args.steps, out / s) for s in passes.SAMPLINGS}
     times: dict[str, list[float]] = {s: [] for s in engines}
     for _ in range(args.repeats):
         for s, engine in engines.items():
@@ -66,14 +67,14 @@ def main() -> None:
             for _ in range(args.rounds):
                 engine.run_round()
             times[s].append((time.perf_counter() - start) / args.rounds)
-    keys = rng.stream_keys(0, rng.CLIENT, 0, list(range(args.clients)))
+    keys = streams.stream_keys(0, streams.CLIENT, 0, list(range(args.clients)))
     draws, num = torch.zeros_like(keys), torch.full_like(keys, 40)
     draw: dict[str, float] = {}
     for s in engines:
         best = []
         for _ in range(20):
             start = time.perf_counter()
-            rng.minibatch_indices(keys, draws, 32, num, s)
+            passes.minibatch_indices(keys, draws, 32, num, s)
             best.append(time.perf_counter() - start)
         draw[s] = min(best)
     print(f"{args.clients} clients, {args.steps} steps of batch 32, median of {args.repeats}")

@@ -97,10 +97,10 @@ def bench(rounds: int) -> None:
     import bench_engine
     import gpu_cnn_rate
 
-    from fedexp.engine import rng
+    from fedexp.engine.solver import passes
 
     torch.set_num_threads(1)
-    rng.use_compiled_passes()
+    passes.use_compiled_passes()
     cpu = torch.device("cpu")
     cells = {
         "lr, 100 clients": lambda: bench_engine.build(100, 5, 16),

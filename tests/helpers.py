@@ -100,8 +100,8 @@ def cohort_of(engine, clients, round_: int | None = None):  # noqa: ANN001, ANN2
     them, no draws yet."""
     import torch
 
+    from fedexp import streams
     from fedexp.contract import Cohort
-    from fedexp.engine import rng
 
     t = engine.round if round_ is None else round_
     ids = torch.tensor(list(clients), dtype=torch.int64)  # on the host, as the engine's
@@ -109,7 +109,7 @@ def cohort_of(engine, clients, round_: int | None = None):  # noqa: ANN001, ANN2
         clients=list(clients),
         data=[engine.clients[n] for n in clients],
         rows=ids,
-        keys=rng.stream_keys(engine.seed, rng.CLIENT, t, ids),
+        keys=streams.stream_keys(engine.seed, streams.CLIENT, t, ids),
         draws=torch.zeros(len(ids), dtype=torch.int64),
         pool=engine.pool,
     )
@@ -117,7 +117,7 @@ def cohort_of(engine, clients, round_: int | None = None):  # noqa: ANN001, ANN2
 
 def solo(data, key: int = 0):  # noqa: ANN001, ANN201
     """A cohort of one client alone (its rows of the pool that holds its data, else a pool of
-    its own), drawing from stream ``key`` (:class:`fedexp.engine.rng.Stream`)."""
+    its own), drawing from stream ``key`` (:class:`fedexp.engine.solver.passes.Stream`)."""
     from fedexp.engine.solver.steps import alone
 
     return alone(data, key)

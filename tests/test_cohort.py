@@ -10,10 +10,11 @@ import types
 import pytest
 import torch
 
+from fedexp import streams
 from fedexp.data.federated import ClientData, PoolRows
-from fedexp.engine import rng
 from fedexp.engine.clients.pool import TrainPool
 from fedexp.engine.runner import build_engine
+from fedexp.engine.solver import passes
 from fedexp.errors import DivergenceError
 
 
@@ -121,37 +122,39 @@ def test_the_cohorts_finiteness_check_passes_overflowing_sums_and_names_the_firs
 
 
 # ------------------------------------------------------------------ the streams
-@pytest.mark.parametrize("sampling", rng.SAMPLINGS)
+@pytest.mark.parametrize("sampling", passes.SAMPLINGS)
 def test_a_streams_draws_are_its_row_of_the_cohort_draw(sampling):
     clients = [0, 3, 7, 11]
-    streams = rng.client_streams(5, 2, clients, sampling)
+    by_client = passes.client_streams(5, 2, clients, sampling)
     sizes = torch.tensor([10, 1, 37, 100])
     alone = []
     for n, num in zip(clients, sizes.tolist(), strict=True):
-        alone.append([streams[n].indices(8, num) for _ in range(3)])
-    keys = rng.stream_keys(5, rng.CLIENT, 2, clients)
+        alone.append([by_client[n].indices(8, num) for _ in range(3)])
+    keys = streams.stream_keys(5, streams.CLIENT, 2, clients)
     for step in range(3):
         draws = torch.full((4,), step, dtype=torch.int64)
-        together = rng.minibatch_indices(keys, draws, 8, sizes, sampling)
+        together = passes.minibatch_indices(keys, draws, 8, sizes, sampling)
         for i in range(4):  # alone, a short batch is its row's samples (a prefix)
             width = len(alone[i][step])
             assert width == (
-                8 if sampling == "replacement" else rng.pass_width(step, 8, int(sizes[i]))
+                8 if sampling == "replacement" else passes.pass_width(step, 8, int(sizes[i]))
             )
             assert torch.equal(together[i][:width], alone[i][step])
-    assert all(s.draws == 3 for s in streams.values())
+    assert all(s.draws == 3 for s in by_client.values())
     assert all(int(b.max()) == 0 for b in alone[1])  # one sample: always index 0
 
 
 def test_batch_indices_are_uniform_and_streams_differ():
-    keys = rng.stream_keys(0, rng.CLIENT, 0, list(range(400)))
-    idx = rng.batch_indices(keys, torch.zeros(400, dtype=torch.int64), 700, torch.full((400,), 7))
+    keys = streams.stream_keys(0, streams.CLIENT, 0, list(range(400)))
+    idx = streams.batch_indices(
+        keys, torch.zeros(400, dtype=torch.int64), 700, torch.full((400,), 7)
+    )
     counts = torch.bincount(idx.reshape(-1), minlength=7).double()
     expected = idx.numel() / 7
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 22.5  # χ²(6) 0.999 quantile
     assert len({tuple(r.tolist()) for r in idx}) == 400  # no two clients draw alike
-    other_round = rng.stream_keys(0, rng.CLIENT, 1, list(range(400)))
+    other_round = streams.stream_keys(0, streams.CLIENT, 1, list(range(400)))
     assert not torch.equal(keys, other_round)
     assert bool((keys >= 0).all())
 
@@ -167,7 +170,7 @@ def test_mix64_is_splitmix64():
         return z ^ (z >> 31)
 
     xs = [0, 1, 12345, (1 << 62) + 17, (1 << 63) - 1]
-    got = rng.mix64(torch.tensor(xs, dtype=torch.int64)).tolist()
+    got = streams.mix64(torch.tensor(xs, dtype=torch.int64)).tolist()
     assert [g & mask for g in got] == [splitmix(x) for x in xs]
 
 
@@ -281,7 +284,11 @@ def test_batched_evaluation_equals_client_by_client(small_cfg, overrides):
     for n, row in enumerate(per_client):
         params = engine.algorithm.eval_params(ctx, engine.server, engine.client_states[n], n)
         ref = ctx.evaluate(params, engine.clients[n], fwd)
-        assert set(ref) | {"num_test"} == set(row)
+        glob = engine.global_model()  # the global view, scored in the same pass
+        if glob is not None:
+            ref_glob = ctx.evaluate(glob, engine.clients[n], fwd)
+            ref.update({f"global/{k}": v for k, v in ref_glob.items()})
+        assert {k for k in set(row) if not k.startswith("gain/")} == set(ref) | {"num_test"}
         for key, value in ref.items():
             if math.isnan(value):
                 assert math.isnan(row[key]), key

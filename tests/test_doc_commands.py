@@ -297,7 +297,8 @@ def fedexp_main(tmp_path, monkeypatch, capsys):
     state are put back afterwards. The run's plots are not drawn (tests/test_engine.py draws
     them): they were half of a one-round run's time.
     """
-    from fedexp import cli, plots
+    from fedexp import cli
+    from fedexp.figures import plots
 
     for name in ("plot_rounds", "plot_clients", "plot_client_models"):
         monkeypatch.setattr(plots, name, lambda *a, **k: None)

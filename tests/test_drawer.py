@@ -1,4 +1,4 @@
-"""Where figures are drawn (:mod:`fedexp.drawer`): the run's thread or a helper process.
+"""Where figures are drawn (:mod:`fedexp.figures.drawer`): the run's thread or a helper process.
 
 The helper draws the PNG bytes the thread draws; a dead helper leaves the figures to the
 thread; only the ``fedexp`` program starts one, where a core is idle; a process whose
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedexp import drawer, plots
 from fedexp.engine.threads import available_cores, choose_threads
+from fedexp.figures import drawer, plots
 
 
 def _rounds(n: int) -> list[dict[str, float]]:
@@ -80,7 +80,7 @@ def test_a_dead_helper_leaves_the_figures_to_the_thread(tmp_path, helper, caplog
     for process in list(helper._processes.values()):
         process.kill()
         process.join()
-    with caplog.at_level(logging.WARNING, logger="fedexp.drawer"):
+    with caplog.at_level(logging.WARNING, logger="fedexp.figures.drawer"):
         assert plots.plot_rounds(_rounds(3), tmp_path / "c.png") == tmp_path / "c.png"
     assert (tmp_path / "c.png").stat().st_size > 0
     assert drawer._helper is None and "helper process ended" in caplog.text
@@ -90,7 +90,7 @@ def test_figures_asked_together_are_drawn_without_a_wait_each(monkeypatch, tmp_p
     """Inside ``together`` each figure is asked for at once; the block's end waits, aside."""
     import threading
 
-    from fedexp import figures
+    from fedexp.figures import canvas
 
     gate = threading.Event()
     drawn: list[str] = []
@@ -100,7 +100,7 @@ def test_figures_asked_together_are_drawn_without_a_wait_each(monkeypatch, tmp_p
         drawn.append(name)
         return name
 
-    monkeypatch.setattr(figures, "slow", slow, raising=False)
+    monkeypatch.setattr(canvas, "slow", slow, raising=False)
     waits: list[int] = []
 
     class Aside:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from fedexp import streams
 from fedexp.contract import CohortStates
-from fedexp.engine import rng
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import build_engine, run
 from fedexp.errors import DivergenceError
@@ -73,10 +73,10 @@ def test_client_streams_do_not_depend_on_order_or_sampling(small_cfg):
 
 
 def test_sampling_is_deterministic_and_fractional():
-    s = rng.sample_clients(0, 5, 100, 0.1)
-    assert s == rng.sample_clients(0, 5, 100, 0.1) and len(s) == 10
-    assert s != rng.sample_clients(0, 6, 100, 0.1)
-    assert rng.sample_clients(0, 0, 3, 0.01) and len(rng.sample_clients(0, 0, 3, 0.01)) == 1
+    s = streams.sample_clients(0, 5, 100, 0.1)
+    assert s == streams.sample_clients(0, 5, 100, 0.1) and len(s) == 10
+    assert s != streams.sample_clients(0, 6, 100, 0.1)
+    assert streams.sample_clients(0, 0, 3, 0.01) and len(streams.sample_clients(0, 0, 3, 0.01)) == 1
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local"])

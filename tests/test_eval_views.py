@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from fedexp import streams
 from fedexp.config.schema import validate
-from fedexp.engine import rng
 from fedexp.engine.round.views import NEWCOMER, held_out, with_gains
 from fedexp.engine.runner import build_engine
 from fedexp.errors import ConfigError
@@ -177,7 +177,7 @@ def test_held_out_clients_never_train_nor_count_and_are_tested_as_new(overrides)
         trained = metrics.get("clients/trained", metrics["clients/sampled"])
         assert trained <= 7
     agg, rows = engine.evaluate()
-    training = [(c, r) for p, c, r in seen if p == rng.CLIENT]
+    training = [(c, r) for p, c, r in seen if p == streams.CLIENT]
     assert training and not out & {n for c, _ in training for n in c}
     assert not out & {n for _, r in training for n in r}  # no pool row of theirs is read
     newcomers = [c for p, c, _ in seen if p == NEWCOMER]

@@ -33,14 +33,19 @@ def _is_type_checking(node: ast.If) -> bool:
 
 
 def _imports(
-    tree: ast.AST, here: str, is_package: bool, modules: set[str] | None = None
+    tree: ast.AST,
+    here: str,
+    is_package: bool,
+    modules: set[str] | None = None,
+    annotations: bool = False,
 ) -> set[str]:
     """What ``tree`` (module ``here``) imports; ``from pkg import mod`` of a module in
-    ``modules`` depends on ``pkg.mod``, not on ``pkg``'s ``__init__``."""
+    ``modules`` depends on ``pkg.mod``, not on ``pkg``'s ``__init__``. ``annotations``:
+    the imports under ``if TYPE_CHECKING:`` count too."""
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not annotations:
             for child in node.orelse:
                 visit(child)
             return
@@ -63,13 +68,13 @@ def _imports(
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """fedexp module -> the fedexp modules it imports."""
+def import_graph(annotations: bool = False) -> dict[str, set[str]]:
+    """fedexp module -> the fedexp modules it imports (``annotations``: type-only ones too)."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in files.items():
         tree = ast.parse(path.read_text())
-        deps = _imports(tree, name, path.name == "__init__.py", set(files))
+        deps = _imports(tree, name, path.name == "__init__.py", set(files), annotations)
         graph[name] = {d for d in deps if d in files and d != name}
     return graph
 
@@ -116,6 +121,70 @@ def test_the_contract_imports_nothing_of_the_engine():
     assert all(not graph[leaf] for leaf in LEAVES), {leaf: graph[leaf] for leaf in LEAVES}
 
 
+def test_the_streams_import_nothing_of_fedexp():
+    """``fedexp.streams`` is a bottom module: every layer draws from it (issue 71)."""
+    assert not import_graph()["fedexp.streams"]
+
+
+#: The modules outside ``fedexp/engine`` that may import a part of the engine, and which
+#: parts (prefixes of module names); docs/design.md, "Layers", says why for each. Any other
+#: import of the engine from outside it runs back up a layer and fails the test below.
+ENGINE_IMPORTS_ALLOWED = {
+    # the local solver (and the pool it gathers from) is the layer below the algorithms
+    "fedexp.algorithms.": ("fedexp.engine.solver.", "fedexp.engine.clients.pool"),
+    # the command line and the sweeps run the engine: the layer above it
+    "fedexp.cli": ("fedexp.engine.",),
+    "fedexp.sweep.": ("fedexp.engine.",),
+    # the config check asks the solver whether an algorithm's server steps a global model
+    "fedexp.config.groups": ("fedexp.engine.solver.server_optim",),
+    # the federated split builds the engine's pooled client table
+    "fedexp.data.federated": ("fedexp.engine.clients.pool",),
+    # the simulated clock is one of the round's stages (chosen when the engine is built)
+    "fedexp.system.clock": ("fedexp.engine.round.stages",),
+}
+
+
+def _engine_imports() -> dict[str, set[str]]:
+    """Module outside ``fedexp.engine`` -> the parts of the engine it imports."""
+    engine = ("fedexp.engine", "fedexp.engine.")
+    return {
+        module: {d for d in deps if d == engine[0] or d.startswith(engine[1])}
+        for module, deps in import_graph().items()
+        if not (module == engine[0] or module.startswith(engine[1]))
+    }
+
+
+def test_nothing_outside_the_engine_imports_it_but_the_documented_few():
+    back_up = {
+        module: [d for d in deps if not _allowed(module, d)]
+        for module, deps in _engine_imports().items()
+    }
+    assert not {m: d for m, d in back_up.items() if d}, "imports of the engine run back up"
+
+
+def _allowed(module: str, dep: str) -> bool:
+    return any(
+        module.startswith(importer) and dep.startswith(parts)
+        for importer, parts in ENGINE_IMPORTS_ALLOWED.items()
+    )
+
+
+def test_every_allowed_import_of_the_engine_is_still_made():
+    """No stale entry: each of ENGINE_IMPORTS_ALLOWED's importers imports what it may."""
+    found = _engine_imports()
+    for importer, parts in ENGINE_IMPORTS_ALLOWED.items():
+        made = [d for m, deps in found.items() if m.startswith(importer) for d in deps]
+        assert any(d.startswith(parts) for d in made), importer
+
+
+def test_a_runs_figures_import_one_another_without_a_circle_even_for_types():
+    """plots -> drawer -> canvas -> pca, plots -> pca: no circle, type-only imports counted."""
+    graph = import_graph(annotations=True)
+    figures = {m: {d for d in deps if d.startswith("fedexp.figures")} for m, deps in graph.items()}
+    assert find_cycle({m: d for m, d in figures.items() if m.startswith("fedexp.figures")}) is None
+    assert "fedexp.figures.pca" in figures["fedexp.figures.canvas"]  # (the walk saw its import)
+
+
 @pytest.mark.parametrize(
     "graph, cyclic",
     [
@@ -136,3 +205,4 @@ def test_deferred_imports_count_and_type_checking_ones_do_not():
     )
     deps = _imports(tree, "fedexp.z", False)
     assert "fedexp.y" in deps and "fedexp.x" not in deps
+    assert "fedexp.x" in _imports(tree, "fedexp.z", False, annotations=True)

@@ -28,8 +28,10 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from fedexp import figures, plots, tuning
+from fedexp import tuning
 from fedexp.engine.runner import loggable, run
+from fedexp.figures import canvas, plots
+from fedexp.figures.pca import MODEL_SPREAD_TOL, client_model_pca
 from fedexp.report import main as report_main
 from fedexp.report import render
 from fedexp.report.reach import kib_ticks, reach_plot, reach_table
@@ -488,13 +490,13 @@ def test_a_real_study_is_plain_in_a_file_and_warns_at_the_edge(tmp_path):
 def _drawn(monkeypatch) -> list:
     """The figures the plotting functions save (to read what they drew)."""
     saved = []
-    save = figures._save
+    save = canvas._save
 
     def keep(fig, path):
         saved.append(fig)
         return save(fig, path)
 
-    monkeypatch.setattr(figures, "_save", keep)
+    monkeypatch.setattr(canvas, "_save", keep)
     return saved
 
 
@@ -505,9 +507,9 @@ def test_equal_client_models_are_said_to_be_equal_not_projected(tmp_path, monkey
     pfednet = fedavg + 1e-8 * torch.randn(5, 200, generator=gen, dtype=torch.float64).float()
     spread = fedavg + 0.1 * torch.randn(5, 200, generator=gen)
     for models in (fedavg, pfednet.double(), torch.zeros(3, 4)):
-        pca = plots.client_model_pca(models)
-        assert pca.equal and pca.spread < plots.MODEL_SPREAD_TOL and pca.explained == [0.0, 0.0]
-    pca = plots.client_model_pca(spread)
+        pca = client_model_pca(models)
+        assert pca.equal and pca.spread < MODEL_SPREAD_TOL and pca.explained == [0.0, 0.0]
+    pca = client_model_pca(spread)
     assert not pca.equal and pca.explained[0] > 0.2 and sum(pca.explained) <= 1 + 1e-12
     closed = _drawn(monkeypatch)
     assert plots.plot_client_models(fedavg, tmp_path / "a.png") == tmp_path / "a.png"
@@ -601,5 +603,7 @@ def test_float_rounds_in_history_are_integers_in_the_csv_files(small_cfg):
     res = run(small_cfg("rounds=2", "num_clients=3"), tracker=NullTracker())
     with open(res.output_dir / "clients_rounds.csv") as fh:
         text = fh.read()
-    assert "0.0,0.0," not in text and text.splitlines()[1].startswith("0,0,")
+    rows = [line.split(",") for line in text.splitlines()[1:]]
+    assert rows[0][:2] == ["0", "0"]  # round 0, client 0: not 0.0, 0.0
+    assert all(r[0].isdigit() and r[1].isdigit() for r in rows)
     assert not math.isnan(float(text.splitlines()[1].split(",")[2]))

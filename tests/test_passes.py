@@ -4,7 +4,7 @@ pFedSOP (§V-B), FedRep, FedALA and TDPFed train "one local epoch" as a pass of 
 DataLoader: every sample once, in a random order, a fresh order each epoch, cut into ⌈n/B⌉
 batches of B with a short last batch of n mod B. With ``sampling=shuffle`` (the default) a
 client's minibatches cut successive pseudorandom permutations of its data epoch by epoch
-(``fedexp.engine.rng.pass_indices``), counter-based like the draws with replacement, so a
+(``fedexp.engine.solver.passes.pass_indices``), counter-based like the draws with replacement, so a
 client draws the same alone, in any cohort and in any grouping; in a cohort of unequal clients
 a short batch is padded to B and its padding weighs nothing.
 """
@@ -16,8 +16,9 @@ import math
 import pytest
 import torch
 
-from fedexp.engine import rng
+from fedexp import streams
 from fedexp.engine.runner import build_engine
+from fedexp.engine.solver import passes
 from fedexp.engine.solver.steps import draw_batch
 from fedexp.models.task import PADDING
 from helpers import cohort_of
@@ -31,8 +32,8 @@ def _epochs(keys: torch.Tensor, num: torch.Tensor, size: int, epochs: int) -> li
     out: list[list[int]] = [[] for _ in per]
     for t in range(epochs * max(per)):
         draws = torch.full_like(keys, t)
-        idx = rng.pass_indices(keys, draws, size, num)
-        valid = rng.pass_valid(draws, size, num)
+        idx = passes.pass_indices(keys, draws, size, num)
+        valid = passes.pass_valid(draws, size, num)
         for i, p in enumerate(per):
             if t < epochs * p:
                 out[i].extend(idx[i][valid[i]].tolist())
@@ -45,7 +46,7 @@ def test_each_epoch_is_a_permutation_in_short_last_batches(size):
     its n samples; every batch is full but the last, which holds n − (⌈n/B⌉ − 1)·B, for every
     domain size (powers of two, one above, one sample) and batch size."""
     sizes = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 64, 65, 100, 255, 256, 257]
-    keys = rng.stream_keys(3, rng.CLIENT, 1, list(range(len(sizes))))
+    keys = streams.stream_keys(3, streams.CLIENT, 1, list(range(len(sizes))))
     num = torch.tensor(sizes)
     seqs = _epochs(keys, num, size, 3)
     for i, n in enumerate(sizes):
@@ -53,9 +54,9 @@ def test_each_epoch_is_a_permutation_in_short_last_batches(size):
         for e in range(3):
             assert sorted(seqs[i][e * n : (e + 1) * n]) == list(range(n)), (n, e)
         per = math.ceil(n / size)
-        widths = [rng.pass_width(t, size, n) for t in range(3 * per)]
+        widths = [passes.pass_width(t, size, n) for t in range(3 * per)]
         assert widths == ([size] * (per - 1) + [n - (per - 1) * size]) * 3
-        valid = rng.pass_valid(torch.arange(3 * per), size, torch.full((3 * per,), n))
+        valid = passes.pass_valid(torch.arange(3 * per), size, torch.full((3 * per,), n))
         assert valid.sum(1).tolist() == widths
         assert all(v[:w].all() and not v[w:].any() for v, w in zip(valid, widths, strict=True))
 
@@ -65,7 +66,7 @@ def test_passes_differ_and_orders_are_uniform():
     a pass is uniform (χ²) and so is the pair of the first two (no structure the Feistel
     network leaves behind)."""
     m, n = 4000, 6
-    keys = rng.stream_keys(0, rng.CLIENT, 0, list(range(m)))
+    keys = streams.stream_keys(0, streams.CLIENT, 0, list(range(m)))
     seq = torch.tensor(_epochs(keys, torch.full((m,), n), n, 2))
     first, second = seq[:, 0], seq[:, 1]
     same = float((seq[:, :n] == seq[:, n:]).all(1).float().mean())
@@ -97,7 +98,7 @@ def test_local_epochs_visit_every_sample_exactly_e_times(small_cfg):
     for t in range(max(steps)):
         draws = cohort.draws.clone()
         x, y = draw_batch(engine.ctx, cohort)
-        idx = rng.pass_indices(cohort.keys, draws, 8, engine.pool.size[cohort.rows])
+        idx = passes.pass_indices(cohort.keys, draws, 8, engine.pool.size[cohort.rows])
         for i, n in enumerate(clients):
             if t >= steps[i]:
                 continue
@@ -111,7 +112,9 @@ def test_local_epochs_visit_every_sample_exactly_e_times(small_cfg):
     keys, draws = cohort.keys, torch.zeros_like(cohort.draws)
     idx = torch.cat(
         [
-            rng.minibatch_indices(keys, draws + t, 8, engine.pool.size[cohort.rows], "replacement")
+            passes.minibatch_indices(
+                keys, draws + t, 8, engine.pool.size[cohort.rows], "replacement"
+            )
             for t in range(math.ceil(num[0] / 8))
         ],
         1,
@@ -125,11 +128,11 @@ def test_a_stream_alone_draws_the_short_batch_unpadded(small_cfg):
     engine = build_engine(small_cfg("batch_size=8"))
     clients = [0, 2, 4]
     cohort = cohort_of(engine, clients, 1)
-    streams = rng.client_streams(engine.seed, 1, clients)
+    by_client = passes.client_streams(engine.seed, 1, clients)
     for _ in range(math.ceil(max(engine.clients[n].num_train for n in clients) / 8)):
         x, y = draw_batch(engine.ctx, cohort)
         for i, n in enumerate(clients):
-            xb, yb = engine.clients[n].batch(8, streams[n])
+            xb, yb = engine.clients[n].batch(8, by_client[n])
             keep = y[i] != PADDING
             assert torch.equal(xb, x[i][keep]) and torch.equal(yb.to(y.dtype), y[i][keep])
 
@@ -146,31 +149,31 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_compiled_kernel_is_the_tensor_arithmetic(device):
-    """On the CPU ``pass_indices`` runs a compiled loop (once it pays: ``rng._compiled``), and
-    for a cohort on a GPU the same loop on the host (``rng.pass_indices_host``: no cycle walk
+    """On the CPU ``pass_indices`` runs a compiled loop (once it pays: ``passes._compiled``), and
+    for a cohort on a GPU the same loop on the host (``passes.pass_indices_host``: no cycle walk
     read back): bit for bit the tensor version, for every domain size, batch size and draw
     counter, and on the cohort's device."""
     from fedexp.engine.solver.passes_cpu import pass_indices_cpu
 
     gen = torch.Generator().manual_seed(0)
     m = 200
-    keys = rng.stream_keys(7, rng.CLIENT, 3, list(range(m)))
+    keys = streams.stream_keys(7, streams.CLIENT, 3, list(range(m)))
     num = torch.randint(1, 5000, (m,), generator=gen)
     num[:12] = torch.tensor([1, 2, 3, 4, 5, 7, 8, 9, 255, 256, 257, 4096])
     draws = torch.randint(0, 200, (m,), generator=gen)
     on = [t.to(device) for t in (keys, draws, num)]
     for size in (1, 7, 32, 129):
-        tensor = rng.pass_indices_tensor(*on[:2], size, on[2])
+        tensor = passes.pass_indices_tensor(*on[:2], size, on[2])
         assert tensor.device.type == device
-        assert torch.equal(pass_indices_cpu(keys, draws, size, num, rng._PASS, rng._ROUND),
+        assert torch.equal(pass_indices_cpu(keys, draws, size, num, passes._PASS, passes._ROUND),
                            tensor.cpu()), size  # fmt: skip
-        host = rng.pass_indices_host(*on[:2], size, on[2])
+        host = passes.pass_indices_host(*on[:2], size, on[2])
         assert host.device.type == device and torch.equal(host, tensor), size
         # a cohort's way: keys, counters and sizes on the host, the indices on the device
-        sent = rng.pass_indices(keys, draws, size, num, device)
+        sent = passes.pass_indices(keys, draws, size, num, device)
         assert sent.device.type == device and torch.equal(sent, tensor), size
         if device != "cpu":  # every call there takes the host's kernel
-            assert torch.equal(rng.pass_indices(*on[:2], size, on[2]), tensor), size
+            assert torch.equal(passes.pass_indices(*on[:2], size, on[2]), tensor), size
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -224,7 +227,7 @@ def test_a_cohort_of_unequal_clients_trains_as_each_alone_in_plain_epochs(small_
         def batches(data=data, key=key, size=size):  # noqa: ANN001, ANN202
             """torch's DataLoader, epoch after epoch; epoch e's order: the stream's e-th."""
             for e in range(30):
-                order = rng.pass_indices(key, torch.tensor([e]), int(size), size)[0].tolist()
+                order = passes.pass_indices(key, torch.tensor([e]), int(size), size)[0].tolist()
                 dataset = torch.utils.data.TensorDataset(data.x_train, data.y_train)
                 yield from torch.utils.data.DataLoader(dataset, batch_size=8, sampler=order)
 
@@ -239,26 +242,26 @@ def test_a_cohort_of_unequal_clients_trains_as_each_alone_in_plain_epochs(small_
 def test_a_process_loads_the_compiled_kernel_once_the_tensor_path_has_cost_as_much(
     monkeypatch, small_cfg
 ):
-    """Rent or buy (``rng._compiled``): the tensor path draws until its estimated cost reaches
+    """Rent or buy (``passes._compiled``): the tensor path draws until its estimated cost reaches
     the compiled kernel's start, every later call goes to the kernel, and a run's figures are
     the same whichever path drew them."""
     from fedexp.engine.solver import passes_cpu
 
     calls = []
-    tensor, kernel = rng.pass_indices_tensor, passes_cpu.pass_indices_cpu
-    monkeypatch.setattr(rng, "pass_indices_tensor", lambda *a: calls.append("t") or tensor(*a))
+    tensor, kernel = passes.pass_indices_tensor, passes_cpu.pass_indices_cpu
+    monkeypatch.setattr(passes, "pass_indices_tensor", lambda *a: calls.append("t") or tensor(*a))
     monkeypatch.setattr(passes_cpu, "pass_indices_cpu", lambda *a: calls.append("k") or kernel(*a))
-    monkeypatch.setattr(rng, "_tensor_spent_ms", 0.0)
-    keys = rng.stream_keys(1, rng.CLIENT, 0, list(range(10)))
+    monkeypatch.setattr(passes, "_tensor_spent_ms", 0.0)
+    keys = streams.stream_keys(1, streams.CLIENT, 0, list(range(10)))
     draws, num = torch.zeros(10, dtype=torch.int64), torch.full((10,), 50)
-    per_call = rng._TENSOR_CALL_MS + rng._TENSOR_INDEX_MS * 10 * 32
-    first = int(-(-rng._KERNEL_START_MS // per_call))  # calls until the spent cost reaches it
+    per_call = passes._TENSOR_CALL_MS + passes._TENSOR_INDEX_MS * 10 * 32
+    first = int(-(-passes._KERNEL_START_MS // per_call))  # calls until the spent cost reaches it
     for _ in range(first + 3):
-        rng.pass_indices(keys, draws, 32, num)
+        passes.pass_indices(keys, draws, 32, num)
     assert calls == ["t"] * first + ["k"] * 3
 
     def final_states(spent: float) -> list:
-        monkeypatch.setattr(rng, "_tensor_spent_ms", spent)
+        monkeypatch.setattr(passes, "_tensor_spent_ms", spent)
         engine = build_engine(small_cfg("algorithm=ditto", "local_steps=7", "batch_size=4"))
         engine.setup()
         for _ in range(3):
@@ -270,7 +273,7 @@ def test_a_process_loads_the_compiled_kernel_once_the_tensor_path_has_cost_as_mu
     by_tensor = final_states(-1e9)  # never reaches the kernel
     assert set(calls) == {"t"}
     calls.clear()
-    by_kernel = final_states(rng._KERNEL_START_MS)  # the kernel from the first draw
+    by_kernel = final_states(passes._KERNEL_START_MS)  # the kernel from the first draw
     assert set(calls) == {"k"}
     assert len(by_tensor) > 5
     for a, b in zip(by_tensor, by_kernel, strict=True):
@@ -278,21 +281,21 @@ def test_a_process_loads_the_compiled_kernel_once_the_tensor_path_has_cost_as_mu
 
 
 def test_stream_keys_hash_their_fixed_part_on_the_host_as_the_tensor_hash():
-    """``rng.stream_keys`` hashes (seed, purpose, round) in Python integers
-    (``rng._mix64_int``, no tensor to copy to the ids' device): bit for bit the tensor
+    """``streams.stream_keys`` hashes (seed, purpose, round) in Python integers
+    (``streams._mix64_int``, no tensor to copy to the ids' device): bit for bit the tensor
     ``mix64`` of the same values, for seeds and rounds across the 64-bit range."""
     import random
 
     r = random.Random(0)
-    values = [0, 1, -1, 2**63 - 1, -(2**63)] + [rng._s64(r.getrandbits(64)) for _ in range(500)]
-    hashed = rng.mix64(torch.tensor(values, dtype=torch.int64)).tolist()
-    assert [rng._mix64_int(v) for v in values] == hashed
+    values = [0, 1, -1, 2**63 - 1, -(2**63)] + [streams._s64(r.getrandbits(64)) for _ in range(500)]
+    hashed = streams.mix64(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert [streams._mix64_int(v) for v in values] == hashed
     ids = torch.arange(64)
-    for seed, purpose, round_ in ((0, 0, 0), (7, rng.CLIENT, 3), (2**64 - 1, 5, 10**6)):
-        head = rng.mix64(torch.tensor(rng._s64(seed)))
-        head = rng.mix64(rng.mix64(head ^ purpose) ^ round_)
-        assert torch.equal(rng.stream_keys(seed, purpose, round_, ids),
-                           rng._srl(rng.mix64(head ^ ids), 1))  # fmt: skip
+    for seed, purpose, round_ in ((0, 0, 0), (7, streams.CLIENT, 3), (2**64 - 1, 5, 10**6)):
+        head = streams.mix64(torch.tensor(streams._s64(seed)))
+        head = streams.mix64(streams.mix64(head ^ purpose) ^ round_)
+        assert torch.equal(streams.stream_keys(seed, purpose, round_, ids),
+                           streams._srl(streams.mix64(head ^ ids), 1))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -367,6 +370,6 @@ def test_a_step_is_short_where_some_client_has_padding():
         for group in (sizes[:1], sizes[3:4], sizes[5:6], sizes):
             m, k = len(group), 12
             draws = torch.arange(k).repeat(m) + torch.repeat_interleave(torch.arange(m), k)
-            valid = rng.pass_valid(draws, size, group.repeat_interleave(k)).view(m, k, size)
+            valid = passes.pass_valid(draws, size, group.repeat_interleave(k)).view(m, k, size)
             expected = (~valid).any(2).any(0).tolist()
             assert Ahead.short_steps(valid) == expected, (size, group.tolist())

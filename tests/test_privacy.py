@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from fedexp import streams
 from fedexp.config.groups import check_groups
 from fedexp.contract import StackedUpdates
-from fedexp.engine import rng
 from fedexp.engine.runner import build_engine, run
 from fedexp.errors import ConfigError
 from fedexp.privacy.mechanisms import adaptive_clip, clip_factors, joint_norms
@@ -144,7 +144,7 @@ def test_the_counter_based_gaussian_draws_are_standard_normal():
 
     from fedexp.privacy.mechanisms import normal_pairs
 
-    keys = rng.stream_keys(0, rng.PRIVACY_CLIENT, 0, list(range(4)))
+    keys = streams.stream_keys(0, streams.PRIVACY_CLIENT, 0, list(range(4)))
     draws = normal_pairs(keys, 0, 25_000)
     assert draws.shape == (4, 50_000) and draws.dtype == torch.float64
     for row in draws:
@@ -154,8 +154,8 @@ def test_the_counter_based_gaussian_draws_are_standard_normal():
     torch.testing.assert_close(scaled, 2.5 * draws[:, 6:18], rtol=1e-15, atol=0)
     # the documented definition: Box-Muller over SplitMix64's values mix64(key + j·φ)
     j = torch.arange(40, dtype=torch.int64)
-    values = rng.mix64(keys[:, None] + j[None, :] * rng._GOLDEN)
-    u = (rng._srl(values, 11).double() + 0.5) * 2.0**-53
+    values = streams.mix64(keys[:, None] + j[None, :] * streams._GOLDEN)
+    u = (streams._srl(values, 11).double() + 0.5) * 2.0**-53
     radius, angle = torch.sqrt(-2 * torch.log(u[:, 0::2])), 2 * math.pi * u[:, 1::2]
     pairs = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=2)
     assert torch.equal(pairs.flatten(1), draws[:, :40])
@@ -200,10 +200,10 @@ def test_adaptive_clipping_tracks_the_median_norm():
 
 
 def test_poisson_sampling_rate_and_independence_from_the_population_order():
-    draws = [len(rng.poisson_sample(0, t, 1000, 0.1)) for t in range(200)]
+    draws = [len(streams.poisson_sample(0, t, 1000, 0.1)) for t in range(200)]
     assert sum(draws) / len(draws) == pytest.approx(100, rel=0.03)
-    a = rng.poisson_sample(5, 3, 1000, 0.1)
-    b = rng.poisson_sample(5, 3, 2000, 0.1)  # a bigger population: the first 1000 coins agree
+    a = streams.poisson_sample(5, 3, 1000, 0.1)
+    b = streams.poisson_sample(5, 3, 2000, 0.1)  # a bigger population: the first 1000 coins agree
     assert a == [n for n in b if n < 1000]
 
 
@@ -318,7 +318,7 @@ def test_an_empty_poisson_cohort_releases_the_noise_alone():
     engine = build_engine(cfg)
     engine.setup()
     expected = 0.01 * 10  # E = qN
-    empty = [t for t in range(60) if not rng.poisson_sample(0, t, 10, 0.01)][:12]
+    empty = [t for t in range(60) if not streams.poisson_sample(0, t, 10, 0.01)][:12]
     moves = []
     for t in empty:
         before = engine.server["x"].clone()
@@ -327,7 +327,7 @@ def test_an_empty_poisson_cohort_releases_the_noise_alone():
         assert metrics["clients/sampled"] == 0 and metrics["privacy/epsilon"] > 0
         assert metrics["privacy/noise_std"] == pytest.approx(z * clip / expected)
         move = (before - engine.server["x"]) / engine.algorithm.server_lr
-        gen = rng.generator(0, rng.PRIVACY_SERVER, t)
+        gen = streams.generator(0, streams.PRIVACY_SERVER, t)
         draw = torch.randn(move.numel(), generator=gen, dtype=torch.float64) * z * clip / expected
         assert torch.allclose(move.double(), draw, rtol=1e-5, atol=1e-5)
         moves.append(move)

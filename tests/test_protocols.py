@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedexp.engine import rng
+from fedexp import streams
 from fedexp.engine.runner import build_engine
+from fedexp.engine.solver import passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,8 +89,8 @@ def _plain_finetune(engine, n: int, x: torch.Tensor, steps: int) -> torch.Tensor
     """Client n fine-tunes ``x``: plain SGD on the module, minibatches of its evaluation
     stream of the engine's current round (independent of the solver)."""
     ctx, data = engine.ctx, engine.clients[n]
-    key = int(rng.stream_keys(engine.seed, rng.EVAL, engine.round, [n])[0])
-    stream = rng.Stream(key, ctx.sampling)
+    key = int(streams.stream_keys(engine.seed, streams.EVAL, engine.round, [n])[0])
+    stream = passes.Stream(key, ctx.sampling)
     module = ctx.model.module
     module.train()
     params = x.clone()

@@ -177,3 +177,176 @@ def test_a_dying_rank_0s_signal_is_read_once_it_is_a_zombie():
     finally:
         child.wait()
     assert _death(child.pid) == ""  # reaped: nothing to read
+
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+@pytest.mark.slow
+def test_torchrun_rank_killed_is_named_by_the_survivor_and_leaves_no_scratch(tmp_path):
+    """torchrun's agent, seeing rank 1 die, sends SIGTERM to rank 0, often before its
+    collective fails: rank 0 still names rank 1's death with the torchrun resume command
+    (not "terminated (SIGTERM)"), and rank 1's ``store=disk`` folder is removed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    path = os.pathsep.join(p for p in (str(HOOK), env.get("PYTHONPATH")) if p)
+    (tmp_path / "tmp").mkdir()
+    env.update(
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=path,
+        FEDEXP_TEST_SIGNAL="1:3:SIGKILL",
+        TMPDIR=str(tmp_path / "tmp"),
+    )
+    command = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0", "-m"]
+    run_args = [a for a in RUN if a != "distributed.nproc=2"]
+    proc = subprocess.Popen(
+        [*command, "fedexp", "run", *run_args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    ours = [line for line in err.splitlines() if line.startswith("fedexp: ")]
+    assert len(ours) == 1, err[-4000:]  # one line, from rank 0 (none from the dead rank 1)
+    assert re.match(r"fedexp: rank 1 died( \(signal 9, SIGKILL\))? in round 3; ", ours[0])
+    assert "checkpoint kept: torchrun --standalone --nproc-per-node=2 " in ours[0], ours[0]
+    assert "terminated" not in ours[0]
+    resume = re.search(r" resume=(\S+)$", ours[0])
+    assert resume and (Path(resume.group(1)) / "last.safetensors").is_file(), ours[0]
+    assert proc.returncode != 0
+    assert not list((tmp_path / "tmp").glob(f"{SCRATCH_PREFIX}*")), err[-2000:]
+    import psutil
+
+    left = [p for p in psutil.process_iter(["environ"]) if _of_run(p, str(tmp_path / "tmp"))]
+    assert not left  # no rank, no agent outlives the run
+
+
+def _of_run(proc, tmpdir: str) -> bool:  # noqa: ANN001 - a psutil.Process
+    try:
+        return (proc.info.get("environ") or {}).get("TMPDIR") == tmpdir
+    except Exception:  # noqa: BLE001 - gone, no access
+        return False
+
+
+def test_a_survivor_names_a_rank_of_its_machine_that_died(monkeypatch, tmp_path):
+    """The pids each rank recorded as the group joined: a killed one (a zombie: its signal
+    is read), a reaped one, and siblings alive (a plain SIGTERM stays one)."""
+    from fedexp.cli_distributed import Place
+    from fedexp.cli_group_lost import lost_line
+    from fedexp.engine.processes import group_pids, launch
+
+    host = socket.gethostname()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        mine = {"host": host, "parent": os.getppid()}  # (its siblings: the same parent)
+        me = {"pid": os.getpid(), "at": states._started(os.getpid()), **mine}
+        other = {"pid": alive.pid, "at": states._started(alive.pid), **mine}
+        gone = {"pid": killed.pid, "at": states._started(killed.pid), **mine}
+        elsewhere = {**gone, "host": "another-machine"}
+        another_node = {**gone, "parent": os.getppid() + 1}  # another agent on this host
+        monkeypatch.setattr(group_pids, "_group", [me, other, elsewhere, another_node, gone])
+        monkeypatch.setattr(launch, "peer_closed", lambda: False)
+        assert group_pids.dead_sibling() is None
+        assert launch.group_lost(KeyboardInterrupt()) is None  # every rank alive: SIGTERM
+        killed.kill()
+        for _ in range(200):  # until it is a zombie (not waited for)
+            if group_pids.is_zombie(killed.pid):
+                break
+            subprocess.run(["sleep", "0.01"])
+        assert group_pids.dead_sibling() == (4, killed.pid)
+        assert launch._sibling_died() == "rank 4 died (signal 9, SIGKILL)"
+        lost = launch.group_lost(KeyboardInterrupt())
+        assert lost is not None and lost.who == "rank 4 died (signal 9, SIGKILL)"
+        killed.wait()
+        assert launch._sibling_died() == "rank 4 died"  # reaped: the signal is not known
+    finally:
+        alive.kill()
+        alive.wait()
+        killed.kill()
+        killed.wait()
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "last.safetensors").write_bytes(b"")
+    cfg = compose_config("rounds=50", output_dir=out)
+    lost = launch.GroupLost("in round 3", "rank 1 died (signal 9, SIGKILL)")
+    agent = ["python", "torchrun", "--standalone", "--nproc-per-node=2", "-m", "fedexp", "run"]
+    from fedexp.cli_group_lost import starter_command
+
+    monkeypatch.setattr("fedexp.cli_group_lost._relaunch", lambda place: starter_command(agent))
+    line = lost_line(lost, cfg, ["rounds=50"], Place(0, 2, 0, 2))
+    assert line == (
+        "rank 1 died (signal 9, SIGKILL) in round 3; checkpoint kept: torchrun --standalone "
+        f"--nproc-per-node=2 -m fedexp run rounds=50 resume={out / 'checkpoints'}"
+    )
+
+
+def _terminated_in_round_3(context: BaseException | None) -> BaseException:
+    """A SIGTERM raised inside the runner's frame (its ``engine`` as round 3 runs)."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(round=2, ctx=SimpleNamespace(round=2))  # noqa: F841 - read back
+    try:
+        try:
+            if context is not None:
+                raise context
+        finally:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt as exc:
+        return exc
+
+
+def test_a_sigterm_as_the_group_breaks_is_the_group_lost(monkeypatch):
+    """Every rank of this machine alive: a SIGTERM that comes while a collective's failure
+    (a process that left) is handled, or over several nodes once a connection of this rank
+    was closed by its other end, is the group lost (where: the runner's round); a SIGTERM
+    with the group whole stays one."""
+    from fedexp.engine.processes import group_pids, launch
+
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "parent": os.getppid(), "at": None}
+    monkeypatch.setattr(group_pids, "_group", [me, {**me, "parent": -1}])  # two nodes
+    monkeypatch.setattr(launch, "peer_closed", lambda: False)
+    monkeypatch.setattr(launch, "reap_scratch", lambda: [])
+    assert launch.group_lost(_terminated_in_round_3(None)) is None
+    lost = launch.group_lost(_terminated_in_round_3(RuntimeError(GLOO_RESET)))
+    assert lost is not None and (lost.where, lost.who) == ("in round 3", "")
+    monkeypatch.setattr(launch, "peer_closed", lambda: True)
+    lost = launch.group_lost(_terminated_in_round_3(None))
+    assert lost is not None and lost.where == "in round 3"
+    monkeypatch.setattr(group_pids, "_group", [me, me])  # one node: its pids alone decide
+    assert launch.group_lost(_terminated_in_round_3(None)) is None
+
+
+_CLOSE_WAIT = """
+import socket, time
+from fedexp.engine.processes.group_pids import peer_closed
+
+with socket.create_server(("127.0.0.1", 0)) as server:
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    seen = [peer_closed()]
+    accepted.close()  # the other end goes: this one waits in CLOSE_WAIT
+    for _ in range(200):
+        if peer_closed():
+            break
+        time.sleep(0.01)
+    seen.append(peer_closed())
+    client.close()
+    seen.append(peer_closed())
+print(seen)
+"""
+
+
+def test_a_connection_closed_by_its_other_end_is_seen():
+    """In a process of its own (no connection of another test's): open, closed by the other
+    end (CLOSE_WAIT), then closed here too."""
+    got = subprocess.run([sys.executable, "-c", _CLOSE_WAIT], capture_output=True, text=True)
+    assert got.stdout.strip() == "[False, True, False]", got.stderr[-2000:]

@@ -40,7 +40,8 @@ def test_a_checkpoint_folder_names_its_run_folder(tmp_path):
 @pytest.fixture
 def fedexp_run(tmp_path, monkeypatch):
     """``fedexp run ARGS`` in this process, from tmp_path (plots recorded, not drawn)."""
-    from fedexp import cli, plots
+    from fedexp import cli
+    from fedexp.figures import plots
 
     drawn: list[tuple[Path, list[int]]] = []
 

@@ -115,7 +115,7 @@ def test_clients_with_different_step_counts_run_in_sub_cohorts(small_cfg):
 def test_a_cohort_of_one_takes_the_steps_a_plain_loop_takes(small_cfg):
     """The solver's SGD on one client equals plain torch: minibatches drawn from the client's
     stream, loss.backward, p -= lr·grad."""
-    from fedexp.engine import rng
+    from fedexp.engine.solver import passes
 
     engine = build_engine(small_cfg("model=mlp", "model.hidden=8"))
     ctx, data = engine.ctx, engine.clients[2]
@@ -123,7 +123,7 @@ def test_a_cohort_of_one_takes_the_steps_a_plain_loop_takes(small_cfg):
     out = ctx.train(engine.x0[None], cohort, steps=4, lr=0.1)
     assert cohort.draws.tolist() == [4]
     p = engine.x0.clone()
-    stream = rng.Stream(12345)
+    stream = passes.Stream(12345)
     for _ in range(4):
         idx = stream.indices(ctx.batch_size, data.num_train)
         q = p.detach().requires_grad_(True)

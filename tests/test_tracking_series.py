@@ -11,7 +11,7 @@ import torch
 from omegaconf import open_dict
 
 from fedexp.engine.runner import loggable, run
-from fedexp.plots import CLIENTS_PER_GROUP, MAX_CLIENT_PANELS, pick_clients, plot_clients
+from fedexp.figures.plots import CLIENTS_PER_GROUP, MAX_CLIENT_PANELS, pick_clients, plot_clients
 from fedexp.tracking.base import NullTracker
 from helpers import deterministic
 
@@ -127,9 +127,9 @@ def _edges(seed: int) -> torch.Tensor:
 
 
 def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
-    """A figure built once and refilled by the next run (``figures._KEPT``) saves the same bytes
+    """A figure built once and refilled by the next run (``canvas._KEPT``) saves the same bytes
     as one built for that run alone: limits, ticks, titles and gaps of the new data only."""
-    from fedexp import figures, plots
+    from fedexp.figures import canvas, plots
 
     def drawn(name: str, draw) -> bytes:
         path = tmp_path / name
@@ -144,30 +144,30 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
         ("equal", lambda s: lambda p: plots.plot_client_models(torch.ones(4 + s, 9), p)),
     ]
     for name, draw in cases:
-        figures._KEPT.clear()
+        canvas._KEPT.clear()
         fresh = drawn(f"{name}-fresh.png", draw(1))
-        figures._KEPT.clear()
+        canvas._KEPT.clear()
         drawn(f"{name}-first.png", draw(0))  # builds the figure with another run's data
-        assert len(figures._KEPT) == 1
+        assert len(canvas._KEPT) == 1
         kept = drawn(f"{name}-kept.png", draw(1))
-        assert len(figures._KEPT) == 1 and kept == fresh, name
+        assert len(canvas._KEPT) == 1 and kept == fresh, name
         assert kept != drawn(f"{name}-other.png", draw(0)), name  # (the data do show)
     curves = cases[0][1](1)
-    figures._KEPT.clear()
+    canvas._KEPT.clear()
     fresh = drawn("curves-fresh-again.png", curves)
-    figures.warm()  # (the helper's start: its curves.png of accuracy stays kept)
-    assert ("rounds", "acc") in figures._KEPT
+    canvas.warm()  # (the helper's start: its curves.png of accuracy stays kept)
+    assert ("rounds", "acc") in canvas._KEPT
     assert drawn("curves-after-warm.png", curves) == fresh
 
 
 def test_the_round_axes_tick_whole_rounds_only(tmp_path):
     """A short run's figures put no tick at round 0.5 (every panel of clients.png too)."""
-    from fedexp import figures, plots
+    from fedexp.figures import canvas, plots
 
-    figures._KEPT.clear()
+    canvas._KEPT.clear()
     plots.plot_rounds(_history(0, 2), tmp_path / "curves.png")
     plot_clients(_client_rows(5, 0), tmp_path / "clients.png", "acc")  # rounds 0 and 2
-    drawn = [figures._KEPT[("rounds", "acc")].axes, figures._KEPT[("clients", 5, 3)].axes]
+    drawn = [canvas._KEPT[("rounds", "acc")].axes, canvas._KEPT[("clients", 5, 3)].axes]
     for ax in (ax for axes in drawn for ax in axes):
         lo, hi = ax.get_xlim()
         ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
@@ -175,24 +175,24 @@ def test_the_round_axes_tick_whole_rounds_only(tmp_path):
 
 
 def test_a_figures_png_holds_the_pixels_savefig_draws_without_its_opaque_alpha(tmp_path):
-    """``figures._save`` writes savefig's pixels as RGB (the alpha was 255 everywhere), at the
+    """``canvas._save`` writes savefig's pixels as RGB (the alpha was 255 everywhere), at the
     figure's dpi; a figure with transparent pixels keeps its alpha."""
     import numpy as np
     from PIL import Image
 
-    from fedexp import figures, plots
+    from fedexp.figures import canvas, plots
 
     plots.plot_rounds(_history(2, 9), tmp_path / "ours.png")
-    drawn = figures._KEPT[("rounds", "acc")].fig
+    drawn = canvas._KEPT[("rounds", "acc")].fig
     drawn.savefig(tmp_path / "savefig.png", dpi=drawn.dpi)
     with Image.open(tmp_path / "ours.png") as ours, Image.open(tmp_path / "savefig.png") as theirs:
         assert ours.mode == "RGB" and theirs.mode == "RGBA"
         assert np.asarray(theirs)[..., 3].min() == 255
         assert np.array_equal(np.asarray(ours), np.asarray(theirs)[..., :3])
         assert ours.info["dpi"] == theirs.info["dpi"]
-    see_through = figures._figure(2, 1, dpi=50)
+    see_through = canvas._figure(2, 1, dpi=50)
     see_through.patch.set_alpha(0.0)
-    figures._save(see_through, tmp_path / "clear.png")
+    canvas._save(see_through, tmp_path / "clear.png")
     with Image.open(tmp_path / "clear.png") as clear:
         assert clear.mode == "RGBA" and np.asarray(clear)[..., 3].min() == 0
 

@@ -245,7 +245,7 @@ class Algorithm(ABC):
         Called by the engine instead of :meth:`eval_stack` when :attr:`eval_with_data` is
         set: for protocols that do work on a client's training data before testing it
         (FedAvg-FT fine-tunes the current global model; IFCA estimates the client's cluster).
-        The cohort draws from evaluation streams (``rng.EVAL``), apart from the training
+        The cohort draws from evaluation streams (``streams.EVAL``), apart from the training
         draws; nothing it computes is kept. Default: :meth:`eval_stack` of the cohort.
         """
         return self.eval_stack(ctx, server, CohortStates.of_rows(states), cohort.clients)

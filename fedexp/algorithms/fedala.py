@@ -68,17 +68,17 @@ from typing import Annotated
 import numpy as np
 import torch
 
+from fedexp import streams
 from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Positive, PositiveInt, Range
-from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Aux, Objective
 from fedexp.engine.solver.steps import stacked_gradients, unstack_states
 from fedexp.models.task import PADDING, valid_rows
 from fedexp.transfer import to_device
 
-#: stream purpose of the ALA data slice (beside ``fedexp.engine.rng``'s)
+#: stream purpose of the ALA data slice (beside ``fedexp.streams``'s)
 ALA_STREAM = 41
 
 
@@ -211,7 +211,7 @@ class FedALA(FedAvg):
         """
         num = np.array([d.num_train for d in cohort.data], dtype=np.int64)
         size = np.minimum(num, np.maximum(1, (self.rand_percent / 100 * num).astype(np.int64)))
-        seeds = [rng.derive_seed(ctx.seed, ALA_STREAM, ctx.round, n) for n in ids]
+        seeds = [streams.derive_seed(ctx.seed, ALA_STREAM, ctx.round, n) for n in ids]
         start = first_draws(seeds, num - size + 1)
         chunk = size if ctx.batch_size <= 0 else np.full_like(size, ctx.batch_size)
         batches = -(-size // chunk)

@@ -56,6 +56,7 @@ from typing import Annotated
 
 import torch
 
+from fedexp import streams
 from fedexp.algorithms.base import (
     Algorithm,
     Cohort,
@@ -71,14 +72,13 @@ from fedexp.algorithms.base import (
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import PositiveInt, Range
 from fedexp.contract import update_parts
-from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.losses import train_losses
 from fedexp.engine.solver.server_optim import server_optimizer_of
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.transfer import to_device
 
-#: stream purpose of the cluster initialisation (beside ``fedexp.engine.rng``'s)
+#: stream purpose of the cluster initialisation (beside ``fedexp.streams``'s)
 CLUSTER_INIT = 31
 
 
@@ -135,7 +135,7 @@ class IFCA(Algorithm):
         layout = ctx.model.layout
         clusters = [x0.clone()]
         for j in range(1, self.k):
-            gen = rng.generator(ctx.seed, CLUSTER_INIT, j)
+            gen = streams.generator(ctx.seed, CLUSTER_INIT, j)
             drawn = x0.clone()
             for shape, off in zip(layout.shapes, layout.offsets, strict=True):
                 if off >= layout.num_params:

@@ -21,7 +21,7 @@ averaging steps at once (none in round 0, where every x_i = x̄ = x_0 anyway), t
 local steps, and upload. So k_0 ~ Geometric on {0, 1, ...} with success probability p, k_t ~
 Geometric on {1, 2, ...} for t ≥ 1 (a run of zeros between two maximal runs of ones is not
 empty), and m ~ Geometric on {1, 2, ...} with success probability 1 − p. Round t's draws
-(m_{t−1}, k_t) come from the stream ``rng.generator(seed, COINS, t)`` that every party can
+(m_{t−1}, k_t) come from the stream ``streams.generator(seed, COINS, t)`` that every party can
 derive, so every client, every sub-cohort and a resumed run take the same steps; full
 participation makes this Algorithm 1 exactly (tested step by step), up to the cap below.
 
@@ -48,6 +48,7 @@ from typing import Annotated
 
 import torch
 
+from fedexp import streams
 from fedexp.algorithms.base import (
     Algorithm,
     Cohort,
@@ -62,12 +63,11 @@ from fedexp.algorithms.base import (
     weighted_mean,
 )
 from fedexp.config.ranges import Positive, PositiveInt, Range
-from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
 
-#: Purpose of the shared coin stream (beside ``fedexp.engine.rng``'s purposes).
+#: Purpose of the shared coin stream (beside ``fedexp.streams``'s purposes).
 COINS = 0x126D
 
 
@@ -116,7 +116,7 @@ class L2GD(Algorithm):
     def schedule(self, ctx: Context, round_: int) -> tuple[int, int]:
         """Round ``round_``'s (m_{t−1}, k_t): averaging steps closing t − 1, local steps of t."""
         u = 1.0 - torch.rand(
-            2, generator=rng.generator(ctx.seed, COINS, round_), dtype=torch.float64
+            2, generator=streams.generator(ctx.seed, COINS, round_), dtype=torch.float64
         )
         zeros = int(math.floor(math.log(float(u[0])) / math.log(1.0 - self.p)))
         if round_ == 0:

@@ -44,11 +44,11 @@ from typing import Annotated
 
 import torch
 
+from fedexp import streams
 from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
 from fedexp.algorithms.fedavg import FedAvg, ServerLr
 from fedexp.config.ranges import Fraction, NonNegativeInt, Range
 from fedexp.data.client import ClientData
-from fedexp.engine import rng
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.losses import train_losses
 from fedexp.engine.solver.objective import Aux, Objective
@@ -227,7 +227,7 @@ def reinit(ctx: Context, client: int) -> torch.Tensor:
     forked global generator: the run's other streams are untouched.
     """
     module = copy.deepcopy(ctx.model.module).to("cpu")
-    with rng.seeded_global(rng.derive_seed(ctx.seed, rng.INIT, 1, client)):
+    with streams.seeded_global(streams.derive_seed(ctx.seed, streams.INIT, 1, client)):
         for m in module.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()

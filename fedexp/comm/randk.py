@@ -24,7 +24,7 @@ import torch
 from fedexp.comm.codec import Codec, Streams, as_rows, check_generators, overrides
 from fedexp.comm.topk import TopKCodec, keep_count
 from fedexp.config.ranges import PositiveFraction
-from fedexp.engine.rng import mix64
+from fedexp.streams import mix64
 
 #: SplitMix64's increment (the golden ratio), as a signed 64-bit integer.
 _PHI = 0x9E3779B97F4A7C15 - (1 << 64)

@@ -103,8 +103,8 @@ class RunConfig:
             The fields (kh·kw copies of each layer's input) count in the memory budget.
         capture: "auto": on a CUDA device a round's local steps are recorded once as a CUDA
             graph per cohort size and step count and replayed (static buffers; eager, with
-            one log line, where recording fails; fedexp/engine/solver/capture.py); the CPU
-            runs eagerly. "off": eager on every device.
+            one log line, where recording fails); the CPU runs eagerly. "off": eager on
+            every device.
         store: where the clients' data and states live: "memory", or "disk" (files in
             ``store_dir`` mapped into memory, so the resident memory follows the round's
             clients, not the population; CPU runs; the files go when the run ends).

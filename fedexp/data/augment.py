@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from fedexp.config.ranges import Fraction, NonNegative
-from fedexp.engine.rng import _GOLDEN, _s64, _srl, mix64
 from fedexp.errors import ConfigError
+from fedexp.streams import _GOLDEN, _s64, _srl, mix64
 
 #: tweak of augmentation's hashes (apart from the minibatch draws')
 _AUGMENT = _s64(0x2545F4914F6CDD1D)

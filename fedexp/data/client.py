@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedexp.engine.rng import Stream
 from fedexp.errors import DataError
 from fedexp.transfer import to_device
 
@@ -145,15 +144,17 @@ class ClientData:
     def batch(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """The next minibatch of ``generator``'s stream; ``size <= 0`` is the full batch.
 
-        A client's round stream (:class:`fedexp.engine.rng.Stream`) gives its counter-based
-        indices (shuffled passes or with replacement, as the stream's ``sampling``; the same a
-        cohort draw gives); any other generator draws uniformly with ``randint``.
+        A client's round stream (:class:`fedexp.engine.solver.passes.Stream`, which numbers its
+        draws) gives its counter-based indices (shuffled passes or with replacement, as the
+        stream's ``sampling``; the same a cohort draw gives); any other generator draws
+        uniformly with ``randint``. The stream is known by its ``indices`` method, not by its
+        class: this module imports nothing of the engine (``tests/test_imports.py``).
         """
         if size <= 0:
             return self.x_train, self.y_train
         dev = self.y_train.device
-        if isinstance(generator, Stream):
-            idx = generator.indices(size, self.num_train, dev)
+        if callable(indices := getattr(generator, "indices", None)):
+            idx = indices(size, self.num_train, dev)
         else:
             idx = torch.randint(self.num_train, (size,), generator=generator).to(dev)
         return self.x_train[idx], self.y_train[idx]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from fedexp import streams
 from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.config.groups import check_channel_keys, check_groups
@@ -27,7 +28,6 @@ from fedexp.config.schema import validate
 from fedexp.data.augment import NoAugmentation
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import clients_for_batch, federate
-from fedexp.engine import rng
 from fedexp.engine.clients.states import scratch_folder
 from fedexp.engine.files import checkpoint
 from fedexp.engine.files.outputs import CLIENT_TABLE, _table_rows, _write_outputs
@@ -136,7 +136,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
     except ConfigError as exc:  # batch_size against the data: and how many clients would do
         raise ConfigError(f"{exc}{_fewer_clients(cfg, data, partition)}") from None
     module, personal_patterns = build_model(
-        cfg.model, data.x.shape[1:], data.num_classes, rng.derive_seed(cfg.seed, rng.INIT)
+        cfg.model, data.x.shape[1:], data.num_classes, streams.derive_seed(cfg.seed, streams.INIT)
     )
     check_model_fits(module, data, _choice(cfg.model), _choice(cfg.dataset))
     model = FlatModel(module, device, conv_gemm=bool(cfg.get("conv_gemm", False)))

@@ -57,7 +57,7 @@ class ThreadChoice:
         reason: what they were chosen from, e.g. "2 cores shared by 2 sweep jobs".
         idle: cores beyond one a process (the sweep's jobs at once times the run's ranks),
             which the run's Python work leaves idle (its figures are drawn there:
-            :mod:`fedexp.drawer`).
+            :mod:`fedexp.figures.drawer`).
     """
 
     threads: int

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from omegaconf import DictConfig
 from torch import nn
 
+from fedexp import streams
 from fedexp.config.groups import split_model_node
 from fedexp.config.instantiate import instantiate_checked
-from fedexp.engine import rng
 
 
 def build_model(
@@ -21,7 +21,7 @@ def build_model(
     builder argument: it is returned for the shared/personal split.
     """
     node, personal = split_model_node(node)
-    with rng.seeded_global(seed):
+    with streams.seeded_global(seed):
         module = instantiate_checked(
             node, "model", input_shape=list(input_shape), num_classes=num_classes
         )

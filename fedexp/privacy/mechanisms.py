@@ -67,7 +67,7 @@ def gaussian(
 #: pairs of draws :func:`add_gaussian_rows` computes at a time (its temporaries: 512 KiB
 #: each; in a round, 2¹⁵ took 25 % less time than 2¹⁶ or 2¹⁷ and half the time of 2¹²)
 _BLOCK = 1 << 15
-#: SplitMix64's constants (:func:`fedexp.engine.rng.mix64`'s) as signed 64-bit integers
+#: SplitMix64's constants (:func:`fedexp.streams.mix64`'s) as signed 64-bit integers
 _PHI = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX = ((30, 0xBF58476D1CE4E5B9 - (1 << 64)), (27, 0x94D049BB133111EB - (1 << 64)), (31, 0))
 
@@ -76,7 +76,7 @@ def normal_pairs(keys: torch.Tensor, start: int, stop: int, std: float = 1.0) ->
     """``[m, 2(stop − start)]`` float64 N(0, std²): draws 2·start to 2·stop − 1 of each stream.
 
     Stream i is SplitMix64 seeded with ``keys[i]`` (int64, CPU): its j-th value is
-    ``mix64(keys[i] + j·φ)`` (:func:`fedexp.engine.rng.mix64`, here computed in place), taken
+    ``mix64(keys[i] + j·φ)`` (:func:`fedexp.streams.mix64`, here computed in place), taken
     in pairs (2p, 2p + 1) through the Box-Muller transform (Box and Muller 1958): with
     u = (⌊v / 2¹¹⌋ + ½)·2⁻⁵³ ∈ (0, 1] of each value v, draw 2p = std·√(−2 ln u₁)·cos(2π u₂)
     and draw 2p + 1 = std·√(−2 ln u₁)·sin(2π u₂) (|draw| < 8.7·std). Counter-based: a row's
@@ -113,7 +113,7 @@ def add_gaussian_rows(rows: torch.Tensor, keys: torch.Tensor, std: float) -> Non
 
     Args:
         rows: ``[m, d]`` floating rows, any device.
-        keys: int64 ``[m]`` stream keys (e.g. :func:`fedexp.engine.rng.stream_keys`).
+        keys: int64 ``[m]`` stream keys (e.g. :func:`fedexp.streams.stream_keys`).
         std: the noise's standard deviation.
     """
     m, d = rows.shape

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedexp import streams
 from fedexp.contract import Message, Stacked, parts_updates, update_parts
-from fedexp.engine import rng
 from fedexp.privacy.clipping import clipping_of
 from fedexp.privacy.mechanisms import (
     adaptive_clip,
@@ -75,12 +75,12 @@ def _noise_keys(
 ) -> torch.Tensor:
     """[m] keys of the clients' noise streams of part ``name`` in ``round_`` (one a client).
 
-    The (seed, ``purpose``, round, client) stream keys (:func:`fedexp.engine.rng.stream_keys`),
+    The (seed, ``purpose``, round, client) stream keys (:func:`fedexp.streams.stream_keys`),
     mixed with the part's CRC-32 for a named part: each client's noise is a function of these
     alone, whichever clients share its cohort (:func:`.mechanisms.add_gaussian_rows`).
     """
-    keys = rng.stream_keys(seed, purpose, round_, clients)
-    return rng.mix64(keys ^ zlib.crc32(name.encode())) if name else keys
+    keys = streams.stream_keys(seed, purpose, round_, clients)
+    return streams.mix64(keys ^ zlib.crc32(name.encode())) if name else keys
 
 
 class PrivateUplink:
@@ -232,8 +232,8 @@ class PrivateUplink:
     def sample(self, round_: int) -> list[int]:
         """The round's cohort: Poisson (``sampling=poisson``) or fixed-size."""
         if self.settings.sampling == "poisson":
-            return rng.poisson_sample(self.seed, round_, self.num_clients, self.rate)
-        return rng.sample_clients(self.seed, round_, self.num_clients, self.rate)
+            return streams.poisson_sample(self.seed, round_, self.num_clients, self.rate)
+        return streams.sample_clients(self.seed, round_, self.num_clients, self.rate)
 
     # ------------------------------------------------------------------ the two ends
     def _changes(
@@ -310,7 +310,7 @@ class PrivateUplink:
         for name, v in changes.items():
             v = v * clip.factors[name].to(v)[:, None] if clipped else v.clone()
             if noisy:  # all the cohort's rows at once, each row from its client's stream
-                keys = _noise_keys(self.seed, rng.PRIVACY_CLIENT, round_, clients, name)
+                keys = _noise_keys(self.seed, streams.PRIVACY_CLIENT, round_, clients, name)
                 add_gaussian_rows(v, keys, std)
             changes[name] = v
         out = self._rebuild(parts, changes, refs)
@@ -346,10 +346,10 @@ class PrivateUplink:
         for name, v in changes.items():
             v = v * scale  # a new tensor: the noise goes on it in place
             if z > 0 and self.summed:  # one draw on the sum: each row carries ξ/E
-                gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, *_tag(name))
+                gen = streams.generator(self.seed, streams.PRIVACY_SERVER, round_, *_tag(name))
                 v.add_(gaussian(gen, v.shape[1], std / self.expected, v)[None, :])
             elif z > 0:  # a draw per upload, all at once, each from its client's stream
-                keys = _noise_keys(self.seed, rng.PRIVACY_SERVER, round_, clients, name)
+                keys = _noise_keys(self.seed, streams.PRIVACY_SERVER, round_, clients, name)
                 add_gaussian_rows(v, keys, std)
             changes[name] = v
         out = self._rebuild(parts, changes, refs)
@@ -386,7 +386,7 @@ class PrivateUplink:
         changes = {}
         for name, stack in self._changes(parts, refs).items():
             v = torch.zeros_like(stack)
-            gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, *_tag(name))
+            gen = streams.generator(self.seed, streams.PRIVACY_SERVER, round_, *_tag(name))
             v.add_(gaussian(gen, v.shape[1], std, v)[None, :])
             changes[name] = v
         if not changes:
@@ -421,7 +421,7 @@ class PrivateUplink:
         if not self._uploads_nothing:
             self.released += 1
         if self.settings.adaptive:  # an empty cohort's noised count too: b̄ = noise / E + ½
-            gen = rng.generator(self.seed, rng.PRIVACY_SERVER, round_, _COUNT)
+            gen = streams.generator(self.seed, streams.PRIVACY_SERVER, round_, _COUNT)
             noise = float(torch.randn(1, generator=gen, dtype=torch.float64)) * self.count_stddev
             self.clip = adaptive_clip(
                 self.clip,

@@ -204,10 +204,10 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         run = partial(_worker, *task, n_jobs, state=state)
         done = run_groups(run, todo, n_jobs, nan_returns)
     else:
-        from fedexp import drawer
+        from fedexp.figures import drawer
 
         if available_cores() > 1 and config.get("figures", True) and drawer.helper_allowed():
-            drawer.start_helper()  # before the groups load torch (fedexp.drawer)
+            drawer.start_helper()  # before the groups load torch (fedexp.figures.drawer)
         here = _Launcher(
             launcher.hydra_context, launcher.task_function, config, int(launcher.max_runs), 1
         )

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fedexp import streams
 from fedexp.contract import Message, StackedUpdates
-from fedexp.engine import rng
 from fedexp.engine.round.stages import Uplink, UplinkStage, Who, take_rows
 from fedexp.system.settings import SystemModel, over_sampled
 
@@ -130,7 +130,7 @@ class Clock(UplinkStage):
 
     @property
     def target(self) -> int:
-        """K, the clients a round keeps: ``rng.sample_clients``'s count of the members."""
+        """K, the clients a round keeps: ``streams.sample_clients``'s count of the members."""
         return max(1, int(round(self.participation * len(self.members))))
 
     def available(self, round_: int, time: float) -> np.ndarray:
@@ -140,7 +140,7 @@ class Clock(UplinkStage):
             return model.trace.available(time, n)
         if model.availability >= 1.0:
             return np.ones(n, dtype=bool)
-        keys = rng.stream_keys(self.seed, rng.AVAILABLE, round_, torch.arange(n))
+        keys = streams.stream_keys(self.seed, streams.AVAILABLE, round_, torch.arange(n))
         uniform = (keys >> 10).to(torch.float64) * 2.0**-53  # (63-bit keys: in [0, 1))
         return uniform.numpy() < model.availability
 
@@ -159,7 +159,7 @@ class Clock(UplinkStage):
     def draw(self, round_: int) -> list[int]:
         """The round's sampled clients: ⌈K·(1 + over_select)⌉ of the members who are on.
 
-        Drawn as ``rng.sample_clients`` draws (the same (seed, SAMPLING, round) stream, a
+        Drawn as ``streams.sample_clients`` draws (the same (seed, SAMPLING, round) stream, a
         choice without replacement): with every client on and no over-selection, the same
         cohort as a run without a clock. Where no member is on (a trace's quiet hours) the
         server waits for the first to come on (that wait is the round's too).
@@ -176,7 +176,7 @@ class Clock(UplinkStage):
         want = min(pool.size, over_sampled(self.target, self.model.over_select))
         if want >= pool.size:
             return pool.tolist()
-        gen = np.random.default_rng(rng.derive_seed(self.seed, rng.SAMPLING, round_))
+        gen = np.random.default_rng(streams.derive_seed(self.seed, streams.SAMPLING, round_))
         return np.sort(gen.choice(pool, size=want, replace=False)).tolist()
 
     def server(self, round_: int, who: Who, up: Uplink) -> Uplink:

@@ -7,7 +7,7 @@ default) changes nothing. Profiles:
 
 * ``uniform``: every client the same values;
 * ``lognormal``: each value the median times exp(σ·z), z a standard normal drawn once per
-  client and quantity from the run's keyed streams ((seed, ``rng.SYSTEM``, quantity,
+  client and quantity from the run's keyed streams ((seed, ``streams.SYSTEM``, quantity,
   client)), so a client's device does not depend on the processes, the stacking, the
   population's size or a resume;
 * ``trace``: the values read from a device file and the on/off intervals from an
@@ -45,7 +45,7 @@ class SystemModel:
         downlink: bytes a second, server → client ``[N]``.
         latency: seconds each way ``[N]``.
         availability: the chance a client is on in a round (each round's coin from
-            (seed, ``rng.AVAILABLE``, round, client)); 1: always on.
+            (seed, ``streams.AVAILABLE``, round, client)); 1: always on.
         trace: on/off intervals (``system=trace``), read at the round's simulated start.
         deadline: seconds a round waits at most (None: for every sampled client).
         over_select: the share of clients sampled beyond those the round keeps.
@@ -76,9 +76,9 @@ def _normals(seed: int, quantity: int, num_clients: int) -> np.ndarray:
     import torch
     from scipy.special import ndtri
 
-    from fedexp.engine import rng
+    from fedexp import streams
 
-    keys = rng.stream_keys(seed, rng.SYSTEM, quantity, torch.arange(num_clients))
+    keys = streams.stream_keys(seed, streams.SYSTEM, quantity, torch.arange(num_clients))
     uniform = ((keys >> 10).to(torch.float64) + 0.5) * 2.0**-53  # in (0, 1)
     return ndtri(uniform.numpy())
 

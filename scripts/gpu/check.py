@@ -713,8 +713,8 @@ def census_syncs(dev: torch.device, s: Step, clients: int = 10) -> None:
     the step's time lasts; on the CPU (no syncs to count) its first case only."""
     import test_round_census as census
 
-    from fedexp.engine import rng
     from fedexp.engine.runner import build_engine
+    from fedexp.engine.solver import passes
     from helpers import compose_config
 
     rows: dict[str, Any] = {}
@@ -722,7 +722,7 @@ def census_syncs(dev: torch.device, s: Step, clients: int = 10) -> None:
     for name, extra in census.cases()[: None if dev.type == "cuda" else 1]:
         if s.left() < 4:
             break
-        rng.use_compiled_passes()
+        passes.use_compiled_passes()
         engine = build_engine(compose_config(*census.overrides(name, clients, extra, dev.type)))
         engine.setup()
         engine.run_round()
@@ -743,21 +743,21 @@ def census_syncs(dev: torch.device, s: Step, clients: int = 10) -> None:
 
 
 def compare_draws(engine: Any, dev: torch.device, s: Step, rounds: int = 5) -> dict:
-    """Rounds with the pass draws on the host (``rng.pass_indices_host``, since 2026-11-30;
+    """Rounds with the pass draws on the host (``passes.pass_indices_host``, since 2026-11-30;
     the cohort's keys and counters on the host too, no read at all, since the eighteenth
-    session) against the tensor path GPU runs took before (``rng.pass_indices_tensor`` on
+    session) against the tensor path GPU runs took before (``passes.pass_indices_tensor`` on
     the device: its cycle walks read back), alternated in blocks on one engine: each's host
     syncs in one round and its median round time (the same indices either way, so the same
     rounds)."""
-    from fedexp.engine import rng
+    from fedexp.engine.solver import passes
     from fedexp.transfer import to_device
 
     def on_device(keys, draws, size, num, device=None):  # noqa: ANN001, ANN202
         at = keys.device if device is None else device
         keys, draws, num = (to_device(t, at) for t in (keys, draws, num))
-        return rng.pass_indices_tensor(keys, draws, size, num)
+        return passes.pass_indices_tensor(keys, draws, size, num)
 
-    host = rng.pass_indices_host
+    host = passes.pass_indices_host
     paths = {"host": host, "tensor": on_device}
     times: dict[str, list[float]] = {k: [] for k in paths}
     syncs: dict[str, int | None] = {}
@@ -766,7 +766,7 @@ def compare_draws(engine: Any, dev: torch.device, s: Step, rounds: int = 5) -> d
     try:
         for block in range(3):
             for name, path in paths.items():
-                rng.pass_indices_host = path
+                passes.pass_indices_host = path
                 if block == 0:
                     syncs[name] = count_syncs(engine.run_round)[0]
                 _sync(dev)
@@ -778,7 +778,7 @@ def compare_draws(engine: Any, dev: torch.device, s: Step, rounds: int = 5) -> d
             if s.left() < 5:
                 break
     finally:
-        rng.pass_indices_host = host
+        passes.pass_indices_host = host
     ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
     return {"round_ms": ms, "syncs": syncs, "tensor_over_host": ms["tensor"] / ms["host"]}
 

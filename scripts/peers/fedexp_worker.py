@@ -115,9 +115,9 @@ def main() -> None:
     parser.add_argument("--eval-rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from fedexp.engine import rng
+    from fedexp.engine.solver import passes
 
-    rng.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
+    passes.use_compiled_passes()  # the steady state: the CPU's pass kernel from the start
     from fedexp.engine.memory import keep_freed_memory
 
     keep_freed_memory()  # as a run's process does (fedexp.engine.runner.run)

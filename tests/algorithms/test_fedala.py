@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from fedexp import streams
 from fedexp.algorithms.fedala import ALA_STREAM, FedALA, first_draws
-from fedexp.engine import rng
 from fedexp.engine.runner import build_engine
 from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, cohort_of, refused
 
@@ -196,7 +196,7 @@ def test_a_cohort_learns_each_clients_weights_as_alone(small_cfg, norm):
 
 def test_slice_starts_are_the_streams_first_draws():
     """:func:`first_draws` gives what a torch generator seeded from the stream draws first."""
-    seeds = [rng.derive_seed(7, ALA_STREAM, t, n) for t in range(3) for n in range(200)]
+    seeds = [streams.derive_seed(7, ALA_STREAM, t, n) for t in range(3) for n in range(200)]
     seeds += [0, 1, 2**32 - 1, 2**32, 2**63 - 1]
     gen = torch.Generator().manual_seed(3)
     highs = torch.randint(1, 100_000, (len(seeds),), generator=gen).tolist()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedexp import streams
 from fedexp.algorithms.fedbabu import FedBABU
 from fedexp.contract import Cohort
-from fedexp.engine import rng
 from fedexp.engine.runner import build_engine
 from fedexp.errors import ConfigError
 from helpers import refused
@@ -98,7 +98,7 @@ def test_finetuned_evaluation_by_hand(small_cfg, finetune):
             [n],
             [data],
             ids,
-            rng.stream_keys(e.seed, rng.EVAL, e.round, ids),
+            streams.stream_keys(e.seed, streams.EVAL, e.round, ids),
             torch.zeros(1, dtype=torch.int64),
             e.pool,
         )

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedexp import streams
 from fedexp.algorithms.perfedavg import PerFedAvg
-from fedexp.engine import rng
 from fedexp.engine.runner import build_engine
+from fedexp.engine.solver import passes
 from helpers import deterministic, refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,7 +66,7 @@ def test_fo_minibatch_steps_match_a_hand_computation(small_cfg):
     x = e.server["x"].clone()
     expected = torch.zeros_like(x)
     for n, (data, weight) in enumerate(zip(e.clients, _weights(e), strict=True)):
-        gen = rng.client_stream(e.seed, 0, n)
+        gen = passes.client_stream(e.seed, 0, n)
         w = x.clone()
         for _ in range(2):
             xd, yd = data.batch(4, gen)
@@ -101,13 +102,13 @@ def test_hf_step_matches_the_exact_hessian_vector_product(small_cfg):
 
 def test_evaluation_is_one_alpha_step_from_the_global_model(small_cfg):
     """A client is evaluated with x − α∇f(x; B), B the first minibatch of its evaluation
-    stream (rng.EVAL) at the evaluated round: by hand for client 2."""
+    stream (streams.EVAL) at the evaluated round: by hand for client 2."""
     alpha = 0.4
     e = build_engine(small_cfg("algorithm=perfedavg", f"algorithm.alpha={alpha}", "batch_size=8"))
     e.run_round()
     x, n, data = e.server["x"], 2, e.clients[2]
-    key = int(rng.stream_keys(e.seed, rng.EVAL, e.round, [n])[0])
-    xb, yb = data.batch(8, rng.Stream(key))
+    key = int(streams.stream_keys(e.seed, streams.EVAL, e.round, [n])[0])
+    xb, yb = data.batch(8, passes.Stream(key))
     expected = x - alpha * _grad(e.ctx, x, xb, yb)
     torch.testing.assert_close(e.eval_vectors([n])[0], expected)
     assert float((expected - x).abs().max()) > 1e-3

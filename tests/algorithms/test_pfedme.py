@@ -9,8 +9,8 @@ import torch
 
 from fedexp.algorithms.pfedme import PFedMe
 from fedexp.contract import CohortStates
-from fedexp.engine import rng
 from fedexp.engine.runner import build_engine, run
+from fedexp.engine.solver import passes
 from fedexp.tracking.base import NullTracker
 from helpers import assert_resume_exact, cohort_of, solo
 
@@ -73,7 +73,7 @@ def test_minibatch_rounds_match_a_reference_algorithm_1(small_cfg):
     x = e.server["x"].clone()
     models, thetas = [], []
     for n, data in enumerate(e.clients):
-        gen = rng.client_stream(e.seed, 0, n)
+        gen = passes.client_stream(e.seed, 0, n)
         w, theta = x.clone(), x.clone()
         for _ in range(big_r):
             xb, yb = data.batch(4, gen)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fedexp.algorithms.tdpfed import TDPFed
-from fedexp.engine import rng
 from fedexp.engine.runner import build_engine, run
+from fedexp.engine.solver import passes
 from fedexp.engine.solver.optim import SGD, Adam
 from fedexp.models.cp import compose
 from fedexp.tracking.base import NullTracker
@@ -122,7 +122,7 @@ def test_one_round_matches_algorithm_1(small_cfg):
     a0 = e.server["a"].clone()
     uploads, thetas = [], []
     for n, data in enumerate(e.clients):
-        gen = rng.client_stream(e.seed, 0, n)
+        gen = passes.client_stream(e.seed, 0, n)
         theta = e.client_states[n]["theta"].clone()
         a = a0.clone()
         sgd, adam = SGD(momentum=0.5, nesterov=True), Adam()

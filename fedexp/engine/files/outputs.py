@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fedexp.drawer import together
 from fedexp.engine.round import stacking
 from fedexp.engine.round.engine import Engine
+from fedexp.figures.drawer import together
 
 #: The per-client table's artifact name (MLflow's table API wants .json or .parquet).
 CLIENT_TABLE = "clients_rounds.json"
@@ -56,7 +56,8 @@ def _write_outputs(
       and ``num_test`` integers): its test metrics.
     - ``curves.png``: the test metric across clients, mean training loss and cumulative bytes
       per round.
-    - ``clients.png``: each client's test metric over rounds (:func:`~fedexp.plots.plot_clients`).
+    - ``clients.png``: each client's test metric over rounds
+      (:func:`~fedexp.figures.plots.plot_clients`).
     - ``client_models_pca.png``: the clients' evaluated models in PCA coordinates (2+ clients;
       not when ``models`` is None). The three figures only with ``figures`` true (the default).
     - ``graph_edges.csv``: the similarity graph's edges (graph algorithms only).
@@ -95,7 +96,7 @@ def _write_outputs(
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
         writer.writerows({**h, "round": int(h["round"])} if "round" in h else h for h in history)
-    from fedexp.plots import plot_client_models, plot_clients, plot_rounds
+    from fedexp.figures.plots import plot_client_models, plot_clients, plot_rounds
 
     edges = engine.server.get("edges")
     if edges is not None:

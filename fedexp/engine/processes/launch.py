@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fedexp.engine.clients.states import reap_scratch, remove_scratch
+from fedexp.engine.processes.group_pids import dead_sibling, is_zombie, nodes, peer_closed
 from fedexp.engine.processes.ranks import (
     TIMEOUT,
     Ranks,
@@ -85,13 +86,17 @@ class _PeerLost(Exception):
 class GroupLost(RuntimeError):
     """In a group started from outside (torchrun, a SLURM job): a process of it left, ``where``.
 
-    Not a :class:`~fedexp.errors.FedexpError`: the CLI's group code says it
+    ``who``: which, where this machine knows it (``rank 1 died (signal 9, SIGKILL)``: a rank
+    of this machine whose process is gone,
+    :func:`~fedexp.engine.processes.group_pids.dead_sibling`), else "". Not a
+    :class:`~fedexp.errors.FedexpError`: the CLI's group code says it
     (:mod:`fedexp.cli_distributed`), with the command that resumes the whole group.
     """
 
-    def __init__(self, where: str) -> None:
-        super().__init__(f"a process of the group stopped {where}")
+    def __init__(self, where: str, who: str = "") -> None:
+        super().__init__(f"{who or 'a process of the group stopped'} {where}".rstrip())
         self.where = where
+        self.who = who
 
 
 def _free_port() -> int:
@@ -339,8 +344,9 @@ def lost(exc: BaseException, procs: list[Any], engine: Engine | None) -> BaseExc
             return _PeerLost(_where(engine))
         if not dist.is_initialized():
             return None
+        who = _sibling_died(_ZOMBIE_WAIT_S)  # (before the reap: a zombie's signal first)
         reap_scratch()  # a rank of this machine that was killed: its store=disk folder
-        return GroupLost(_where(engine))
+        return GroupLost(_where(engine), who)
     ready = wait([p.sentinel for p in procs], timeout=_END_WAIT_S)
     ended = []
     for rank, p in enumerate(procs, start=1):
@@ -354,6 +360,57 @@ def lost(exc: BaseException, procs: list[Any], engine: Engine | None) -> BaseExc
     reap_scratch()
     said = "died" if _signal_of(code) else "left the run" if code == 0 else "failed"
     return RankDied(f"rank {rank} {said}{_how(code) if code else ''} {_where(engine)}")
+
+
+def _sibling_died(wait: float = 0.0) -> str:
+    """``rank 1 died (signal 9, SIGKILL)``: a rank of this machine that is gone, or "".
+
+    :func:`~fedexp.engine.processes.group_pids.dead_sibling`, with its signal while it is a
+    zombie (:func:`_death`; torchrun's agent reaps it soon: then none).
+    """
+    found = dead_sibling(wait)
+    if found is None:
+        return ""
+    rank, pid = found
+    return f"rank {rank} died{_death(pid) if is_zombie(pid) else ''}"
+
+
+def group_lost(exc: BaseException) -> GroupLost | None:
+    """SIGTERM in a group, when a rank of this machine died or the group broke: that, else None.
+
+    A :class:`GroupLost`, which names the rank of this machine that died
+    (:func:`~fedexp.engine.processes.group_pids.dead_sibling`; its scratch folder removed).
+    The group broke, too, when a collective had failed because a process left as the
+    SIGTERM came (``exc``'s context), or, in a group over several nodes, when a connection
+    of this rank was closed by its other end (a node that died: its survivor's agent may
+    send SIGTERM before a collective fails). A plain SIGTERM (every rank alive, the group
+    whole) stays one.
+
+    Where the run was is read from the frames ``exc`` passed through (the runner's
+    ``engine``), as :func:`lost` has it.
+    """
+    who = _sibling_died()
+    if not who and not _peer_left_before(exc) and not (nodes() > 1 and peer_closed()):
+        return None
+    reap_scratch()
+    engine, tb = None, exc.__traceback__
+    while tb is not None:
+        found = tb.tb_frame.f_locals.get("engine")
+        if found is not None and hasattr(found, "ctx") and hasattr(found, "round"):
+            engine = found
+        tb = tb.tb_next
+    where = _where(engine) if engine is not None else ""
+    return GroupLost(where, who)
+
+
+def _peer_left_before(exc: BaseException) -> bool:
+    """Whether ``exc`` came while a collective's failure (a process that left) was handled."""
+    seen = exc.__context__
+    while seen is not None:
+        if isinstance(seen, GroupLost) or peer_left(seen):
+            return True
+        seen = seen.__context__
+    return False
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedexp import streams
 from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
@@ -36,7 +37,6 @@ from fedexp.contract import (
     update_parts,
 )
 from fedexp.data.client import ClientData, client_ids
-from fedexp.engine import rng
 from fedexp.engine.clients.part_memory import PartMemory, merge_memories
 from fedexp.engine.clients.pool import ClientTable, TrainPool
 from fedexp.engine.clients.states import ClientStates, merge_exports
@@ -73,16 +73,16 @@ from fedexp.transfer import to_device
 
 
 def _sample(seed: int, num_clients: int, rate: float, round_: int) -> list[int]:
-    """The round's fixed-size cohort (``rng.sample_clients``)."""
-    return rng.sample_clients(seed, round_, num_clients, rate)
+    """The round's fixed-size cohort (``streams.sample_clients``)."""
+    return streams.sample_clients(seed, round_, num_clients, rate)
 
 
 def _sample_among(members: tuple[int, ...], seed: int, rate: float, round_: int) -> list[int]:
     """The round's fixed-size cohort of ``members`` (the clients not held out), ascending."""
-    return [members[i] for i in rng.sample_clients(seed, round_, len(members), rate)]
+    return [members[i] for i in streams.sample_clients(seed, round_, len(members), rate)]
 
 
-# Stream purpose of the set-up exchange (beside rng.CLIENT and the channels' purposes).
+# Stream purpose of the set-up exchange (beside streams.CLIENT and the channels' purposes).
 _SKETCH = 13
 
 #: ``[m, d]`` stacks a round holds of each of its clients beyond the local steps' own memory
@@ -272,7 +272,7 @@ class Engine(Transport, Evaluation):
             self.ledger = ByteLedger()
         for n in everyone if ranks is None else ranks.mine(everyone):
             sketch = self.algorithm.client_sketch(
-                self.ctx, self.clients[n], rng.generator(self.seed, _SKETCH, n)
+                self.ctx, self.clients[n], streams.generator(self.seed, _SKETCH, n)
             )
             if sketch is None:
                 continue
@@ -445,7 +445,7 @@ class Engine(Transport, Evaluation):
         those of its other runs.
         """
         ctx, algo = self.ctx, self.algorithm
-        groups = self._cohorts(sampled, rng.CLIENT)
+        groups = self._cohorts(sampled, streams.CLIENT)
         works = []
         for rows, cohort, key in groups:
             index = None if len(groups) == 1 else to_device(rows, ctx.device, torch.int64)
@@ -482,7 +482,7 @@ class Engine(Transport, Evaluation):
                 clients=members,
                 data=[data[i] for i in rows],
                 rows=ids,
-                keys=rng.stream_keys(self.seed, purpose, self.round, ids),
+                keys=streams.stream_keys(self.seed, purpose, self.round, ids),
                 draws=torch.zeros(len(members), dtype=torch.int64),
                 pool=self.pool,
             )

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch.func import vmap
 
+from fedexp import streams
 from fedexp.contract import Cohort, State
 from fedexp.data.client import ClientData, client_ids
-from fedexp.engine import rng
 from fedexp.engine.clients.pool import padded
 from fedexp.engine.round.views import GLOBAL, NEW, NEWCOMER, VIEWS, with_gains
 from fedexp.metrics import aggregate, lower_is_better
@@ -233,13 +233,13 @@ class Evaluation:
 
         The algorithm's ``eval_stack`` (one vector for all comes expanded: stride 0 along
         the clients), or with ``eval_with_data`` its ``eval_models`` over the clients in
-        sub-cohorts drawing from their evaluation streams (``rng.EVAL``).
+        sub-cohorts drawing from their evaluation streams (``streams.EVAL``).
         """
         algo, ctx = self.algorithm, self.ctx
         if not algo.eval_with_data:
             states = self.client_states.rows(who)
             return algo.eval_stack(ctx, self.server, states, who)
-        groups = self._cohorts(who, rng.EVAL)
+        groups = self._cohorts(who, streams.EVAL)
         parts = []
         for _, cohort, _ in groups:
             states = self.client_states.rows(cohort.clients)

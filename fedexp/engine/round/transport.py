@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from fedexp import streams
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import Codec, DenseCodec
 from fedexp.contract import Message, StackedUpdates, State, part_scale
-from fedexp.engine import rng
 from fedexp.engine.clients.part_memory import PartKey, PartMemory
 from fedexp.engine.round.ledger import ByteLedger
 from fedexp.transfer import to_device
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
     from fedexp.engine.solver.context import Context
 
-# Stream purposes of the channels (beside rng.CLIENT etc.).
+# Stream purposes of the channels (beside streams.CLIENT etc.).
 _UPLINK, _DOWNLINK = 11, 12
 _MASK63 = (1 << 63) - 1
 
@@ -425,14 +425,14 @@ class Transport:
     ) -> torch.Tensor:
         """The clients' (seed, channel, round, client[, part]) stream keys, int64 ``[m]``.
 
-        Counter-based (:func:`fedexp.engine.rng.stream_keys`): a client's draws are the same
+        Counter-based (:func:`fedexp.streams.stream_keys`): a client's draws are the same
         whether its message goes alone or in any cohort, on any device.
         """
         purpose = _UPLINK if direction == "up" else _DOWNLINK
         ids = to_device(clients, device, torch.int64)
-        keys = rng.stream_keys(self.seed, purpose, self.round, ids)
+        keys = streams.stream_keys(self.seed, purpose, self.round, ids)
         for part in _part_key(name):
-            keys = rng.mix64(keys ^ part) & _MASK63
+            keys = streams.mix64(keys ^ part) & _MASK63
         return keys
 
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from fedexp.engine import rng
+from fedexp import streams
 from fedexp.metrics import GAIN, lower_is_better
 
 #: Prefix of the global model's metrics on the clients' test splits.
@@ -34,7 +34,7 @@ NEW = "new/"
 #: Prefixes of the views that are not a client's own model (no ``best_mean`` of them).
 VIEWS = (GLOBAL, GAIN, NEW)
 
-#: Stream purposes (beside ``rng.CLIENT``...): the choice of the held-out clients, and the
+#: Stream purposes (beside ``streams.CLIENT``...): the choice of the held-out clients, and the
 #: new clients' local steps at an evaluation
 HOLDOUT, NEWCOMER = 51, 52
 
@@ -49,7 +49,7 @@ def held_out(seed: int, num_clients: int, fraction: float) -> tuple[int, ...]:
     if fraction <= 0 or num_clients < 2:
         return ()
     k = min(max(1, int(round(fraction * num_clients))), num_clients - 1)
-    gen = np.random.default_rng(rng.derive_seed(seed, HOLDOUT))
+    gen = np.random.default_rng(streams.derive_seed(seed, HOLDOUT))
     return tuple(np.sort(gen.choice(num_clients, size=k, replace=False)).tolist())
 
 

@@ -34,7 +34,7 @@ class Context:
             of ⌈n/B⌉ minibatches, the last of each short).
         batch_size: minibatch size (≤ 0: full batch).
         sampling: "shuffle" (shuffled passes) or "replacement"
-            (:func:`fedexp.engine.rng.minibatch_indices`).
+            (:func:`fedexp.engine.solver.passes.minibatch_indices`).
         seed: the run's seed (for streams every party can derive, e.g. shared features).
         personal_idx: flat coordinates of the personalised parameters P (``model.personal``).
         shared_idx: flat coordinates of the shared parameters S.

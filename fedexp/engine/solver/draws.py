@@ -2,8 +2,8 @@
 
 The draws of :mod:`fedexp.engine.solver.steps`' local steps (split from it, issue 69): the
 minibatch indices of every client and step come from one counter-based expression
-(:func:`fedexp.engine.rng.minibatch_indices`: the draws a client's
-:class:`fedexp.engine.rng.Stream` gives it alone), made ahead for a block of steps
+(:func:`fedexp.engine.solver.passes.minibatch_indices`: the draws a client's
+:class:`fedexp.engine.solver.passes.Stream` gives it alone), made ahead for a block of steps
 (:class:`Ahead`, which a captured round takes whole: :mod:`fedexp.engine.solver.capture`),
 gathered from the run's :class:`fedexp.engine.clients.pool.TrainPool`; the short batch that
 ends an epoch padded with :data:`fedexp.models.task.PADDING` targets.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedexp.contract import Cohort
-from fedexp.engine.rng import Stream, minibatch_indices, pass_valid
+from fedexp.engine.solver.passes import Stream, minibatch_indices, pass_valid
 from fedexp.models.task import PADDING
 from fedexp.transfer import to_device
 
@@ -42,7 +42,7 @@ _AHEAD_ENTRIES = 1 << 22
 class Ahead:
     """A cohort's next minibatches' rows of the pool, drawn for several steps in one call.
 
-    :func:`fedexp.engine.rng.minibatch_indices` is counter-based, so the indices of draws
+    :func:`fedexp.engine.solver.passes.minibatch_indices` is counter-based, so the indices of draws
     t..t+k-1 of every client come out of one call on ``[m·k]`` rows, equal to k calls of one
     draw each: one pass permutation (and, on a GPU, its few host synchronisations) a block
     of steps instead of one a step. Blocks keep at most ``_AHEAD_ENTRIES`` indices, held as
@@ -76,8 +76,8 @@ class Ahead:
 
         Both made ahead when needed: the rows are the draw's indices plus each client's
         first row (:meth:`TrainPool.gather`'s, once a block instead of once a step); the
-        second is :func:`fedexp.engine.rng.pass_valid` of the draw (shaped to broadcast over
-        the targets' trailing axes), None where every batch of the draw is full.
+        second is :func:`fedexp.engine.solver.passes.pass_valid` of the draw (shaped to
+        broadcast over the targets' trailing axes), None where every batch of the draw is full.
         """
         if self.at == len(self.rows):
             self._block()
@@ -168,7 +168,8 @@ def draw_step(
     """Each client's next minibatch, stacked ``[m, B, ...]``, and whether every batch is whole.
 
     The indices of every client's stream at its draw counter (advanced by one), in shuffled
-    epochs or with replacement (``ctx.sampling``, :func:`fedexp.engine.rng.minibatch_indices`);
+    epochs or with replacement (``ctx.sampling``,
+    :func:`fedexp.engine.solver.passes.minibatch_indices`);
     with ``ctx.batch_size`` ≤ 0 every client's whole training set (equal sizes: the engine's
     sub-cohorts), no draw. The short batch that ends a client's epoch (n mod B samples) keeps
     the cohort's ``[m, B]`` shape: its padding rows have the target

@@ -1,6 +1,6 @@
-"""The CPU kernel of :func:`fedexp.engine.rng.pass_indices`: the same arithmetic, compiled.
+"""The CPU kernel of :func:`fedexp.engine.solver.passes.pass_indices`: the same sums, compiled.
 
-:func:`fedexp.engine.rng.pass_indices` evaluates each index of a cohort's minibatch as a
+:func:`fedexp.engine.solver.passes.pass_indices` evaluates each index of a cohort's minibatch as a
 chain of tensor operations (a Feistel network with cycle walking, then a rotation); on the CPU
 those dozens of element-wise passes over an ``[m, B]`` tensor, and the few cycle-walking
 rounds on small subsets, cost more than the training step they feed. This numba kernel runs
@@ -127,7 +127,7 @@ def pass_indices_cpu(
     keys: torch.Tensor, draws: torch.Tensor, size: int, num: torch.Tensor, tweak: int,
     rounds: list[int], pin: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """:func:`fedexp.engine.rng.pass_indices` of CPU tensors (``tweak``, ``rounds``: its keys).
+    """:func:`fedexp.engine.solver.passes.pass_indices` of CPU tensors; keys ``tweak``, ``rounds``.
 
     ``pin``: written into page-locked memory, whose copy to a GPU need not wait.
     """

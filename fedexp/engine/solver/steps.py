@@ -16,9 +16,9 @@ runs each step for the whole cohort:
   convolutions, 1.3-1.9x slower a step on issue 14's CNN).
 
 What makes it cheap: the minibatch indices of every client and step come from one
-counter-based expression (:func:`fedexp.engine.rng.minibatch_indices`: the draws a client's
-:class:`fedexp.engine.rng.Stream` gives it alone), the data are gathered from the run's
-:class:`fedexp.engine.clients.pool.TrainPool` (concatenated once; the draws' module:
+counter-based expression (:func:`fedexp.engine.solver.passes.minibatch_indices`: the draws a
+client's :class:`fedexp.engine.solver.passes.Stream` gives it alone), the data are gathered from
+the run's :class:`fedexp.engine.clients.pool.TrainPool` (concatenated once; the draws' module:
 :mod:`fedexp.engine.solver.draws`), and no Python runs per client inside the steps. A step
 dispatches the model's forward and backward and a few ops of its own (issue 69:
 ``tests/test_round_census.py``'s ``STEP_OPS``); on a GPU a round's steps replay as a CUDA
@@ -37,7 +37,6 @@ from torch.func import vmap
 
 from fedexp.contract import Cohort, CohortStates
 from fedexp.engine.memory import client_step_bytes
-from fedexp.engine.rng import Stream
 from fedexp.engine.solver.draws import (  # noqa: F401 - re-exported: the solver's draws
     _AHEAD_ENTRIES,
     Ahead,
@@ -50,6 +49,7 @@ from fedexp.engine.solver.draws import (  # noqa: F401 - re-exported: the solver
 from fedexp.engine.solver.objective import Objective
 from fedexp.engine.solver.optim import Optimizer, stack_states
 from fedexp.engine.solver.optim import State as OptState
+from fedexp.engine.solver.passes import Stream
 from fedexp.errors import DivergenceError
 from fedexp.models.task import PADDING
 
@@ -323,8 +323,9 @@ def train(
     """Local training of every client of ``cohort``: ``steps`` optimiser steps each.
 
     Client i's t-th minibatch is the one its stream would give it alone
-    (:meth:`fedexp.engine.rng.Stream.indices` at draw ``cohort.draws[i]``), gathered from the
-    pool; then its ``objective.noise`` uniforms; successive calls continue each client's draws.
+    (:meth:`fedexp.engine.solver.passes.Stream.indices` at draw ``cohort.draws[i]``), gathered
+    from the pool; then its ``objective.noise`` uniforms; successive calls continue each
+    client's draws.
 
     Args:
         ctx: the run's context.

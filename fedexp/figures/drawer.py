@@ -56,7 +56,7 @@ def helper_allowed() -> bool:
 
 
 def _warm() -> None:
-    """The helper's start: every figure drawn once (:func:`fedexp.figures.warm`) before the run's.
+    """The helper's start: every figure drawn once first (:func:`fedexp.figures.canvas.warm`).
 
     Ctrl-C and SIGTERM are the run's to handle: the helper ignores them, and ends with the run
     (the pool's sentinel at the run's exit, or the end of its pipe if the run dies). Its objects are
@@ -69,9 +69,9 @@ def _warm() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.nice(10)  # the run's threads first, where they meet
-    from fedexp import figures
+    from fedexp.figures import canvas
 
-    figures.warm()
+    canvas.warm()
     gc.freeze()
 
 
@@ -107,10 +107,10 @@ def stop_helper() -> None:
 
 
 def _call(name: str, *args: Any) -> Any:
-    """:mod:`fedexp.figures`'s ``name(*args)``, in the process and thread that draw."""
-    from fedexp import figures
+    """:mod:`fedexp.figures.canvas`'s ``name(*args)``, in the process and thread that draw."""
+    from fedexp.figures import canvas
 
-    return getattr(figures, name)(*args)
+    return getattr(canvas, name)(*args)
 
 
 @dataclass
@@ -151,12 +151,12 @@ def _result(drawing: _Drawing) -> Any:
 
 
 def draw(name: str, *args: Any) -> Any:
-    """:mod:`fedexp.figures`'s ``name(*args)`` in the helper, or in :data:`_THREAD`.
+    """:mod:`fedexp.figures.canvas`'s ``name(*args)`` in the helper, or in :data:`_THREAD`.
 
     Returns its result (the PNG's path); an error of the drawing is raised here. By name, so
     that a process whose figures the helper draws never imports matplotlib; the arguments go
     to the helper by pickle: plain data (lists, numbers, NumPy arrays, paths,
-    :class:`fedexp.plots.ModelPCA`), no torch tensor (the helper does not import torch).
+    :class:`fedexp.figures.pca.ModelPCA`), no torch tensor (the helper does not import torch).
     Inside a :func:`together` block it returns None at once, and the block's end waits.
     """
     batch = _together.get()

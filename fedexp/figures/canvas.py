@@ -1,8 +1,8 @@
 """The matplotlib figures of a run: curves.png, clients.png, client_models_pca.png.
 
-What to draw is :mod:`fedexp.plots`'s (the data, the clients shown, the PCA); this module
-draws it, in the one thread or the helper process that draws a process's figures
-(:mod:`fedexp.drawer`): matplotlib's shared state is not thread-safe, and the runs of a
+What to draw is :mod:`fedexp.figures.plots`'s (the data, the clients shown, the PCA); this
+module draws it, in the one thread or the helper process that draws a process's figures
+(:mod:`fedexp.figures.drawer`): matplotlib's shared state is not thread-safe, and the runs of a
 stacked sweep are threads of one process (its fonts are cached per thread: one drawing thread
 loads them once). It takes plain data (lists, NumPy arrays) and imports no torch: the helper
 imports it alone. Drawn on :class:`matplotlib.figure.Figure` objects, never pyplot's global
@@ -37,7 +37,7 @@ from matplotlib.ticker import MaxNLocator
 from PIL.PngImagePlugin import PngInfo
 
 if TYPE_CHECKING:  # (what to draw is chosen there; everything arrives as arguments)
-    from fedexp.plots import ModelPCA
+    from fedexp.figures.pca import ModelPCA
 
 #: Built figures by layout, most recently used last (touched by the drawing thread only).
 _KEPT: OrderedDict[tuple, object] = OrderedDict()
@@ -170,7 +170,7 @@ def _rounds_figure(metric: str) -> _RoundsFigure:
 
 
 def draw_rounds(history: list[dict[str, float]], path: Path, metric: str) -> Path:
-    """curves.png (:func:`fedexp.plots.plot_rounds`)."""
+    """curves.png (:func:`fedexp.figures.plots.plot_rounds`)."""
     drawn = _kept(("rounds", metric), lambda: _rounds_figure(metric))
     evals = [h for h in history if f"{metric}/mean" in h]
     for line, (suffix, _) in zip(drawn.curves, _CURVES, strict=True):
@@ -235,7 +235,7 @@ def _equal_models_figure() -> _EqualModelsFigure:
 def draw_client_models(
     pca: ModelPCA, n: int, path: Path, edges: list | None, tolerance: float
 ) -> Path:
-    """client_models_pca.png (:func:`fedexp.plots.plot_client_models`).
+    """client_models_pca.png (:func:`fedexp.figures.plots.plot_client_models`).
 
     ``tolerance``: the relative spread below which the models are said to be equal (then the
     figure is a line of text). Both figures are kept (:func:`_kept`): n clients' points, and
@@ -308,7 +308,7 @@ def draw_clients(
     metric: str,
     ncols: int,
 ) -> Path:
-    """clients.png (:func:`fedexp.plots.plot_clients`), ``ncols`` panels a row."""
+    """clients.png (:func:`fedexp.figures.plots.plot_clients`), ``ncols`` panels a row."""
     drawn = _kept(("clients", len(chosen), ncols), lambda: _clients_figure(len(chosen), ncols))
     rounds = sorted(per_round)
     mean = [sum(per_round[t]) / len(per_round[t]) for t in rounds]
@@ -330,7 +330,7 @@ def warm() -> None:
     matplotlib's first figure imports and builds more than matplotlib's import itself (the
     axes' tick machinery, legends, the mathtext parser of an axis's offset text, the fonts):
     about half a second on this project's 2-core machine. The figures' helper
-    (:mod:`fedexp.drawer`) pays it while the run trains. The figures stay kept
+    (:mod:`fedexp.figures.drawer`) pays it while the run trains. The figures stay kept
     (:data:`_KEPT`): a run's curves.png of accuracy, the default metric, refills the one drawn
     here (the PNG a fresh figure gives, as any kept figure's), which saves the run's end the
     75 ms of building it.

@@ -1,34 +1,28 @@
 """Figures saved next to a run's results and logged to MLflow as artifacts: what they show.
 
 Each public function takes a run's data, chooses what to draw (the clients shown, the models'
-PCA) and has it drawn by :mod:`fedexp.figures`, in this process's drawing thread or in a
-helper process where the run leaves a core idle (:mod:`fedexp.drawer`). This module imports
-neither torch nor matplotlib at its top: a run whose figures a helper draws never imports
-matplotlib (0.4 s), and the helper unpickles :class:`ModelPCA` from here without torch.
+PCA) and has it drawn by :mod:`fedexp.figures.canvas`, in this process's drawing thread or in a
+helper process where the run leaves a core idle (:mod:`fedexp.figures.drawer`). This module
+imports neither torch nor matplotlib at its top: a run whose figures a helper draws never
+imports matplotlib (0.4 s); the models' PCA is :mod:`fedexp.figures.pca`'s.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedexp.drawer import draw
+from fedexp.figures.drawer import draw
+from fedexp.figures.pca import MODEL_SPREAD_TOL, client_model_pca
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 #: Up to this many clients, every client gets a panel in clients.png.
 MAX_CLIENT_PANELS = 64
 #: Beyond :data:`MAX_CLIENT_PANELS`: this many worst, median and best clients get one each.
 CLIENTS_PER_GROUP = 8
-#: Client models whose relative spread (their total variance about the mean model over their
-#: mean squared norm) is below this are shown as equal, not as a PCA of rounding noise: a
-#: relative RMS difference of 1e-5, some 100 float32 ulps (FedAvg's clients all evaluate one
-#: global model; pFedNet at a small λ leaves differences of 1e-8).
-MODEL_SPREAD_TOL = 1e-10
 
 
 def plot_rounds(history: list[dict[str, float]], path: Path, metric: str = "acc") -> Path | None:
@@ -45,46 +39,6 @@ def plot_rounds(history: list[dict[str, float]], path: Path, metric: str = "acc"
     if not history:
         return None
     return draw("draw_rounds", history, path, metric)
-
-
-@dataclass
-class ModelPCA:
-    """The clients' models in PCA coordinates, as :func:`plot_client_models` draws them.
-
-    Attributes:
-        coords: ``(N, 2)`` float64, the first two principal coordinates (zeros when ``equal``).
-        explained: the share of the total variance of PC1 and PC2 (zeros when ``equal``).
-        spread: the relative spread: total variance about the mean model over the mean
-            squared norm of the models (0 for all-zero models).
-    """
-
-    coords: np.ndarray
-    explained: list[float]
-    spread: float
-
-    @property
-    def equal(self) -> bool:
-        """The models differ by less than :data:`MODEL_SPREAD_TOL`: nothing to project."""
-        return self.spread < MODEL_SPREAD_TOL
-
-
-def client_model_pca(models: torch.Tensor) -> ModelPCA:
-    """PCA of ``(N, d)`` client models, or, below :data:`MODEL_SPREAD_TOL`, none."""
-    import torch
-
-    x = models.detach().double().cpu()
-    n = x.shape[0]
-    centred = x - x.mean(dim=0, keepdim=True)
-    scale = float((x**2).sum(dim=1).mean())
-    spread = float((centred**2).sum(dim=1).mean()) / scale if scale > 0 else 0.0
-    coords = torch.zeros(n, 2, dtype=torch.float64)
-    if spread < MODEL_SPREAD_TOL:
-        return ModelPCA(coords.numpy(), [0.0, 0.0], spread)
-    u, s, _ = torch.linalg.svd(centred, full_matrices=False)
-    k = min(2, s.numel())
-    coords[:, :k] = u[:, :k] * s[:k]
-    var = (s**2) / (s**2).sum()
-    return ModelPCA(coords.numpy(), [float(var[i]) if i < k else 0.0 for i in range(2)], spread)
 
 
 def plot_client_models(
