@@ -33,6 +33,31 @@ SHOWN_CLIENTS = 50
 _CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+#: The evaluation views beside a client's own model (``fedexp.engine.round.views``)
+_VIEWS = ("global/", "gain/", "new/")
+
+
+def _columns(per_client: list[dict[str, float]]) -> list[str]:
+    """The table's metric columns: the clients' own, then the views of the headline metric.
+
+    The task's metrics in its order (acc, bal_acc, auc / iou, label_iou, dice, acc), then
+    loss; of the views (``global/``, ``gain/``, ``new/``: every one is in clients.csv and the
+    tracker) the first metric's alone, so that the table keeps to a terminal's width, and
+    the global model's and the gain only where personalisation changed a figure (FedAvg's
+    personal model is the global one: its gains are all 0).
+    """
+    seen = list(dict.fromkeys(k for row in per_client for k in row if k != "num_test"))
+    own = [k for k in seen if not k.startswith(_VIEWS)]
+    head = own[0] if own else None
+    views = [f"{v}{head}" for v in _VIEWS if head is not None and f"{v}{head}" in seen]
+    gain = f"gain/{head}"
+    if gain in views and all(row.get(gain, 0.0) == 0.0 for row in per_client):
+        views = [v for v in views if not v.startswith(("global/", "gain/"))]
+    if not own:  # (every client held out)
+        views = [k for k in seen if k.startswith("new/")]
+    return own + views
+
+
 def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
     """The per-client table of a finished run, where its results are, how to view them.
 
@@ -47,13 +72,12 @@ def print_table(result) -> None:  # noqa: ANN001 - RunResult, imported lazily
         caption="mean of best rounds: each client's best evaluated round, averaged over the "
         "clients (pFedSOP's protocol), not the best client",
     )
-    # the task's metrics in its order (acc, bal_acc, auc / iou, label_iou, dice, acc), then loss
-    keys = [k for k in result.per_client[0] if k != "num_test"]
+    keys = _columns(result.per_client)
     for col in ("client", "test n", *keys):
         table.add_column(col, justify="right")
     shown = result.per_client[:SHOWN_CLIENTS]  # a run of 10^6 clients: its first rows
     for n, row in enumerate(shown):
-        cells = ["—" if math.isnan(row[k]) else f"{row[k]:.4f}" for k in keys]
+        cells = [f"{row[k]:.4f}" if not math.isnan(row.get(k, math.nan)) else "—" for k in keys]
         table.add_row(str(n), str(int(row["num_test"])), *cells)
     if len(result.per_client) > len(shown):
         more = len(result.per_client) - len(shown)

@@ -302,3 +302,17 @@ def test_a_resumed_runs_table_is_replaced_without_a_download(tmp_path, capfd):
     assert pd.read_json(local, orient="split")["round"].tolist() == [0, 1]  # the last, whole
     logged = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
     assert logged == [{"path": "clients_rounds.json", "type": "table"}]  # the UI's table view
+
+
+def test_the_per_client_table_shows_the_headline_metrics_views_where_they_differ():
+    """The terminal table keeps the clients' own metrics and, of the evaluation views, the
+    headline metric's; FedAvg's global view (its personal model) and its zero gains are left
+    to clients.csv; a held-out client's row has only ``new/``."""
+    from fedexp.cli_output import _columns
+
+    fedavg = [{"acc": 0.5, "loss": 1.0, "global/acc": 0.5, "global/loss": 1.0, "gain/acc": 0.0,
+               "gain/loss": 0.0, "num_test": 3.0}]  # fmt: skip
+    assert _columns(fedavg) == ["acc", "loss"]
+    ditto = [{**fedavg[0], "gain/acc": 0.1}, {"new/acc": 0.7, "new/loss": 0.9, "num_test": 2.0}]
+    assert _columns(ditto) == ["acc", "loss", "global/acc", "gain/acc", "new/acc"]
+    assert _columns([{"new/acc": 0.7, "num_test": 2.0}]) == ["new/acc"]
