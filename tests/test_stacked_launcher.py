@@ -414,6 +414,31 @@ def test_a_dead_worker_ends_its_own_groups_jobs_and_says_which(capfd):
     )
 
 
+@pytest.mark.timeout(120)
+def test_a_dead_workers_closed_pipe_seen_before_its_exit_is_its_death(capfd, monkeypatch):
+    """The CI of 2026-12-02 hung here for an hour: ``wait`` named the killed worker's pipe
+    (at its end) and not yet its sentinel; the loop read the pipe, met its end, and went round
+    again without looking at the sentinel. A ``wait`` that never names a sentinel forces
+    that order: the death is still seen, from the pipe's end."""
+    from multiprocessing.connection import Connection
+    from multiprocessing.connection import wait as real_wait
+
+    from fedexp.sweep import workers
+
+    def pipes_first(objects: list) -> list:
+        ready = real_wait(objects)
+        pipes = [o for o in ready if isinstance(o, Connection)]
+        return pipes or ready
+
+    monkeypatch.setattr(workers, "wait", pipes_first)
+    job = [[f"algorithm={a}", f"seed={s}", "rounds=9"] for a in ("fedavg", "ditto") for s in (0, 1)]
+    todo = [[(0, job[0]), (1, job[1])], [(2, job[2])], [(3, job[3])]]
+    done = workers.run_groups(_group_returns, todo, 2, lambda group: ["dead"] * len(group))
+    assert done == [["dead", "dead"], [2.0], [3.0]]
+    err = capfd.readouterr().err.splitlines()
+    assert sum(x.startswith("fedexp: sweep worker") for x in err) == 1
+
+
 @pytest.mark.slow
 def test_a_kill_9_of_a_stacked_sweeps_worker_leaves_the_other_group_running(tmp_path):
     """Issue 70, item 8 through the CLI: two groups (two algorithms) on two workers; one is

@@ -94,6 +94,25 @@ class _Worker:
         self.group: int | None = None  # the index of the group it holds
 
 
+def _receive(worker: _Worker, ready: list) -> tuple[tuple[str, Any] | None, bool]:
+    """(what ``worker`` sent, or None; whether its end of the pipe closed: it is ending).
+
+    A dead worker's pipe reads as ready too (at its end): that is its death, whichever of
+    the pipe and the process's sentinel ``wait`` saw first, never a message to wait for
+    again (the loop would spin on the closed pipe, the sentinel never looked at).
+    """
+    import cloudpickle
+
+    if worker.conn not in ready:
+        return None, False
+    try:
+        if not worker.conn.poll():
+            return None, False
+        return cloudpickle.loads(worker.conn.recv_bytes()), False
+    except (EOFError, OSError):  # its end closed: it died (while sending, perhaps)
+        return None, True
+
+
 def run_groups(
     run: Callable[[Group], list],
     todo: Sequence[Group],
@@ -141,18 +160,16 @@ def run_groups(
             busy = [w for w in workers if w.group is not None]
             ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy])
             for worker in busy:
-                if worker.conn in ready and worker.conn.poll():
-                    try:
-                        kind, value = cloudpickle.loads(worker.conn.recv_bytes())
-                    except (EOFError, OSError):
-                        continue  # (died while sending: its sentinel says so)
+                got, ended = _receive(worker, ready)
+                if got is not None:
+                    kind, value = got
                     if kind == "ok":
                         results[worker.group] = value  # type: ignore[index]
                     else:
                         raised.append(value)
                         results[worker.group] = []  # type: ignore[index]
                     give(worker)
-                elif worker.proc.sentinel in ready:
+                elif ended or worker.proc.sentinel in ready:
                     worker.proc.join()
                     group = todo[worker.group]  # type: ignore[index]
                     print(died_line(worker.proc.pid or 0, worker.proc.exitcode, group, common),
