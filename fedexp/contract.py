@@ -33,7 +33,7 @@ State = dict[str, torch.Tensor]
 Message = torch.Tensor | dict[str, torch.Tensor]
 #: A cohort's messages: ``[m, ...]`` stacks, or a dict of such stacks part by part.
 Stacked = torch.Tensor | dict[str, torch.Tensor]
-#: How a message part is coded (``fedexp.engine.round.engine.Engine._transmit``).
+#: How a message part is coded (``fedexp.engine.round.transport.Transport._transmit``).
 PART_KINDS = ("model", "update", "exact")
 
 
@@ -213,10 +213,10 @@ class Senders:
     """Who the round's server step hears from, whatever the slicing or the processes.
 
     A server that reads only the weighted mean of the uploads (``server_reads = "mean"``) is
-    handed one pre-summed upload when the round runs in memory slices or over several
-    processes; these figures are the round's all the same (every process's, every slice's).
-    SCAFFOLD's and FedDyn's server steps scale the mean by |S|/N with them. What the engine
-    sets on ``ctx.senders`` before ``server_update``.
+    handed one pre-summed upload (:class:`MeanUpload`) when the round runs in memory slices or
+    over several processes; these figures are the round's all the same (every process's,
+    every slice's). SCAFFOLD's and FedDyn's server steps scale the mean by |S|/N with them.
+    What the engine sets on ``ctx.senders`` before ``server_update``.
 
     Args:
         clients: the round's senders S_t, ascending, over every process.
@@ -315,6 +315,31 @@ class StackedUpdates(Mapping):
     def parts(self) -> dict[str, torch.Tensor]:
         """The stacks by part (a bare tensor's part: "")."""
         return {"": self.stack} if isinstance(self.stack, torch.Tensor) else dict(self.stack)
+
+
+class MeanUpload(StackedUpdates):
+    """The round's weighted mean Σ_n ω_n u_n, handed to the server as its one upload.
+
+    A server that reads the uploads only through their weighted mean (``server_reads =
+    "mean"``) gets this in place of the senders' uploads when the round ran in memory slices
+    or over several processes (which add their senders' weighted sums, not their rows). It
+    reads as any :class:`StackedUpdates`: one row, keyed by the round's first sender, of
+    weight 1 (:attr:`weights`), so that :func:`weighted_mean` gives the mean itself; who sent
+    is ``ctx.senders`` (:class:`Senders`).
+
+    Args:
+        total: Σ_n ω_n u_n by part (a bare tensor's part: ""), each without the row axis.
+        sampled: the round's senders, ascending.
+    """
+
+    def __init__(self, total: Mapping[str, torch.Tensor], sampled: list[int]) -> None:
+        rows = {name: value.unsqueeze(0) for name, value in total.items()}
+        super().__init__(sampled[:1], rows[""] if set(rows) == {""} else rows)
+
+    @property
+    def weights(self) -> dict[int, float]:
+        """The aggregation weight of the one row: 1."""
+        return {self.clients[0]: 1.0}
 
 
 def part_scale(update_scale: str | Mapping[str, str], part: str) -> str:

@@ -99,7 +99,7 @@ print("ROUND1", sum(accs) / len(accs), flush=True)
 def _fedexp() -> list[str]:
     """The installed ``fedexp`` console script next to this Python, else its module."""
     script = Path(sys.executable).parent / "fedexp"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "fedexp.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "fedexp"]
 
 
 def _time(cmd: list[str], cwd: Path, marker: str | None, code: int) -> tuple[float, float]:

@@ -275,3 +275,22 @@ NEEDS: dict[str, list[str]] = {
 def needs(algorithm: str) -> list[str]:
     """The settings ``algorithm`` needs on the tests' default data (:data:`NEEDS`)."""
     return list(NEEDS.get(algorithm, []))
+
+
+def assert_same_run_files(one: Path, other: Path) -> None:
+    """Two run folders' per-round and per-client CSVs equal but for wall-clock columns.
+
+    The figures a run on one process and the same run on several (torchrun, node agents, a
+    SLURM step) write; ``time/``, ``system/`` and ``memory/`` columns measure the machine.
+    """
+    import pandas as pd
+
+    def table(path: Path) -> pd.DataFrame:
+        frame = pd.read_csv(path)
+        kept = [c for c in frame.columns if not c.startswith(("time/", "system/", "memory/"))]
+        return frame[kept]
+
+    for name in ("rounds.csv", "clients.csv", "clients_rounds.csv"):
+        pd.testing.assert_frame_equal(
+            table(one / name), table(other / name), check_exact=False, rtol=1e-4, atol=1e-6
+        )

@@ -194,11 +194,11 @@ def test_interrupted_run_prints_how_to_resume_and_resumes(tmp_path):
 def test_an_override_not_written_key_value_is_one_line(args, said):
     """``rounds 10`` or ``--rounds=10``: one ``fedexp:`` line, exit 2, not Hydra's parser
     error or its usage text (issue 43); Hydra's own flags and sweeps pass."""
-    from fedexp.cli import _override_shape_errors
+    from fedexp.cli.overrides import override_shape_errors
 
-    assert _override_shape_errors(args) == [said]
+    assert override_shape_errors(args) == [said]
     fine = ["rounds=2", "-m", "seed=0,1", "--cfg", "job", "--info", "plugins", "~tracker", "+a=1"]
-    assert _override_shape_errors(fine) == []
+    assert override_shape_errors(fine) == []
 
 
 def test_cli_says_how_to_write_an_override(tmp_path):
@@ -250,7 +250,7 @@ def test_a_path_that_is_not_there_is_refused_before_hydra_makes_a_folder(tmp_pat
 def test_every_data_set_names_a_missing_path_before_hydra(tmp_path):
     """Each dataset option with a ``path`` says what it expected there (its loader's own line),
     unless it fetches what is missing (``dataset.download=true``) or the path is there."""
-    from fedexp.cli import CONFIG_DIR
+    from fedexp.cli.overrides import CONFIG_DIR
     from fedexp.config.keys import dataset_path_errors
 
     nope = str(tmp_path / "nope")

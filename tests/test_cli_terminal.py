@@ -17,7 +17,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from rich.console import Console
 
-from fedexp.cli_help import setting_docs
+from fedexp.cli.help import setting_docs
 from fedexp.config.schema import RunConfig
 from fedexp.engine.files.progress import RoundProgress, job_label, job_line
 from fedexp.sweep import NO_SLURM
@@ -210,7 +210,7 @@ def test_a_jobs_line_is_one_write(monkeypatch, err):
 def test_help_fits_the_terminal(columns, monkeypatch):
     """``fedexp --help`` keeps to the terminal's width (60-100 columns; wider terminals get
     100), every setting and group still listed (issue 43)."""
-    from fedexp.cli_help import help_text
+    from fedexp.cli.help import help_text
 
     monkeypatch.setenv("COLUMNS", str(columns))
     out = help_text()
@@ -225,7 +225,7 @@ def test_a_piped_table_is_never_wrapped(capsys):
     wrapped its row labels over 2-3 lines; now every row is one line, as wide as it needs."""
     from types import SimpleNamespace
 
-    from fedexp.cli_output import print_table
+    from fedexp.cli.output import print_table
 
     keys = ["iou", "label_iou", "dice", "dice_wt", "dice_tc", "dice_et", "acc", "loss"]
     per_client = [{"num_test": 10, **dict.fromkeys(keys, 0.5)} for _ in range(3)]
@@ -308,7 +308,7 @@ def test_the_per_client_table_shows_the_headline_metrics_views_where_they_differ
     """The terminal table keeps the clients' own metrics and, of the evaluation views, the
     headline metric's; FedAvg's global view (its personal model) and its zero gains are left
     to clients.csv; a held-out client's row has only ``new/``."""
-    from fedexp.cli_output import _columns
+    from fedexp.cli.output import _columns
 
     fedavg = [{"acc": 0.5, "loss": 1.0, "global/acc": 0.5, "global/loss": 1.0, "gain/acc": 0.0,
                "gain/loss": 0.0, "num_test": 3.0}]  # fmt: skip

@@ -203,7 +203,7 @@ def test_evaluating_the_clients_a_block_at_a_time_changes_no_figure(overrides, m
 def test_the_end_of_run_table_lists_the_first_clients_of_a_large_run(capsys, monkeypatch):
     from types import SimpleNamespace
 
-    from fedexp.cli_output import SHOWN_CLIENTS, print_table
+    from fedexp.cli.output import SHOWN_CLIENTS, print_table
 
     monkeypatch.setenv("COLUMNS", "120")
     row = {"acc": 0.5, "loss": 0.7, "num_test": 2.0}

@@ -26,32 +26,32 @@ def _run(small_cfg, *overrides, rounds=3):
 
 
 def _message_by_message(engine):
-    """The reference: every message through its channel on its own (``Engine._transmit``)."""
-    engine._send_cohort = lambda *args, **kwargs: None
+    """The reference: every message through its channel on its own (``Transport._transmit``)."""
+    engine.transport.send_cohort = lambda *args, **kwargs: None
     return engine
 
 
 @pytest.mark.parametrize("compressor", ["stc", "topk", "sar", "stc_twomean", "topk_zlib"])
 def test_a_cohorts_lossy_messages_coded_in_one_pass_equal_message_by_message(small_cfg, compressor):
     """Sparse codecs, error feedback, lossy downlink models, randomised codecs: the batched
-    channel (``Engine._transmit_cohort``) sends the same bytes and the same values."""
+    channel (``Transport._transmit_cohort``) sends the same bytes and the same values."""
     over = ("algorithm=fedavg", f"compressor={compressor}", "rounds=3")
     one = _message_by_message(build_engine(small_cfg(*over)))
     batched = build_engine(small_cfg(*over))
     calls = []
-    inner = batched._transmit_cohort
-    batched._transmit_cohort = lambda *a: calls.append(a[0]) or inner(*a)
+    inner = batched.transport._transmit_cohort
+    batched.transport._transmit_cohort = lambda *a: calls.append(a[0]) or inner(*a)
     h_one = [one.run_round() for _ in range(3)]
     h_batched = [batched.run_round() for _ in range(3)]
     assert calls == ["down", "up"] * 3  # both ways in one pass every round
     assert torch.equal(batched.server["x"], one.server["x"])
     for d in ("up", "down"):
-        assert batched.residual[d].keys() == one.residual[d].keys()
-        for k, v in one.residual[d].items():
-            assert torch.equal(batched.residual[d][k], v)
-        assert batched.replica[d].keys() == one.replica[d].keys()
-        for k, v in one.replica[d].items():
-            assert torch.equal(batched.replica[d][k], v)
+        assert batched.transport.residual[d].keys() == one.transport.residual[d].keys()
+        for k, v in one.transport.residual[d].items():
+            assert torch.equal(batched.transport.residual[d][k], v)
+        assert batched.transport.replica[d].keys() == one.transport.replica[d].keys()
+        for k, v in one.transport.replica[d].items():
+            assert torch.equal(batched.transport.replica[d][k], v)
     for a, b in zip(h_one, h_batched, strict=True):
         assert a["bytes/up"] == b["bytes/up"] and a["bytes/down"] == b["bytes/down"]
     assert batched.ledger.messages == one.ledger.messages
@@ -70,8 +70,8 @@ def test_named_parts_in_one_pass_equal_message_by_message(small_cfg, algorithm, 
     one = _message_by_message(build_engine(small_cfg(*over)))
     batched = build_engine(small_cfg(*over))
     parts = []
-    inner = batched._send_part_cohort
-    batched._send_part_cohort = lambda *a: parts.append((a[0], a[2])) or inner(*a)
+    inner = batched.transport._send_part_cohort
+    batched.transport._send_part_cohort = lambda *a: parts.append((a[0], a[2])) or inner(*a)
     h_one, h_batched = [], []
     for engine, history in ((one, h_one), (batched, h_batched)):
         engine.setup()
@@ -83,7 +83,7 @@ def test_named_parts_in_one_pass_equal_message_by_message(small_cfg, algorithm, 
         assert torch.equal(batched.server[key], value), key
     for d in ("up", "down"):
         for store in ("residual", "replica"):
-            a, b = getattr(one, store)[d], getattr(batched, store)[d]
+            a, b = getattr(one.transport, store)[d], getattr(batched.transport, store)[d]
             assert a.keys() == b.keys()
             assert all(torch.equal(b[k], v) for k, v in a.items())
     for a, b in zip(h_one, h_batched, strict=True):

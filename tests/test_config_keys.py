@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedexp.cli import CONFIG_DIR
+from fedexp.cli.overrides import CONFIG_DIR
 from fedexp.config.keys import added_or_removed_errors, unknown_key_errors
 from helpers import run_cli
 
@@ -125,17 +125,17 @@ def test_the_cli_refuses_a_removal_in_one_line_before_anything_runs(tmp_path):
 def test_several_values_without_multirun_are_one_line(tmp_path):
     """``seed=0,1`` without ``-m`` got Hydra's five lines ("Ambiguous value ...") and its
     HYDRA_FULL_ERROR hint; a quoted value is one string, and ``-m`` sweeps."""
-    from fedexp.cli import _sweep_without_multirun
+    from fedexp.cli.overrides import sweep_without_multirun
 
-    (line,) = _sweep_without_multirun(["seed=0,1", "rounds=2"])
+    (line,) = sweep_without_multirun(["seed=0,1", "rounds=2"])
     assert line == (
         "seed=0,1: several values are a sweep, run with -m (fedexp run -m seed=0,1); "
         "a list is written seed=[...]"
     )
-    (line,) = _sweep_without_multirun(["lr=range(0.1,0.3,0.1)"])
+    (line,) = sweep_without_multirun(["lr=range(0.1,0.3,0.1)"])
     assert line.startswith("lr=range(0.1,0.3,0.1): several values are a sweep")
-    assert _sweep_without_multirun(["-m", "seed=0,1"]) == []
-    assert _sweep_without_multirun(["dataset.label='a,b'", "model.personal=[head.*]"]) == []
+    assert sweep_without_multirun(["-m", "seed=0,1"]) == []
+    assert sweep_without_multirun(["dataset.label='a,b'", "model.personal=[head.*]"]) == []
     proc = run_cli("run", "algorithm=fedavg,ditto", "tracker=none", cwd=tmp_path)
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]

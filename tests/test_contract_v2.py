@@ -210,7 +210,7 @@ class _TwoParts(FedAvg):
 @pytest.mark.parametrize("compressor", ["none", "stc"])
 def test_named_parts_are_coded_by_kind_and_counted_per_part(small_cfg, compressor):
     e = build_engine(small_cfg(f"compressor={compressor}"))
-    e.algorithm = _TwoParts()
+    e.algorithm = e.transport.algorithm = _TwoParts()
     d = e.x0.numel()
     m = _rounds(e, 2)
     assert m["bytes/down/tag"] == 5 * 8 and m["bytes/up/id"] == 5 * 4
@@ -226,7 +226,7 @@ def test_named_parts_are_coded_by_kind_and_counted_per_part(small_cfg, compresso
 def test_plain_fedavg_equals_itself_through_named_parts(small_cfg):
     a = build_engine(small_cfg())
     b = build_engine(small_cfg())
-    b.algorithm = _TwoParts()
+    b.algorithm = b.transport.algorithm = _TwoParts()
     _rounds(a, 3)
     _rounds(b, 3)
     # the server's mean: one product of a stack, a sum over a dict of named parts' rows

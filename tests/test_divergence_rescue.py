@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from fedexp.cli_output import default_lr
-from fedexp.cli_output import describe_stop as _describe_stop
+from fedexp.cli.output import default_lr
+from fedexp.cli.output import describe_stop as _describe_stop
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import _healthy, run
 from fedexp.errors import DivergenceError

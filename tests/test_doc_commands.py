@@ -368,7 +368,7 @@ def test_a_documented_command_runs_for_one_round(command, fedexp_main, tmp_path,
     reason = skip_reason(command, prepared)
     if reason:
         pytest.skip(f"{command.where}: {reason}")
-    from fedexp.cli import _group_option_errors
+    from fedexp.cli.overrides import group_option_errors
     from fedexp.config.keys import unknown_key_errors
     from fedexp.config.schema import override_errors
 
@@ -384,7 +384,7 @@ def test_a_documented_command_runs_for_one_round(command, fedexp_main, tmp_path,
             args = [a for a in args if a.split("=", 1)[0].lstrip("+") != key]
             args.append(f"{key}={found}")
     # the whole sweep passes the checks made before Hydra starts
-    assert not _group_option_errors(args) + unknown_key_errors(args, CONF) + override_errors(args)
+    assert not group_option_errors(args) + unknown_key_errors(args, CONF) + override_errors(args)
     if "dataset.path=bc.csv" in args:  # README's own table, written as the README says
         from sklearn.datasets import load_breast_cancer
 

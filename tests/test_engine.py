@@ -118,7 +118,7 @@ def test_lossy_downlink_with_error_feedback_tracks_the_server_model(small_cfg):
         m = engine.run_round()
     x = engine.server["x"]
     for n in range(5):
-        gap = (engine.replica["down"][n, ""] - x).norm() / x.norm()
+        gap = (engine.transport.replica["down"][n, ""] - x).norm() / x.norm()
         assert gap < 0.5, (n, float(gap))
     agg, _ = engine.evaluate()
     assert agg["acc/weighted"] > 0.85
@@ -132,5 +132,5 @@ def test_lossy_downlink_without_error_feedback_drops_the_error(small_cfg):
     engine.run_round()
     # the reference of the next change is the server's own last message, not what the client
     # decoded: the compression error is not sent again
-    assert torch.equal(engine.reference["down"][0, ""], sent)
-    assert not torch.equal(engine.replica["down"][0, ""], sent)
+    assert torch.equal(engine.transport.reference["down"][0, ""], sent)
+    assert not torch.equal(engine.transport.replica["down"][0, ""], sent)

@@ -9,8 +9,8 @@ from unittest import mock
 import pytest
 from omegaconf import OmegaConf
 
-from fedexp.cli_distributed import FOLLOWER_OVERRIDES, Place, _task
-from fedexp.cli_group_lost import lost_line, starter_command
+from fedexp.cli.distributed import FOLLOWER_OVERRIDES, Place, _task
+from fedexp.cli.group_lost import lost_line, starter_command
 from fedexp.engine.processes.launch import GroupLost
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.processes.shared_data import machine_of
@@ -46,14 +46,14 @@ def test_a_lost_process_is_one_line_with_the_torchrun_command_that_resumes(tmp_p
     agent = ["python", "torchrun", "--nnodes=2", "--rdzv-endpoint=h:1", "-m", "fedexp", "run"]
     with (
         mock.patch.dict("os.environ", {"GROUP_RANK": "1"}),
-        mock.patch("fedexp.cli_group_lost._relaunch", return_value=starter_command(agent)),
+        mock.patch("fedexp.cli.group_lost._relaunch", return_value=starter_command(agent)),
     ):
         line = lost_line(GroupLost("in round 7"), cfg, task, place)
     assert line == (
         "node 1 of 2: a process of another node stopped in round 7; checkpoint kept: torchrun "
         f"--nnodes=2 --rdzv-endpoint=h:1 -m fedexp run rounds=50 resume={out / 'checkpoints'}"
     )
-    with mock.patch("fedexp.cli_group_lost._relaunch", return_value=None):  # a SLURM job's
+    with mock.patch("fedexp.cli.group_lost._relaunch", return_value=None):  # a SLURM job's
         line = lost_line(GroupLost("in round 7"), cfg, task, place)
     assert line.endswith(f"checkpoint kept: fedexp run rounds=50 resume={out / 'checkpoints'}")
 

@@ -253,7 +253,7 @@ def test_checkpoint_checksum_roundtrip_and_legacy_files(tmp_path, caplog):
 
 
 def test_cli_says_corrupted_without_a_resume_hint():
-    from fedexp.cli_output import describe_stop as _describe_stop
+    from fedexp.cli.output import describe_stop as _describe_stop
 
     cfg = OmegaConf.create({"resume": "/x/checkpoints", "output_dir": "/y"})
     text = _describe_stop(CheckpointError("resume=/x: /x/last.safetensors is corrupted"), cfg, None)
@@ -356,8 +356,8 @@ def test_run_left_open_is_ended_killed_at_exit(store, monkeypatch):
 
 def test_sigterm_before_the_first_checkpoint_ends_killed(small_cfg, store):
     # the CLI's SIGTERM handler, in this process: the signal arrives during round 1
-    from fedexp.cli import _raise_terminated
-    from fedexp.cli_output import describe_stop as _describe_stop
+    from fedexp.cli.job import _raise_terminated
+    from fedexp.cli.output import describe_stop as _describe_stop
 
     def term(engine, metrics):
         os.kill(os.getpid(), signal.SIGTERM)

@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
-from fedexp.cli_output import describe_stop as _describe_stop
+from fedexp.cli.output import describe_stop as _describe_stop
 from fedexp.config.schema import validate
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import run

@@ -13,7 +13,7 @@ import pytest
 import torch
 from monai.metrics import compute_confusion_matrix_metric, get_confusion_matrix
 
-from fedexp.cli_output import print_table as _print_table
+from fedexp.cli.output import print_table as _print_table
 from fedexp.data import partitions as P
 from fedexp.data.imaging import brats, luna16
 from fedexp.engine.files import progress
@@ -25,7 +25,7 @@ from fedexp.models.flat import FlatModel
 from fedexp.models.imaging import densenet, unet
 from fedexp.models.task import SegmentationTask
 from fedexp.tracking.base import NullTracker
-from fedexp.tuning import objective_key
+from fedexp.tuning.objective import objective_key
 from helpers import compose_config, vmapped_round_ops
 
 TINY = {

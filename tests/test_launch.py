@@ -19,7 +19,7 @@ from unittest import mock
 import pandas as pd
 import pytest
 
-from fedexp.cli_distributed import (
+from fedexp.cli.distributed import (
     FOLLOWER_OVERRIDES,
     Place,
     check_place,
@@ -30,7 +30,7 @@ from fedexp.cli_distributed import (
 from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
-from helpers import compose_config, mlflow_db, run_cli
+from helpers import assert_same_run_files, compose_config, mlflow_db, run_cli
 
 pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
 
@@ -61,19 +61,6 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONWARNINGS": "ignore", **extra}
 
 
-def _table(path: Path) -> pd.DataFrame:
-    """A run's CSV without its wall-clock columns."""
-    frame = pd.read_csv(path)
-    return frame[[c for c in frame.columns if not c.startswith(("time/", "system/", "memory/"))]]
-
-
-def _same_files(one: Path, other: Path) -> None:
-    for name in ("rounds.csv", "clients.csv", "clients_rounds.csv"):
-        pd.testing.assert_frame_equal(
-            _table(one / name), _table(other / name), check_exact=False, rtol=1e-4, atol=1e-6
-        )
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
     """The tiny run's folder, on one process."""
@@ -102,7 +89,7 @@ def test_torchrun_two_processes_write_what_one_does(one_process, tmp_path):
     folders = list((tmp_path / "outputs").glob("*/*"))
     assert len(folders) == 1, folders  # rank 1 made no folder of its own
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["mlruns", "outputs"]
-    _same_files(one_process, folders[0])
+    assert_same_run_files(one_process, folders[0])
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("launch").experiment_id])
     assert len(runs) == 1
@@ -270,7 +257,7 @@ def test_a_job_of_two_submitit_tasks_is_one_run(one_process, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (job,) = list((tmp_path / "multirun").glob("*/*/0"))
-    _same_files(one_process, job)
+    assert_same_run_files(one_process, job)
     logs = sorted(job.parent.glob(".submitit/*/*_log.out"))
     assert len(logs) == 2
     assert "distributed: 2 processes on 1 node(s), started by the local job" in logs[0].read_text()
@@ -300,7 +287,7 @@ def test_distributed_nproc_two_started_ranks_write_what_one_does(one_process, tm
     assert "terminate called" not in proc.stderr and "exit code" not in proc.stderr
     folders = list((tmp_path / "outputs").glob("*/*"))
     assert len(folders) == 1, folders
-    _same_files(one_process, folders[0])
+    assert_same_run_files(one_process, folders[0])
     assert store.is_dir() and not list(store.iterdir())  # both ranks' scratch folders removed
 
 
@@ -356,7 +343,7 @@ def test_a_started_rank_leaves_user_errors_to_rank_0_and_prints_bugs(tmp_path, e
 
 _SAY = """
 import os, sys, time, builtins
-from fedexp.cli_distributed import say_once
+from fedexp.cli.distributed import say_once
 slow = float(sys.argv[1])
 real = builtins.print
 if slow:  # this rank claims the line first and takes its time to print it; then: when it was out

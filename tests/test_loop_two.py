@@ -28,7 +28,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from fedexp import tuning
+from fedexp.cli.ui import missing_store, server_command, server_env
 from fedexp.engine.runner import loggable, run
 from fedexp.figures import canvas, plots
 from fedexp.figures.pca import MODEL_SPREAD_TOL, client_model_pca
@@ -37,7 +37,7 @@ from fedexp.report import render
 from fedexp.report.reach import kib_ticks, reach_plot, reach_table
 from fedexp.tracking.base import NullTracker
 from fedexp.tracking.links import experiment_url, fedexp_command, ui_command
-from fedexp.ui import missing_store, server_command, server_env
+from fedexp.tuning import objective as tuning
 from helpers import ROOT, mlflow_db, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -338,7 +338,7 @@ def test_report_says_n_1_and_leaves_its_csv_std_empty(store, capsys):
 
 
 def test_end_of_run_table_rows_are_named_for_what_they_are(capsys, monkeypatch):
-    from fedexp.cli_output import print_table as _print_table
+    from fedexp.cli.output import print_table as _print_table
 
     monkeypatch.setenv("COLUMNS", "80")
     view = (

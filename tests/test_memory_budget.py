@@ -136,7 +136,8 @@ def test_a_round_too_big_for_its_budget_runs_in_slices_as_it_runs_whole(
             torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
     for direction in ("up", "down"):  # the channels' error-feedback residuals
         torch.testing.assert_close(
-            sliced.residual[direction].export(), whole.residual[direction].export(),
+            sliced.transport.residual[direction].export(),
+            whole.transport.residual[direction].export(),
             rtol=1e-5, atol=1e-6,
         )  # fmt: skip
     assert sliced.ledger.total == whole.ledger.total

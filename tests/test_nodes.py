@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 from listening import descendants, off_loopback, sampled
 
@@ -29,7 +28,7 @@ from fedexp.config.instantiate import instantiate_checked
 from fedexp.engine.processes.ranks import loopback_interface
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import compose_config
+from helpers import assert_same_run_files, compose_config
 
 pytestmark = pytest.mark.slow  # several processes, whole CLI runs: make test-slow
 
@@ -142,18 +141,6 @@ def _end(agents: list[subprocess.Popen], timeout: float = 300) -> list[tuple[str
             a.wait()
 
 
-def _table(path: Path) -> pd.DataFrame:
-    frame = pd.read_csv(path)
-    return frame[[c for c in frame.columns if not c.startswith(("time/", "system/", "memory/"))]]
-
-
-def _same_files(one: Path, other: Path) -> None:
-    for name in ("rounds.csv", "clients.csv", "clients_rounds.csv"):
-        pd.testing.assert_frame_equal(
-            _table(one / name), _table(other / name), check_exact=False, rtol=1e-4, atol=1e-6
-        )
-
-
 def test_two_nodes_write_what_one_process_does(tmp_path):
     """Two node agents of one process each: one run folder, one results line, one process's
     figures; the ranks listen on loopback alone (the interface named for the localhost
@@ -173,7 +160,7 @@ def test_two_nodes_write_what_one_process_does(tmp_path):
     assert out.count("results: ") == 1, out[-3000:]  # rank 0 alone prints the end of the run
     assert "fedexp:" not in err and "Traceback" not in err, err[-3000:]
     (folder,) = list((work / "outputs").glob("*/*"))  # one folder: rank 0's
-    _same_files(alone, folder)
+    assert_same_run_files(alone, folder)
     ranks = {pid for pid, _, _ in seen} - {a.pid for a in agents}
     assert len(ranks) == 2, seen  # each node's rank was seen listening (gloo)
     assert not off_loopback(s for s in seen if s[0] in ranks), seen
@@ -251,4 +238,4 @@ def test_a_node_that_dies_is_one_line_on_the_other_with_its_resume_command(tmp_p
     alone = tmp_path / "alone"
     whole = [a for a in args if not a.startswith(("store", "checkpoint_every"))]
     run(compose_config(*whole, output_dir=alone), tracker=NullTracker())
-    _same_files(alone, Path(said.group(3)).parent)
+    assert_same_run_files(alone, Path(said.group(3)).parent)

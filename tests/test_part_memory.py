@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedexp.engine.clients.part_memory import PartMemory
-from fedexp.engine.round.transport import _state_key
+from fedexp.engine.round.checkpointing import _state_key
 from fedexp.engine.runner import build_engine
 from helpers import SMALL, compose_config
 
@@ -58,7 +58,7 @@ def test_an_engines_channel_memories_live_beside_its_states_on_disk(tmp_path):
     )
     engine = build_engine(cfg)
     engine.run_round()
-    residual = engine.residual["up"]
+    residual = engine.transport.residual["up"]
     assert isinstance(residual, PartMemory) and len(residual) == len(engine.last_sampled)
     files = list(engine.store.rglob("*.bin"))
     assert any("channel" in f.parts and "residual-up" in f.parts for f in files)
@@ -72,7 +72,7 @@ def test_a_checkpoint_saves_each_parts_memories_stacked_and_older_ones_still_loa
         engine.run_round()
     tree = engine.state_tree()
     saved = tree["channel"]["up"]["residual"]["~"]  # the bare tensor's part, stacked
-    held = dict(engine.residual["up"].items())
+    held = dict(engine.transport.residual["up"].items())
     assert saved["rows"]["v"].tolist() == sorted(n for n, _ in held)
     assert saved["values"]["v"].shape == (len(held), engine.x0.numel())
     # a checkpoint of the version before saved one tensor a (client, part): "<n>" / "<n>:<part>"
@@ -80,8 +80,8 @@ def test_a_checkpoint_saves_each_parts_memories_stacked_and_older_ones_still_loa
         **tree,
         "channel": {
             d: {
-                kind: {_state_key(k): v for k, v in getattr(engine, kind)[d].items()}
-                for kind in ("residual", "replica", "reference")
+                kind: {_state_key(k): v for k, v in memories[d].items()}
+                for kind, memories in engine.transport.memories().items()
             }
             for d in ("up", "down")
         },
@@ -91,7 +91,8 @@ def test_a_checkpoint_saves_each_parts_memories_stacked_and_older_ones_still_loa
         other.load_state_tree(source, engine.round, engine.ledger)
         for kind in ("residual", "replica", "reference"):
             for d in ("up", "down"):
-                mine, theirs = dict(getattr(engine, kind)[d].items()), getattr(other, kind)[d]
+                mine = dict(getattr(engine.transport, kind)[d].items())
+                theirs = getattr(other.transport, kind)[d]
                 assert dict(theirs.items()).keys() == mine.keys()
                 assert all(torch.equal(theirs[k], v) for k, v in mine.items())
 

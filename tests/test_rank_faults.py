@@ -22,7 +22,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fedexp.cli_output import describe_stop
+from fedexp.cli.output import describe_stop
 from fedexp.engine.clients import states
 from fedexp.engine.clients.states import (
     OWNER_FILE,
@@ -239,8 +239,8 @@ def _of_run(proc, tmpdir: str) -> bool:  # noqa: ANN001 - a psutil.Process
 def test_a_survivor_names_a_rank_of_its_machine_that_died(monkeypatch, tmp_path):
     """The pids each rank recorded as the group joined: a killed one (a zombie: its signal
     is read), a reaped one, and siblings alive (a plain SIGTERM stays one)."""
-    from fedexp.cli_distributed import Place
-    from fedexp.cli_group_lost import lost_line
+    from fedexp.cli.distributed import Place
+    from fedexp.cli.group_lost import lost_line
     from fedexp.engine.processes import group_pids, launch
 
     host = socket.gethostname()
@@ -279,9 +279,9 @@ def test_a_survivor_names_a_rank_of_its_machine_that_died(monkeypatch, tmp_path)
     cfg = compose_config("rounds=50", output_dir=out)
     lost = launch.GroupLost("in round 3", "rank 1 died (signal 9, SIGKILL)")
     agent = ["python", "torchrun", "--standalone", "--nproc-per-node=2", "-m", "fedexp", "run"]
-    from fedexp.cli_group_lost import starter_command
+    from fedexp.cli.group_lost import starter_command
 
-    monkeypatch.setattr("fedexp.cli_group_lost._relaunch", lambda place: starter_command(agent))
+    monkeypatch.setattr("fedexp.cli.group_lost._relaunch", lambda place: starter_command(agent))
     line = lost_line(lost, cfg, ["rounds=50"], Place(0, 2, 0, 2))
     assert line == (
         "rank 1 died (signal 9, SIGKILL) in round 3; checkpoint kept: torchrun --standalone "

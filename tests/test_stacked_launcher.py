@@ -210,7 +210,7 @@ from hydra.types import RunMode
 from fedexp.config.instantiate import register_resolvers
 from fedexp.config.schema import register_configs
 from fedexp.sweep import stacked
-from fedexp.tuning import NaNTrialsFail
+from fedexp.tuning.objective import NaNTrialsFail
 
 register_resolvers()
 register_configs()

@@ -63,9 +63,9 @@ def test_top_level_help_imports_no_hydra():
 
 
 def test_module_runs_as_a_script():
-    """``python -m fedexp.cli --help`` (the importtime check of the issue) prints the usage."""
+    """``python -m fedexp --help`` (the importtime check of the issue) prints the usage."""
     proc = subprocess.run(
-        [sys.executable, "-m", "fedexp.cli", "--help"],
+        [sys.executable, "-m", "fedexp", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

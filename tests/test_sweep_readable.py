@@ -203,16 +203,16 @@ def test_single_run_names_say_what_differs_from_the_defaults():
 
 
 def test_single_run_name_in_the_cli_keeps_the_default_for_the_default_run():
-    from fedexp.cli import _run_name
+    from fedexp.cli.job import run_name as cli_run_name
 
     def hc(task: list[str]):
         choices = {"algorithm": "fedavg", "dataset": "breast_cancer", "model": "logreg"}
         return OmegaConf.create({"runtime": {"choices": choices}, "overrides": {"task": task}})
 
     cfg = OmegaConf.create({"seed": 0})
-    assert _run_name(cfg, hc([])) == "fedavg · breast_cancer · logreg · seed 0"
-    assert _run_name(cfg, hc(["progress=none"])) == "fedavg · breast_cancer · logreg · seed 0"
-    assert _run_name(cfg, hc(["partition=dirichlet", "num_clients=20"])) == (
+    assert cli_run_name(cfg, hc([])) == "fedavg · breast_cancer · logreg · seed 0"
+    assert cli_run_name(cfg, hc(["progress=none"])) == "fedavg · breast_cancer · logreg · seed 0"
+    assert cli_run_name(cfg, hc(["partition=dirichlet", "num_clients=20"])) == (
         "fedavg dirichlet N=20"
     )
 

@@ -64,7 +64,7 @@ def test_a_parallel_sweep_job_takes_its_share_and_says_so(monkeypatch, caplog):
     thread, recorded in the job's config (so ranks it starts take it too)."""
     from hydra.types import RunMode
 
-    from fedexp.cli import _set_threads
+    from fedexp.cli.job import _set_threads
 
     monkeypatch.setattr(th, "available_cores", lambda: 2)
     monkeypatch.setattr(th, "load_average", lambda: 0.0)
@@ -121,7 +121,7 @@ def test_a_single_run_on_a_busy_machine_takes_one_thread_and_says_so(monkeypatch
     load it read, in the same one line; ``threads=N`` still decides."""
     from hydra.types import RunMode
 
-    from fedexp.cli import _set_threads
+    from fedexp.cli.job import _set_threads
 
     hc = OmegaConf.create({"mode": RunMode.RUN, "launcher": {"n_jobs": None}})
     _single(monkeypatch, 4.1)

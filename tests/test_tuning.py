@@ -11,11 +11,11 @@ import pytest
 import torch
 from hydra.core.utils import JobReturn, JobStatus
 
-from fedexp import tuning
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import build_engine
 from fedexp.errors import FedexpError
 from fedexp.metrics import classification_metrics
+from fedexp.tuning import objective as tuning
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

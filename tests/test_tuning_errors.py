@@ -4,7 +4,8 @@ round two", item 3).
 Before, each of these reached hydra-optuna-sweeper and stopped the sweep with a traceback
 (Optuna's ValueError, an AssertionError, a ZeroDivisionError), after the sweep's folder and the
 MLflow store had been made; some ran to the end doing what was not asked (an unknown tag, two
-directions). :func:`fedexp.search_space.search_space_errors` refuses them before Hydra composes.
+directions). :func:`fedexp.tuning.search_space.search_space_errors` refuses them before Hydra
+composes.
 
 Most cases run ``fedexp.cli.main`` in-process with Hydra replaced by a stub that fails the test
 if reached; three run the real command in a child process.
@@ -19,8 +20,10 @@ import textwrap
 
 import pytest
 
-from fedexp import cli, search_space
-from fedexp.search_space import search_space_errors
+from fedexp import cli
+from fedexp.cli import overrides
+from fedexp.tuning import search_space
+from fedexp.tuning.search_space import search_space_errors
 from helpers import CONF, ROOT, run_cli
 
 #: A tiny Optuna sweep on the command line (nothing runs: the checks come first).
@@ -96,7 +99,7 @@ def conf_copy(tmp_path_factory):
 @pytest.fixture
 def with_conf(conf_copy, monkeypatch):
     """The CLI and the checks read ``conf_copy`` instead of conf/."""
-    monkeypatch.setattr(cli, "CONFIG_DIR", str(conf_copy))
+    monkeypatch.setattr(overrides, "CONFIG_DIR", str(conf_copy))
     monkeypatch.setattr(search_space, "CONF_DIR", conf_copy)
     return conf_copy
 
@@ -333,7 +336,7 @@ def test_checks_import_no_optuna_torch_or_mlflow():
     code = textwrap.dedent(
         """
         import sys
-        from fedexp.search_space import search_space_errors
+        from fedexp.tuning.search_space import search_space_errors
         assert search_space_errors(["-m", "hparams_search=fedprox", "lr=interval(1, 0)"])
         assert search_space_errors(["-m", "hparams_search=fedprox"]) == []
         print(sorted({m.split(".")[0] for m in sys.modules} & {"optuna", "torch", "mlflow"}))

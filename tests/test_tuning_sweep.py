@@ -3,7 +3,7 @@ validation metric the runs log, and a failed job is a failed trial, not the end 
 
 These run the real CLI; they need the three pieces that wire tuning in (conf/config.yaml's
 ``- hparams_search: null`` default, the runner's ``federate(..., val_fraction=...)`` and the
-CLI's task function returning :func:`fedexp.tuning.objective_value`).
+CLI's task function returning :func:`fedexp.tuning.objective.objective_value`).
 """
 
 from __future__ import annotations
@@ -125,4 +125,4 @@ def test_hparams_search_configs(search, algorithm, keys):
     for key in keys:  # every searched key exists in the composed run config
         assert OmegaConf.select(cfg, key) is not None, key
     assert cfg.val_fraction == 0.2
-    assert cfg.hydra.callbacks.nan_trials_fail._target_ == "fedexp.tuning.NaNTrialsFail"
+    assert cfg.hydra.callbacks.nan_trials_fail._target_ == "fedexp.tuning.objective.NaNTrialsFail"

@@ -33,7 +33,7 @@ Choices, and differences from the paper and the authors' code:
   message sent is the same.
 * Uplink: both parts are models ("model" kind): a lossless channel sends them as they are; a
   lossy one codes the change against the previous upload of the same part, which the server
-  holds (``Engine._transmit``), rather than sparsifying a model.
+  holds (``Transport._transmit``), rather than sparsifying a model.
 * Evaluation: the authors evaluate the guidance model θ̂_i of the client's last
   participation (``clientFedDWA.test_accuracy``), x0 before it; ``evaluate="guide"`` does
   that, ``"model"`` uses θ_i, ``"personal"`` the server's aggregate for i.

@@ -1,13 +1,16 @@
-"""Build a run from its config and drive the round loop: tracking, checkpoints, artifacts.
+"""Build a run from its config and live its life: resume, rounds, tracking, checkpoints, files.
 
-The run's settings compared on resume and recorded when changed: :mod:`fedexp.engine.files.resume`;
-the files it leaves: :mod:`fedexp.engine.files.outputs`.
+After the build the run's life goes in stages (:func:`_run`): resumed from its checkpoint or
+fresh, its record opened in the tracker, the rounds, the files. The record (kept, logged,
+checkpointed, taken over on resume): :mod:`fedexp.engine.record`; when a round blew up or is
+sound: :mod:`fedexp.engine.health`; the run's settings compared on resume and recorded when
+changed: :mod:`fedexp.engine.files.resume`; the files it leaves:
+:mod:`fedexp.engine.files.outputs`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import time
 import weakref
@@ -29,22 +32,23 @@ from fedexp.data.augment import NoAugmentation
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import clients_for_batch, federate
 from fedexp.engine.clients.states import scratch_folder
-from fedexp.engine.files import checkpoint
 from fedexp.engine.files.outputs import CLIENT_TABLE, _table_rows, _write_outputs
 from fedexp.engine.files.progress import RoundProgress
-from fedexp.engine.files.resume import _change_tags, _check_resume, _resume_changes, flatten_config
+from fedexp.engine.health import _check_blowup
+from fedexp.engine.health import _healthy as _healthy  # (imported from here too)
 from fedexp.engine.memory import keep_freed_memory, resolve_budget
 from fedexp.engine.processes import launch
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.processes.shared_data import load_dataset
+from fedexp.engine.record import RunRecord, resume
+from fedexp.engine.record import loggable as loggable  # (imported from here too)
 from fedexp.engine.round import stacking
 from fedexp.engine.round.engine import Engine, RoundCallback
-from fedexp.engine.round.ledger import ByteLedger
 from fedexp.engine.round.views import held_out
 from fedexp.engine.solver.capture import solver_for
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.server_optim import ServerOptimizer, ServerSGD
-from fedexp.errors import CheckpointError, ConfigError, DivergenceError
+from fedexp.errors import ConfigError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
 from fedexp.models.task import check_model_fits, task_for
@@ -52,14 +56,8 @@ from fedexp.privacy.uplink import PrivateUplink
 from fedexp.system.settings import SystemModel
 from fedexp.tracking.base import NullTracker, Tracker
 from fedexp.tracking.dataset_input import describe_dataset
-from fedexp.tracking.provenance import run_tags
 
 log = logging.getLogger("fedexp")
-
-#: Keys one of which every logged step holds: round 0 always evaluates (``time/eval_s``), every
-#: training round is timed (``time/round_s``). A resumed run asks the tracker for their last
-#: step to know what it already holds (``round`` itself is the step, never a metric).
-_STEP_KEYS = ("time/round_s", "time/eval_s")
 
 
 @dataclass
@@ -299,99 +297,6 @@ def _privacy(cfg: DictConfig, algorithm: Algorithm) -> PrivateUplink | None:
         raise ConfigError(str(exc)) from None
 
 
-def _reference_loss(history: list[dict[str, float]]) -> float | None:
-    """The loss a blow-up is measured against.
-
-    The initial model's mean test loss (round 0's evaluation), else the first round's mean
-    training loss; None when neither is a positive number.
-    """
-    rows = history[:2]
-    values = [r.get("loss/mean") for r in rows if r.get("round") == 0]
-    values += [r.get("train/train_loss") for r in rows]
-    for value in values:
-        if value is not None and math.isfinite(value) and value > 0:
-            return float(value)
-    return None
-
-
-def _check_blowup(cfg: DictConfig, history: list[dict[str, float]], metrics: dict, t: int) -> None:
-    """Stop a finite blow-up: round ``t``'s mean training loss above ``divergence_factor``.
-
-    Raises:
-        DivergenceError: the loss exceeds ``divergence_factor`` times the reference loss
-            (:func:`_reference_loss`); 0 disables the check.
-    """
-    factor = float(cfg.get("divergence_factor", 1e4) or 0)
-    loss = metrics.get("train/train_loss")
-    if factor <= 0 or loss is None or not math.isfinite(loss):
-        return
-    ref = _reference_loss(history)
-    if ref is not None and loss > factor * ref:
-        raise DivergenceError(
-            f"training loss grew from {ref:.4g} to {loss:.4g} (×{loss / ref:.3g}) by round {t}: "
-            f"the run diverged (lower lr={cfg.lr:g}, or divergence_factor=0 to allow it)"
-        )
-
-
-#: A checkpointed round is healthy, and its checkpoint kept as ``good.safetensors`` (what a
-#: rescue after a divergence resumes from), when its losses are at most this many times the
-#: reference loss (:func:`_healthy`).
-GOOD_LOSS_FACTOR = 10.0
-
-
-def _healthy(
-    cfg: DictConfig, history: list[dict[str, float]], client_history: list[dict[str, float]]
-) -> bool:
-    """Whether the last round of ``history`` is a sound point for a rescue to resume from.
-
-    Much stricter than the stop rule (:func:`_check_blowup`, ×``divergence_factor``): the
-    round's mean training loss and, when it was evaluated, its mean test loss are finite and
-    at most :data:`GOOD_LOSS_FACTOR` times the reference loss (:func:`_reference_loss`: the
-    initial model's test loss; ``divergence_factor`` when that is smaller), and no client's
-    test loss is infinite (the mean leaves such clients out; it is absent when none is
-    finite). The test loss is what catches a model blowing up while the training loss looks
-    fine (Ditto's global model under its personal ones). A round with neither loss is healthy.
-    """
-    row = history[-1]
-    factor = float(cfg.get("divergence_factor", 1e4) or 0)
-    bound = min(GOOD_LOSS_FACTOR, factor) if factor > 0 else GOOD_LOSS_FACTOR
-    ref = _reference_loss(history)
-    losses = [row.get("train/train_loss")]
-    if "time/eval_s" in row:  # evaluated this round
-        losses.append(row.get("loss/mean", math.nan))
-        for client in reversed(client_history):  # the round's own rows are the last ones
-            if client["round"] != row["round"]:
-                break
-            if client.get("loss") == math.inf:
-                return False
-    for loss in losses:
-        if loss is not None and not (math.isfinite(loss) and (ref is None or loss <= bound * ref)):
-            return False
-    return True
-
-
-def loggable(row: dict[str, float], previous: dict[str, float] | None) -> dict[str, float]:
-    """What of a round's metrics goes to the tracker: everything but ``round`` (the step).
-
-    Every round's byte counts too, constant ones included (a dense run's ``bytes/up`` is the
-    same every round): logged only when they changed, MLflow drew them as single dots. A pure
-    function of the round's row, so a resumed run logs what an uninterrupted one does.
-
-    Args:
-        row: the round's metrics (as kept in the history and in rounds.csv).
-        previous: the previous round's row (None for the first); not needed any more, kept
-            for the callers.
-    """
-    del previous  # every round is logged whole
-    return {k: v for k, v in row.items() if k != "round"}
-
-
-def _last_logged(tracker: Tracker) -> int | None:
-    """The last step the tracker holds (see :data:`_STEP_KEYS`); None if none."""
-    steps = [s for s in (tracker.last_step(k) for k in _STEP_KEYS) if s is not None]
-    return max(steps, default=None)
-
-
 def run(
     cfg: DictConfig,
     *,
@@ -504,134 +409,19 @@ def _run(
 ) -> RunResult:
     """:func:`run` once the engine is built (and, over several processes, the ranks joined).
 
-    Rank 0 (or the only process) keeps the tracker, the progress display, the checkpoints
-    and the run's files; the others take part in every round and evaluation.
+    The run's life after its build, stage by stage: resumed from its checkpoint (or fresh),
+    its record opened in the tracker, the rounds (:func:`_rounds`), the files
+    (:func:`_finish`); the tracker's run ends FINISHED, KILLED (Ctrl-C) or FAILED (with the
+    error as a tag). Rank 0 (or the only process) keeps the tracker, the progress display,
+    the checkpoints and the run's files; the others take part in every round and evaluation.
     """
-    leader = engine.ranks is None or engine.ranks.leader
-    resume_id, history, client_history = None, [], []
-    changes: list[dict[str, Any]] = []  # settings changed on resume, every resume so far
-    ckpt_dir = out_dir / "checkpoints"
-    if cfg.resume:
-        unsealed = bool(cfg.get("resume_unsealed", False))
-        tree, meta = checkpoint.load(cfg.resume, engine.ctx.device, allow_unsealed=unsealed)
-        missing = [k for k in ("round", "config", "ledger", "run_id", "history") if k not in meta]
-        if missing:
-            raise CheckpointError(
-                f"resume={cfg.resume}: the checkpoint's metadata lacks {', '.join(missing)} "
-                "(not written by a fedexp run); resume from a run's checkpoints folder"
-            )
-        _check_resume(cfg, meta["config"])
-        engine.load_state_tree(tree, meta["round"], ByteLedger.from_meta(meta["ledger"]))
-        resume_id, history = meta["run_id"], meta["history"]
-        client_history = meta.get("client_history", [])
-        ckpt_dir = Path(cfg.resume) if Path(cfg.resume).is_dir() else Path(cfg.resume).parent
-        new = _resume_changes(cfg, meta["config"], meta["round"])
-        if new:
-            said = ", ".join(f"{c['key']} {c['from']} -> {c['to']}" for c in new)
-            log.info("resuming after round %d with changed settings: %s", meta["round"], said)
-        changes = [*meta.get("changes", []), *new]
-    name = run_name or f"{type(engine.algorithm).__name__}-seed{cfg.seed}"
-    tags = {**run_tags(engine.ctx.device), **(tags or {}), **_change_tags(changes)}
-    if cfg.resume:  # (a rescue's record names it: fedexp.tracking.mlflow_tracker)
-        tags["fedexp.resumed_after_round"] = str(engine.round)
-    if engine.privacy is not None:
-        tags["fedexp.privacy"] = engine.privacy.describe()
-        log.info("%s", tags["fedexp.privacy"])
-    run_id = tracker.start(name, flatten_config(cfg), tags, resume_id)
-    logged: int | None = None
-    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-
-    def record(metrics: dict[str, float]) -> None:
-        if "time/round_s" in metrics:  # the mean time a round so far (pFedSOP's Table II)
-            times = [h["time/round_s"] for h in history if "time/round_s" in h]
-            times.append(metrics["time/round_s"])
-            metrics["time/round_mean_s"] = sum(times) / len(times)
-        step = int(metrics["round"])
-        if logged is None or step > logged:
-            tracker.log_metrics(loggable(metrics, history[-1] if history else None), step)
-        history.append(metrics)
-
-    def evaluate(t: int, clients: list[int] | None = None) -> tuple[dict, list[dict]]:
-        """Evaluate, time it, and keep every client's metrics of round ``t``."""
-        started = time.perf_counter()
-        agg, rows = engine.evaluate(clients)
-        agg["time/eval_s"] = time.perf_counter() - started
-        who = range(len(engine.clients)) if clients is None else clients
-        if len(engine.clients) <= cfg.get("client_table_limit", 10000):
-            for n, row in zip(who, rows, strict=True):
-                client_history.append({"round": float(t), "client": float(n), **row})
-        return agg, rows
-
+    past = resume(cfg, engine, out_dir)  # the engine at the checkpoint's round, its record
+    rec = RunRecord.start(cfg, engine, tracker, past, run_name, tags)
     try:
-        if dataset is not None:  # rank 0's: once, a resumed run that holds it adds nothing
-            tracker.log_dataset(dataset)
-        if resume_id:
-            # The tracker may differ from the first run's (README: it may change on resume):
-            # a run it does not hold comes back new, and rounds logged while another tracker
-            # was used are missing; replay the checkpoint's history into it up to its round.
-            logged = _last_logged(tracker)
-            for i, row in enumerate(history):
-                if logged is None or row["round"] > logged:
-                    previous = history[i - 1] if i else None
-                    tracker.log_metrics(loggable(row, previous), int(row["round"]))
-            logged = _last_logged(tracker)
-        per_client: list[dict[str, float]] = []
-        if engine.round == 0 and not history:
-            setup = engine.setup()
-            agg, per_client = evaluate(0)
-            record({"round": 0.0, **setup, **agg})
-        shown = cfg.progress if leader else "none"
-        with RoundProgress(cfg.rounds, engine.round, shown) as progress:
-            while engine.round < cfg.rounds:
-                metrics = engine.run_round()
-                t = engine.round
-                _check_blowup(cfg, history, metrics, t)  # before it is logged or checkpointed
-                if t == cfg.rounds:
-                    agg, per_client = evaluate(t)
-                    metrics.update(agg)
-                elif t % cfg.eval_every == 0:
-                    who = engine.last_sampled if cfg.eval_participants else None
-                    agg, rows = evaluate(t, who)
-                    per_client = rows if who is None else []
-                    metrics.update(agg)
-                metrics["round"] = float(t)
-                record(metrics)
-                progress.update(t, metrics)
-                if cfg.checkpoint_every and (t % cfg.checkpoint_every == 0 or t == cfg.rounds):
-                    healthy = _healthy(cfg, history, client_history)
-                    meta = {
-                        "round": t,
-                        "run_id": run_id,
-                        "ledger": engine.ledger.to_meta(),
-                        "history": history,
-                        "client_history": client_history,
-                        "config": config_yaml,  # a later resume compares with these settings
-                        "changes": changes,
-                        # the folder's good checkpoint, a rescue's start: this one if healthy
-                        "good_round": t if healthy else checkpoint.good_round(ckpt_dir, t),
-                    }
-                    tree = engine.state_tree()  # (over several ranks: rank 0's, the others None)
-                    if leader:
-                        checkpoint.save(ckpt_dir, tree, meta)
-                    if healthy and leader:  # good.safetensors: a hard link, not a second write
-                        checkpoint.promote(ckpt_dir)
-                for callback in callbacks:
-                    callback(engine, metrics)
-        if not per_client:
-            _, per_client = engine.evaluate()
-        final = dict(history[-1]) if history else {}
-        # every client's evaluated model, [N, d], for the PCA figure only (over several
-        # ranks, each computes its own)
-        models = engine.every_eval_vector() if _pca_fits(engine, cfg) else None
-        written = (
-            []
-            if not leader
-            else _write_outputs(out_dir, cfg, per_client, history, engine, client_history, models)
-        )
-        for path in written:
-            tracker.log_artifact(path)
-        if client_history:  # clients_rounds.csv again, as a table MLflow's UI shows as one
-            tracker.log_table(_table_rows(client_history), CLIENT_TABLE)
+        rec.open(dataset)  # the data set; resumed, the rounds the tracker lacks
+        _rounds(cfg, engine, rec, callbacks)
+        final = dict(rec.history[-1]) if rec.history else {}
+        per_client = _finish(cfg, engine, rec, out_dir)
         tracker.end("FINISHED")
     except KeyboardInterrupt:
         tracker.end("KILLED")
@@ -640,4 +430,68 @@ def _run(
         tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"})
         tracker.end("FAILED")
         raise
-    return RunResult(final, per_client, run_id, out_dir, tracker)
+    return RunResult(final, per_client, rec.run_id, out_dir, tracker)
+
+
+def _rounds(
+    cfg: DictConfig, engine: Engine, rec: RunRecord, callbacks: Iterable[RoundCallback]
+) -> None:
+    """The rounds from the engine's to ``cfg.rounds``; a fresh run evaluates round 0 first.
+
+    Each round is checked for a blow-up before anything keeps it, evaluated where due
+    (:func:`_evaluated`), recorded, shown, checkpointed, and handed to the callbacks.
+    """
+    if engine.round == 0 and not rec.history:
+        setup = engine.setup()
+        rec.record({"round": 0.0, **setup, **rec.evaluate(0)})
+    shown = cfg.progress if rec.leader else "none"
+    with RoundProgress(cfg.rounds, engine.round, shown) as progress:
+        while engine.round < cfg.rounds:
+            metrics = engine.run_round()
+            t = engine.round
+            _check_blowup(cfg, rec.history, metrics, t)  # before it is logged or checkpointed
+            metrics.update(_evaluated(cfg, engine, rec, t))
+            metrics["round"] = float(t)
+            rec.record(metrics)
+            progress.update(t, metrics)
+            rec.checkpoint(t)
+            for callback in callbacks:
+                callback(engine, metrics)
+
+
+def _evaluated(cfg: DictConfig, engine: Engine, rec: RunRecord, t: int) -> dict[str, float]:
+    """Round ``t``'s evaluation where due, its aggregates ({} elsewhere).
+
+    Every client after the last round; every ``eval_every`` rounds every client, or the
+    round's participants alone with ``eval_participants``.
+    """
+    if t == cfg.rounds:
+        return rec.evaluate(t)
+    if t % cfg.eval_every:
+        return {}
+    return rec.evaluate(t, engine.last_sampled if cfg.eval_participants else None)
+
+
+def _finish(
+    cfg: DictConfig, engine: Engine, rec: RunRecord, out_dir: Path
+) -> list[dict[str, float]]:
+    """The run's files (rank 0's), each logged as an artifact, and the per-client table.
+
+    Returns every client's final metrics: the last evaluation's when it was of every client,
+    else an evaluation now.
+    """
+    per_client = rec.per_client or engine.evaluate()[1]
+    # every client's evaluated model, [N, d], for the PCA figure only (over several
+    # ranks, each computes its own)
+    models = engine.every_eval_vector() if _pca_fits(engine, cfg) else None
+    history, client_history = rec.history, rec.client_history
+    written = (
+        []
+        if not rec.leader
+        else _write_outputs(out_dir, cfg, per_client, history, engine, client_history, models)
+    )
+    for path in written:
+        rec.tracker.log_artifact(path)
+    if client_history:  # clients_rounds.csv again, as a table MLflow's UI shows as one
+        rec.tracker.log_table(_table_rows(client_history), CLIENT_TABLE)
+    return per_client

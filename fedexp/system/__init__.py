@@ -5,5 +5,6 @@ and builds each client's profile, :mod:`fedexp.system.trace` reads the trace fil
 of FedScale's device-capacity and availability traces), :mod:`fedexp.system.clock` is the
 round's stage that turns the ledger's bytes and the clients' steps into simulated seconds,
 drops the clients a deadline or over-selection leaves out, and samples available clients
-only. The reasoning: docs/design.md, "Time on a simulated clock".
+only; :mod:`fedexp.system.buffer` holds FedBuff's clients in flight (``system.buffer``). The
+reasoning: docs/design.md, "Time on a simulated clock".
 """

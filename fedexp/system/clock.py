@@ -10,7 +10,10 @@ local steps. A synchronous round lasts until the last client the server waits fo
 and over-selection follow Bonawitz et al., "Towards Federated Learning at Scale: System
 Design" (MLSys 2019): the server keeps the first K = the round's cohort to report, among
 those done within ``deadline`` seconds; the others' uploads are dropped, their bytes stay
-counted (``clock/wasted_bytes``). Unavailable clients are never sampled.
+counted (``clock/wasted_bytes``). Unavailable clients are never sampled. With
+``system.buffer`` the rounds are FedBuff's server steps instead (:mod:`fedexp.system.buffer`):
+the clients in flight are never sampled again until they arrive, and a step takes the first
+``buffer`` uploads to arrive, staleness-weighted.
 
 The clock is chosen when the engine is built (``Engine._choose_stages``): the sampler's draw
 (:meth:`Clock.draw`) and the first link of the uplink chain (:meth:`Clock.server`, after the
@@ -27,8 +30,9 @@ import numpy as np
 import torch
 
 from fedexp import streams
-from fedexp.contract import Message, StackedUpdates
+from fedexp.contract import Message, StackedUpdates, parts_updates, update_parts
 from fedexp.engine.round.stages import Uplink, UplinkStage, Who, take_rows
+from fedexp.system.buffer import Flight, staleness_weight
 from fedexp.system.settings import SystemModel, over_sampled
 
 
@@ -109,6 +113,11 @@ class Clock(UplinkStage):
             ledger's (``ByteLedger.client_bytes``), every process's.
         steps_of: () -> every client's local steps ``[N]`` (read once).
         elapsed: the simulated seconds so far (checkpointed).
+        weights_of: ``(clients, among) -> ω_n`` (float64), the engine's aggregation weights
+            (``Engine._weight_tensor``): FedBuff's among the K uploads a step takes.
+        device: where the uploads in flight live (the run's device).
+        flight: FedBuff's clients in flight (``system.buffer``; None: synchronous rounds),
+            checkpointed.
     """
 
     model: SystemModel
@@ -118,10 +127,17 @@ class Clock(UplinkStage):
     bytes_of: Callable[[], tuple[np.ndarray, np.ndarray]]
     steps_of: Callable[[], np.ndarray]
     elapsed: float = 0.0
+    weights_of: Callable[[list[int], list[int]], torch.Tensor] | None = None
+    device: torch.device | str = "cpu"
+    flight: Flight | None = field(default=None, repr=False)
     _steps: np.ndarray | None = field(default=None, repr=False)
     #: the round's draw: clients off, and the seconds the server waited for one to be on
     _off: int = field(default=0, repr=False)
     _idle: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model.buffer is not None and self.flight is None:
+            self.flight = Flight()
 
     @property
     def num_clients(self) -> int:
@@ -162,18 +178,25 @@ class Clock(UplinkStage):
         Drawn as ``streams.sample_clients`` draws (the same (seed, SAMPLING, round) stream, a
         choice without replacement): with every client on and no over-selection, the same
         cohort as a run without a clock. Where no member is on (a trace's quiet hours) the
-        server waits for the first to come on (that wait is the round's too).
+        server waits for the first to come on (that wait is the round's too). With FedBuff's
+        buffer, the clients that start now: the cohort C less those in flight, drawn among
+        the others (round 0: all C; then as many as the last step took, or more where an
+        earlier draw found fewer on).
         """
         self._idle = 0.0
+        busy = np.zeros(self.num_clients, dtype=bool)
+        if self.flight is not None:
+            busy[self.flight.clients] = True
         on = self.available(round_, self.elapsed)
-        pool = self.members[on[self.members]]
-        if not pool.size and self.model.trace is not None:
+        pool = self.members[on[self.members] & ~busy[self.members]]
+        if not pool.size and not busy.any() and self.model.trace is not None:
             start = self._next_on(self.elapsed)
             self._idle = start - self.elapsed
             on = self.available(round_, start)
             pool = self.members[on[self.members]]
-        self._off = int(len(self.members) - pool.size)
-        want = min(pool.size, over_sampled(self.target, self.model.over_select))
+        self._off = int(len(self.members) - on[self.members].sum())
+        want = over_sampled(self.target, self.model.over_select) - int(busy.sum())
+        want = min(pool.size, max(0, want))
         if want >= pool.size:
             return pool.tolist()
         gen = np.random.default_rng(streams.derive_seed(self.seed, streams.SAMPLING, round_))
@@ -187,6 +210,8 @@ class Clock(UplinkStage):
         """
         if self._steps is None:
             self._steps = self.steps_of()
+        if self.flight is not None:
+            return self._buffered(round_, who, up)
         model = self.model
         up_bytes, down_bytes = self.bytes_of()
         clients = np.asarray(who.sampled, dtype=np.int64)
@@ -210,14 +235,78 @@ class Clock(UplinkStage):
         )
         return up
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint keeps: the simulated seconds so far (float64, exact)."""
-        return {"elapsed": torch.tensor(self.elapsed, dtype=torch.float64)}
+    def _buffered(self, round_: int, who: Who, up: Uplink) -> Uplink:
+        """FedBuff's step: the new cohort in flight, the first K to arrive to the server.
+
+        The cohort that trained this round starts now (the clock's time, after any wait for
+        a client to come on) and arrives after its :func:`client_times`; the step takes the
+        K first to arrive among all in flight (ties: the lower id; all, if fewer), the clock
+        moves to the last of them, and their weights are ω_n·s(τ_n), ω_n among the K and
+        τ_n = this round less the round each started in. Adds ``clock/round_s``,
+        ``clock/cum_s``, ``async/staleness_mean``, ``async/staleness_max``,
+        ``async/in_flight`` (after the step), and the synchronous clock's keys (nothing is
+        dropped: ``clock/wasted_bytes`` and ``clients/dropped`` are 0).
+        """
+        flight, now = self.flight, self.elapsed + self._idle
+        assert flight is not None and self.model.buffer is not None
+        clients = np.asarray(who.sampled, dtype=np.int64)
+        if clients.size:
+            up_bytes, down_bytes = self.bytes_of()
+            seconds = client_times(self.model, clients, up_bytes, down_bytes, self._steps)
+            parts = update_parts(up.updates, who.sampled) if up.updates else {}
+            flight.add(
+                clients, round_, now, seconds, {k: v.to(self.device) for k, v in parts.items()}
+            )
+        taken = flight.take(min(self.model.buffer, len(flight)))
+        wait = 0.0
+        if len(taken):  # until the last of the K (its start ≤ now: never backwards)
+            last = int(np.argmax(taken.finish))
+            wait = max(0.0, float((taken.start[last] - now) + taken.seconds[last]))
+        spent = self._idle + wait
+        self.elapsed += spent
+        ids = taken.clients.tolist()
+        tau = round_ - taken.rounds
+        if ids:
+            assert self.weights_of is not None
+            omega = self.weights_of(ids, ids).numpy()
+            weights = omega * staleness_weight(tau)
+            up.weights = dict(zip(ids, weights.tolist(), strict=True))
+        else:
+            up.weights = {}
+        up.updates = parts_updates(taken.parts, ids) if ids and taken.parts else {}
+        up.heard = ids
+        up.report.update(
+            {
+                "clock/round_s": spent,
+                "clock/cum_s": self.elapsed,
+                "clock/wasted_bytes": 0.0,
+                "clients/dropped": 0.0,
+                "clients/unavailable": float(self._off),
+                "async/staleness_mean": float(tau.mean()) if ids else 0.0,
+                "async/staleness_max": float(tau.max()) if ids else 0.0,
+                "async/in_flight": float(len(flight)),
+            }
+        )
+        return up
+
+    def state(self) -> dict[str, torch.Tensor | dict[str, torch.Tensor]]:
+        """What a checkpoint keeps: the simulated seconds so far (float64, exact).
+
+        With FedBuff also its clients in flight and their uploads (:meth:`Flight.state`).
+        """
+        out: dict[str, torch.Tensor | dict[str, torch.Tensor]] = {
+            "elapsed": torch.tensor(self.elapsed, dtype=torch.float64)
+        }
+        if self.flight is not None:
+            out["flight"] = self.flight.state()
+        return out
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore :meth:`state` (a checkpoint without one: the clock at 0)."""
+        """Restore :meth:`state` (a checkpoint without one: the clock at 0, none in flight)."""
         value = state.get("elapsed")
         self.elapsed = 0.0 if value is None else float(value.double().item())
+        if self.flight is not None:
+            self.flight = Flight.of_state(state.get("flight", {}), self.device)
 
 
 def _drop(up: Uplink, kept: list[int]) -> Uplink:

@@ -16,6 +16,8 @@ default) changes nothing. Profiles:
 Deadlines and over-selection are those of Bonawitz et al., "Towards Federated Learning at
 Scale: System Design" (MLSys 2019): the server waits until ``deadline`` seconds at most, and
 samples ``over_select`` more clients than it needs, keeping the first to report.
+``buffer`` makes the rounds asynchronous: FedBuff, Nguyen et al., "Federated Learning with
+Buffered Asynchronous Aggregation" (AISTATS 2022), :mod:`fedexp.system.buffer`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class SystemModel:
         trace: on/off intervals (``system=trace``), read at the round's simulated start.
         deadline: seconds a round waits at most (None: for every sampled client).
         over_select: the share of clients sampled beyond those the round keeps.
+        buffer: FedBuff's K, the uploads a server step takes (None: synchronous rounds).
     """
 
     speed: np.ndarray
@@ -59,11 +62,15 @@ class SystemModel:
     trace: Availability | None = None
     deadline: float | None = None
     over_select: float = 0.0
+    buffer: int | None = None
 
     @property
     def keeps_all(self) -> bool:
-        """Whether every sampled client's upload is kept (no deadline, no over-selection)."""
-        return self.deadline is None and self.over_select == 0
+        """Whether each round's server step takes every upload of that round's cohort.
+
+        No deadline, no over-selection, no buffer (FedBuff steps on K uploads of any round's).
+        """
+        return self.deadline is None and self.over_select == 0 and self.buffer is None
 
     @property
     def always_on(self) -> bool:
@@ -102,6 +109,9 @@ class System:
         deadline: seconds the server waits for a round's uploads; the later ones are dropped,
             their bytes counted as sent (null: no deadline).
         over_select: sample ⌈K·(1 + over_select)⌉ clients and keep the first K to finish.
+        buffer: FedBuff (:mod:`fedexp.system.buffer`): the round's cohort C stays in flight,
+            the server steps on the first ``buffer`` uploads to arrive, staleness-weighted,
+            and as many new clients start (null: synchronous rounds).
     """
 
     def __init__(
@@ -120,6 +130,7 @@ class System:
         availability_file: str | None = None,
         deadline: Annotated[float | None, Range(gt=0)] = None,
         over_select: NonNegative = 0.0,
+        buffer: Annotated[int | None, Range(ge=1)] = None,
     ) -> None:
         if profile not in PROFILES:
             raise ValueError(f"system.profile={profile!r}: expected one of {', '.join(PROFILES)}")
@@ -150,6 +161,19 @@ class System:
                 "system.deadline and system.over_select time the clients: choose a profile "
                 "(system=uniform, lognormal or trace)"
             )
+        if buffer is not None and profile == "none":
+            raise ValueError(
+                f"system.buffer={buffer}: FedBuff's clients finish on the simulated clock: "
+                "choose a profile (system=uniform, lognormal or trace)"
+            )
+        if buffer is not None and (deadline is not None or over_select):
+            key, value = (
+                ("deadline", deadline) if deadline is not None else ("over_select", over_select)
+            )
+            raise ValueError(
+                f"system.{key}={value} with system.buffer={buffer}: FedBuff keeps every upload "
+                f"until the server takes it; remove system.{key} or set system.buffer=null"
+            )
         self.profile = profile
         self.values = {"speed": speed, "uplink": uplink, "downlink": downlink, "latency": latency}
         self.spreads = spreads
@@ -158,6 +182,7 @@ class System:
         self.availability_file = availability_file
         self.deadline = deadline
         self.over_select = over_select
+        self.buffer = buffer
 
     @property
     def enabled(self) -> bool:
@@ -213,6 +238,7 @@ class System:
             trace=trace,
             deadline=self.deadline,
             over_select=self.over_select,
+            buffer=self.buffer,
         )
 
     def describe(self) -> str:
@@ -222,6 +248,8 @@ class System:
             rules.append(f"deadline {self.deadline:g} s")
         if self.over_select:
             rules.append(f"over-selection {self.over_select:g}")
+        if self.buffer is not None:
+            rules.append(f"FedBuff, a server step every {self.buffer} uploads")
         said = f"system={self.profile}" + (f" ({', '.join(rules)})" if rules else "")
         return said + ": rounds on a simulated clock (clock/round_s, clock/cum_s)"
 

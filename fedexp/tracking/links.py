@@ -11,7 +11,7 @@ is off (e.g. managed MLflow). So every link fedexp prints carries
 Chromium and checks that the runs table shows.
 
 A local store (SQLite, a file store) has no web server of its own: :func:`ui_command` is the
-``fedexp ui`` command that serves one (:mod:`fedexp.ui`: MLflow's server from fedexp's own
+``fedexp ui`` command that serves one (:mod:`fedexp.cli.ui`: MLflow's server from fedexp's own
 interpreter, so ``mlflow`` need not be on ``PATH``), written as the user can type it.
 
 A sweep's link opens its runs grouped by the keys that vary (:func:`sweep_view_url`). MLflow's
@@ -114,11 +114,11 @@ def fedexp_command() -> list[str]:
 
     The script beside the running interpreter (``.venv/bin/fedexp``) is named by its path
     relative to the working directory when it lies under it (``make run`` leaves ``fedexp``
-    off ``PATH``); without a script, ``python -m fedexp.cli``.
+    off ``PATH``); without a script, ``python -m fedexp``.
     """
     script = Path(sys.executable).parent / "fedexp"
     if not script.is_file():
-        return [sys.executable, "-m", "fedexp.cli"]
+        return [sys.executable, "-m", "fedexp"]
     found = shutil.which("fedexp")
     if found and Path(found).resolve() == script.resolve():
         return ["fedexp"]

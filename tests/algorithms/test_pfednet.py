@@ -146,7 +146,7 @@ def test_phased_rounds_keep_one_error_feedback_residual_per_phase(small_cfg):
     assert engine.uplink.error_feedback
     engine.setup()
     _rounds(engine, 3)  # x, z, x
-    residuals = engine.residual["up"]
+    residuals = engine.transport.residual["up"]
     ctx = engine.ctx
     sizes = {"x": ctx.shared_idx.numel(), "z": ctx.personal_idx.numel()}
     assert sizes["x"] != sizes["z"]

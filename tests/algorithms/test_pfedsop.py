@@ -179,7 +179,7 @@ def test_downlink_is_coded_as_an_update(small_cfg, compressor):
     codec = e.downlink.codec
     for t in range(3):
         glob = e.server["delta"].clone()
-        residual = {n: r.clone() for (n, _), r in e.residual["down"].items()}
+        residual = {n: r.clone() for (n, _), r in e.transport.residual["down"].items()}
         received.clear()
         metrics = e.run_round()
         size = 0
@@ -191,7 +191,7 @@ def test_downlink_is_coded_as_an_update(small_cfg, compressor):
         assert metrics["bytes/down"] == size
         if t > 0:  # a nonzero Δ: the ledger counts a compressed message
             assert size < 4 * glob.numel() * len(received)
-    assert any(r.any() for r in e.residual["down"].values())  # error feedback on Δ
+    assert any(r.any() for r in e.transport.residual["down"].values())  # error feedback on Δ
 
 
 def test_bad_arguments_are_refused():

@@ -96,7 +96,7 @@ def _engine(small_cfg, compressor: str, by_formula: bool):
         )
     )
     if by_formula:
-        engine.encode_on = ()  # count by the length formula, as off the CPU
+        engine.transport.encode_on = ()  # count by the length formula, as off the CPU
     engine.setup()
     return engine
 
@@ -117,7 +117,7 @@ def test_an_engine_counting_by_formula_counts_the_bytes_it_would_write(small_cfg
     assert torch.equal(written.server["x"], counted.server["x"])
     for d in ("up", "down"):
         for store in ("residual", "replica", "reference"):
-            one, other = getattr(written, store)[d], getattr(counted, store)[d]
+            one, other = getattr(written.transport, store)[d], getattr(counted.transport, store)[d]
             assert dict(one.items()).keys() == dict(other.items()).keys()
             assert all(torch.equal(other[k], v) for k, v in one.items())
 
@@ -151,12 +151,13 @@ def test_cer_uploads_in_one_pass_equal_message_by_message(small_cfg, compressor,
     together, alone = engines
     for t in range(3):
         clients, ups = _uploads(together, 8, seed=t)
-        assert together._send_cohort("up", clients, ups) is None
+        sent = together.transport.send_cohort
+        assert sent("up", clients, ups, together.round, together.ledger) is None
         sums: dict[str, float] = {}
-        received = together._send_cohort("up", clients, ups, sums)
+        received = sent("up", clients, ups, together.round, together.ledger, sums)
         expect, expect_sums = [], {}
         for i, n in enumerate(clients):
-            row, metrics = alone._send("up", n, ups[i])
+            row, metrics = alone.transport.send("up", n, ups[i], alone.round, alone.ledger)
             expect.append(row)
             for k, v in metrics.items():
                 expect_sums[k] = expect_sums.get(k, 0.0) + v
@@ -164,8 +165,8 @@ def test_cer_uploads_in_one_pass_equal_message_by_message(small_cfg, compressor,
         assert sums == expect_sums and set(sums) == {"cer/runs", "cer/sparsity"}
         assert together.ledger.round == alone.ledger.round
         assert together.ledger.messages == alone.ledger.messages
-    for k, v in alone.residual["up"].items():
-        assert torch.equal(together.residual["up"][k], v)
+    for k, v in alone.transport.residual["up"].items():
+        assert torch.equal(together.transport.residual["up"][k], v)
 
 
 @pytest.mark.slow  # (two runs each, as tests/test_round_census.py's)
@@ -178,6 +179,6 @@ def test_cer_uploads_dispatch_as_many_ops_for_any_cohort(small_cfg, compressor):
     for m in (3, 8, 3, 8):  # (the second pass of each size: its residuals exist)
         clients, ups = _uploads(engine, m, seed=m)
         with Census() as counted:
-            engine._send_cohort("up", clients, ups, {})
+            engine.transport.send_cohort("up", clients, ups, engine.round, engine.ledger, {})
         counts.append((counted.total_ops, counted.total_reads))
     assert counts[2] == counts[3]

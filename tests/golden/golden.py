@@ -46,7 +46,7 @@ def run_case(
     """Case ``name`` (and ``extra`` overrides), ``ROUNDS`` rounds: its flat state tree, each
     round's metrics and what near ties allow its discrete figures to differ by
     (``golden.ties``)."""
-    from fedexp.engine.round.transport import _state_key
+    from fedexp.engine.round.checkpointing import _state_key
     from fedexp.engine.runner import build_engine
     from helpers import SMALL, compose_config
 
@@ -79,7 +79,7 @@ def run_case(
     # and the channels' memories one entry a (client, part), as the tree saved them before
     tree["channel"] = {
         d: {
-            kind: {_state_key(k): v for k, v in getattr(engine, kind)[d].items()}
+            kind: {_state_key(k): v for k, v in getattr(engine.transport, kind)[d].items()}
             for kind in ("residual", "replica", "reference")
         }
         for d in ("up", "down")

@@ -16,7 +16,7 @@ checkpoint without a seal (written by an older fedexp, or stripped) is refused u
 caller accepts it unverified (``resume_unsealed=true``: loaded with a warning).
 
 The good checkpoint: beside ``last.safetensors`` the folder keeps ``good.safetensors``, the
-last checkpoint whose round the runner found healthy (:func:`fedexp.engine.runner._healthy`),
+last checkpoint whose round the runner found healthy (:func:`fedexp.engine.health._healthy`),
 which is what a rescue after a divergence resumes from (:func:`rescue_point`). It is never
 written twice: when the last checkpoint is healthy, :func:`promote` makes ``good.safetensors``
 a hard link to it (a copy only where the file system has no hard links), atomically; the next

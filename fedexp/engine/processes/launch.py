@@ -90,7 +90,7 @@ class GroupLost(RuntimeError):
     of this machine whose process is gone,
     :func:`~fedexp.engine.processes.group_pids.dead_sibling`), else "". Not a
     :class:`~fedexp.errors.FedexpError`: the CLI's group code says it
-    (:mod:`fedexp.cli_distributed`), with the command that resumes the whole group.
+    (:mod:`fedexp.cli.distributed`), with the command that resumes the whole group.
     """
 
     def __init__(self, where: str, who: str = "") -> None:
@@ -305,7 +305,7 @@ def _say_if_rank_0_died(where: str, cfg: DictConfig, overrides: list[str]) -> No
     reap_scratch()
     line = f"rank 0 died{how} {where}".rstrip()
     try:
-        from fedexp.cli_output import describe_stop
+        from fedexp.cli.output import describe_stop
 
         hc = OmegaConf.create({"overrides": {"task": overrides}})
         line = describe_stop(RankDied(line), cfg, hc)

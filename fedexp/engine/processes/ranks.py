@@ -27,7 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from fedexp.contract import Message, parts_updates, update_parts
+from fedexp.contract import MeanUpload, Message, parts_updates, update_parts
 from fedexp.data.client import client_ids
 
 #: How long a collective may wait for a rank before the run fails (a rank that died).
@@ -350,8 +350,8 @@ def reduce_uploads(
     each rank sends its own senders' weighted sum, not their rows. Sums that came with the
     round's records (:func:`sums_record`) are added here in rank order; larger ones by one
     ``all_reduce`` a dtype. Every rank makes the same choice: it depends only on the parts'
-    shapes. Returns that mean as the one upload of the first sampled client (to which the
-    server then gives weight 1: the same weighted mean), and whether anyone uploaded.
+    shapes. Returns that mean as the round's one upload (:class:`MeanUpload`, of weight 1),
+    and whether anyone uploaded.
 
     Args:
         ranks: the run's processes.
@@ -372,8 +372,7 @@ def reduce_uploads(
             if inline is not None:
                 got = load_tensors(base64.b64decode(inline))
                 total = {k: v + got[k] if k in got else v for k, v in total.items()}
-        out = {k: v.to(device).unsqueeze(0) for k, v in total.items()}
-        return parts_updates(out, sampled[:1]), True
+        return MeanUpload({k: v.to(device) for k, v in total.items()}, sampled), True
     flats: dict[str, list[torch.Tensor]] = {}  # dtype -> each part's sum, flat
     for name in sorted(known):
         mine = sums[name] if name in sums else zeros[name].to(device)
@@ -385,5 +384,5 @@ def reduce_uploads(
         wire = wire.to(device)
         names = [k for k in sorted(known) if known[k][1] == dtype]
         for name, piece in zip(names, wire.split([t.numel() for t in totals]), strict=True):
-            out[name] = piece.reshape(1, *known[name][0])
-    return parts_updates(out, sampled[:1]), True
+            out[name] = piece.reshape(known[name][0])
+    return MeanUpload(out, sampled), True

@@ -1,7 +1,8 @@
 """The one round loop every algorithm runs in.
 
 The engine owns all state (server, clients, channel residuals and replicas, the byte ledger),
-moves every message through its channel as bytes, and calls the algorithm's hooks. The
+moves every message through its channel as bytes (its ``Transport``, handed the ledger each
+message is counted in), and calls the algorithm's hooks. The
 round's clients work as one cohort (``Algorithm.client_update`` over stacked tensors; the
 local solver, ``fedexp.engine.solver.steps``, runs their steps together), in sub-cohorts where their
 step counts differ; each client draws from its own (seed, round, client) stream, so results
@@ -28,21 +29,20 @@ from fedexp.comm.codec import DenseCodec
 from fedexp.contract import (
     Cohort,
     CohortResult,
-    CohortStates,
+    MeanUpload,
     Message,
     Senders,
     Stacked,
-    StackedUpdates,
     State,
     update_parts,
 )
 from fedexp.data.client import ClientData, client_ids
-from fedexp.engine.clients.part_memory import PartMemory, merge_memories
 from fedexp.engine.clients.pool import ClientTable, TrainPool
-from fedexp.engine.clients.states import ClientStates, merge_exports
-from fedexp.engine.files.checkpoint import flatten_state, unflatten_state
+from fedexp.engine.clients.states import ClientStates
 from fedexp.engine.memory import peak_mib, reset_peak
 from fedexp.engine.processes.ranks import Ranks, weighted_sums
+from fedexp.engine.round import checkpointing
+from fedexp.engine.round.cohorts import merge_results, sub_cohorts
 from fedexp.engine.round.evaluation import Evaluation
 from fedexp.engine.round.exchange import Alone, RankExchange
 from fedexp.engine.round.ledger import ByteLedger
@@ -58,15 +58,10 @@ from fedexp.engine.round.stages import (
     take_rows,
     weakly,
 )
-from fedexp.engine.round.transport import (
-    Transport,
-    _exact,
-    _parse_key,
-    _row,
-    _stack_parts,
-)
+from fedexp.engine.round.transport import Transport, _exact
 from fedexp.engine.solver.context import Context
 from fedexp.privacy.uplink import PrivateUplink
+from fedexp.system.checks import check_buffer
 from fedexp.system.clock import Clock, local_steps
 from fedexp.system.settings import SystemModel
 from fedexp.transfer import to_device
@@ -94,11 +89,12 @@ log = logging.getLogger("fedexp")
 
 
 @dataclass
-class Engine(Transport, Evaluation):
+class Engine(Evaluation):
     """Federated simulation state and the round loop.
 
-    Messages move through :class:`fedexp.engine.round.transport.Transport`'s methods, clients are
-    scored by :class:`fedexp.engine.round.evaluation.Evaluation`'s.
+    Messages move through the engine's :class:`fedexp.engine.round.transport.Transport`
+    (:attr:`transport`), clients are scored by :class:`fedexp.engine.round.evaluation.Evaluation`'s
+    methods.
 
     Args:
         ctx: model, task and local-solver settings.
@@ -124,11 +120,9 @@ class Engine(Transport, Evaluation):
     server: State = field(default_factory=dict)
     #: every client's state (``fedexp.engine.clients.states``), made in ``__post_init__``
     client_states: ClientStates = field(init=False)
-    #: per direction, (client, part) -> error-feedback residual / replica / last message
-    #: (``fedexp.engine.clients.part_memory``), made in ``__post_init__``
-    residual: dict[str, PartMemory] = field(init=False)
-    replica: dict[str, PartMemory] = field(init=False)
-    reference: dict[str, PartMemory] = field(init=False)
+    #: the channels, their memories per (client, part) (error-feedback residuals, replicas,
+    #: references), messages through them counted in the ledger it is handed
+    transport: Transport = field(init=False, repr=False)
     #: per client, the best value over evaluated rounds of each metric (pFedSOP's protocol)
     best: dict[str, torch.Tensor] = field(default_factory=dict)
     #: the clients of the last round run
@@ -152,8 +146,6 @@ class Engine(Transport, Evaluation):
     sampler: Sampler = field(init=False, repr=False)
     #: the uplink's stages after the algorithm's upload: DP (with ``privacy``), the channel
     stages: list[UplinkStage] = field(init=False, repr=False)
-    #: the initial server state (derived, not checkpointed), built when a part needs it
-    _server0: State | None = field(default=None, repr=False)
     #: score the global model on every client's test split too (``eval_global``,
     #: ``fedexp.engine.round.views``)
     eval_global: bool = True
@@ -167,11 +159,22 @@ class Engine(Transport, Evaluation):
     clock: Clock | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        share = None if self.ranks is None else self.ranks.share
+        self.transport = Transport(
+            self.ctx,
+            self.algorithm,
+            self.uplink,
+            self.downlink,
+            self.seed,
+            self.x0,
+            len(self.clients),
+            None if self.store is None else self.store / "channel",
+            share,
+        )
         self._choose_stages()
         self.pool = TrainPool.of(self.clients) if self.clients else None
         self.server = self.algorithm.init_server(self.ctx, self.x0)
-        self.client_states = self._fresh_states()
-        self._fresh_memories()
+        self.client_states = self.fresh_states()
         if self.clients:  # states are made when read: one now, so that bad settings fail here
             self.algorithm.init_client(self.ctx, self.x0, 0)
 
@@ -193,7 +196,7 @@ class Engine(Transport, Evaluation):
             self.clock = self._clock(members)
             draw = self.clock.draw if privacy is None else draw
         self.sampler = Sampler(draw, n, self.algorithm.all_train, self.exchange.mine, members)
-        wire = Wire(weakly(self._uplink))
+        wire = Wire(self.transport.send_up)
         lossy = not _exact(self.uplink)
         if privacy is None:
             self.stages = [wire]
@@ -204,22 +207,38 @@ class Engine(Transport, Evaluation):
 
     @property
     def _keeps_all(self) -> bool:
-        """Whether the server keeps every sampled upload (no clock drops any)."""
+        """Whether the server steps on every upload of the round's cohort at once.
+
+        Not where a clock drops some, nor with FedBuff's buffer (a step takes uploads of
+        earlier rounds' cohorts): the uploads then stay per client, never pre-summed.
+        """
         return self.system is None or self.system.keeps_all
 
     def _clock(self, members: tuple[int, ...] | None) -> Clock:
-        """The simulated clock of :attr:`system` (the ledger then keeps each client's bytes)."""
+        """The simulated clock of :attr:`system` (the ledger then keeps each client's bytes).
+
+        Raises:
+            ConfigError: a FedBuff buffer the run cannot take (``check_buffer``).
+        """
         assert self.system is not None
         self.ledger.per_client = True
         n = len(self.clients)
-        return Clock(
+        clock = Clock(
             self.system,
             self.seed,
             self.participation,
             np.arange(n) if members is None else np.asarray(members, dtype=np.int64),
             weakly(self._client_bytes),
             weakly(self._client_steps),
+            weights_of=weakly(self._weight_tensor),
+            device=self.ctx.device,
         )
+        if self.system.buffer is not None:
+            mode = "none" if self.privacy is None else str(self.privacy.settings.mode)
+            algo, buffer = self.algorithm, self.system.buffer
+            steps = algo.server_reads == "mean" and getattr(algo, "server_optimized", False)
+            check_buffer(buffer, clock.target, steps, type(algo).__name__, mode, algo.all_train)
+        return clock
 
     def _client_bytes(self) -> tuple[np.ndarray, np.ndarray]:
         """This round's bytes of every client, (up ``[N]``, down ``[N]``), every process's."""
@@ -235,21 +254,7 @@ class Engine(Transport, Evaluation):
         """What client 0 would receive now (the shape of an empty DP cohort's noise)."""
         return self.algorithm.downlinks(self.ctx, self.server, [0])[0]
 
-    def _fresh_memories(self) -> None:
-        """The channels' memories, empty.
-
-        :class:`PartMemory`: in memory, or files beside the states' with ``store=disk``; a
-        rank's own clients over several processes.
-        """
-        share = None if self.ranks is None else self.ranks.share
-        for kind in ("residual", "replica", "reference"):
-            memories = {}
-            for d in ("up", "down"):
-                folder = None if self.store is None else self.store / "channel" / f"{kind}-{d}"
-                memories[d] = PartMemory(len(self.clients), self.ctx.device, folder, share)
-            setattr(self, kind, memories)
-
-    def _fresh_states(self) -> ClientStates:
+    def fresh_states(self) -> ClientStates:
         """Every client at its initial state (made when read: nothing is stored until then)."""
         algo, ctx, x0 = self.algorithm, self.ctx, self.x0
         return ClientStates(
@@ -263,13 +268,16 @@ class Engine(Transport, Evaluation):
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> dict[str, float]:
-        """The one-off exchange before round 0: client sketches up (dense), server set-up."""
+        """The one-off exchange before round 0: client sketches up (dense), server set-up.
+
+        Over several processes each counts its own clients' sketches, then the run's ledger
+        adds every process's.
+        """
         sketches: dict[int, torch.Tensor] = {}
         codec = DenseCodec()
-        ranks, ledger = self.ranks, self.ledger
+        ranks = self.ranks
         everyone = list(range(len(self.clients)))
-        if ranks is not None:
-            self.ledger = ByteLedger()
+        mine = self.ledger if ranks is None else ByteLedger()
         for n in everyone if ranks is None else ranks.mine(everyone):
             sketch = self.algorithm.client_sketch(
                 self.ctx, self.clients[n], streams.generator(self.seed, _SKETCH, n)
@@ -277,14 +285,13 @@ class Engine(Transport, Evaluation):
             if sketch is None:
                 continue
             payload = codec.encode(sketch.reshape(-1))
-            self.ledger.add("up", payload, sketch.numel())
+            mine.add("up", payload, sketch.numel())
             sketches[n] = codec.decode(payload, sketch.numel()).to(self.ctx.device)
         if ranks is not None:  # every rank's sketches, in client order
             got = ranks.gather_tensors({str(n): s for n, s in sketches.items()})
             found = {int(k): v.to(self.ctx.device) for g in got for k, v in g.items()}
             sketches = dict(sorted(found.items()))
-            ledger.merge(ranks.gather_json(self.ledger.round_record()))
-            self.ledger = ledger
+            self.ledger.merge(ranks.gather_json(mine.round_record()))
         self.server = self.algorithm.server_setup(self.ctx, self.server, sketches)
         return {"bytes/setup_up": float(self.ledger.total["up"])}
 
@@ -294,21 +301,25 @@ class Engine(Transport, Evaluation):
 
         Algorithm 1 of every paper: sample, downlink, client work, uplink, aggregate, server
         step, record. Over several processes each runs its own clients and counts their
-        messages; the exchange (:attr:`exchange`) gives every rank the decoded uploads, which
-        then takes the same server step.
+        messages in a ledger of its own (:meth:`Alone.round_ledger`: one process counts in the
+        run's); the exchange (:attr:`exchange`) gives every rank the decoded uploads, which
+        then takes the same server step, and adds every rank's counts to the run's ledger.
         """
         started = time.perf_counter()
         reset_peak(self.ctx.device)
         t = self.ctx.round = self.round
         self.ledger.start_round()
-        run_ledger, self.ledger = self.ledger, self.exchange.round_ledger(self.ledger)
+        ledger = self.exchange.round_ledger(self.ledger)
         who = self.sampler(t)
         self.last_sampled = who.sampled
         slices = self._round_slices(who)
-        up = self._sending(t, who) if slices is None else self._sliced(t, who, slices)
-        up = self.exchange.combine(who, up, self.ledger, run_ledger)
-        self.ledger = run_ledger
-        up.weights = self._weights(up.updates)
+        if slices is None:
+            up = self._sending(t, who, ledger)
+        else:
+            up = self._sliced(t, who, slices, ledger)
+        up = self.exchange.combine(who, up, ledger, self.ledger)
+        mean = isinstance(up.updates, MeanUpload)  # (slices, or a "mean" server's ranks)
+        up.weights = up.updates.weights if mean else self._weights(up.updates)
         for stage in self.stages:  # re-clip, server noise, the accountant
             up = stage.server(t, who, up)
         # the senders over every slice and process (a "mean" server may get one summed upload)
@@ -318,12 +329,15 @@ class Engine(Transport, Evaluation):
         self.round = t + 1
         return self._record(who, up, started)
 
-    def _sending(self, t: int, who: Who) -> Uplink:
-        """The workers' downlink, client work and states, and the senders' side of the uplink."""
-        inbox, result = self._train(who.workers)
+    def _sending(self, t: int, who: Who, ledger: ByteLedger) -> Uplink:
+        """The workers' downlink, client work and states, and the senders' side of the uplink.
+
+        The messages' bytes are counted in ``ledger`` (this process's, this round).
+        """
+        inbox, result = self._train(t, who.workers, ledger)
         self.client_states.write(who.workers, result.states)
         sums = _sums(result.metrics)
-        up = Uplink(rows_of(result.updates, who.workers, who.senders), inbox, sums)
+        up = Uplink(rows_of(result.updates, who.workers, who.senders), inbox, sums, ledger=ledger)
         for stage in self.stages:  # clip, local noise, codec, wire and ledger, decode
             up = stage.client(t, who, up)
         return up
@@ -361,20 +375,20 @@ class Engine(Transport, Evaluation):
             for part in (who.workers[a : a + size] for a in range(0, len(who.workers), size))
         ]
 
-    def _sliced(self, t: int, who: Who, slices: list[Who]) -> Uplink:
+    def _sliced(self, t: int, who: Who, slices: list[Who], ledger: ByteLedger) -> Uplink:
         """:meth:`_sending` slice by slice: the uploads' Σ_n ω_n u_n as the round's one upload.
 
         Each slice's decoded uploads are weighted (ω_n among the round's senders) and summed,
         then freed; the sum (``Uplink.summed``) goes to the exchange, which gives the server
-        the processes' sum as the upload of the round's first sender, which then weighs 1
-        (``Alone.combine``, :func:`fedexp.engine.processes.ranks.reduce_uploads`). Metrics
-        are the slices' sums; the ledger counts every message as it is sent.
+        the processes' sum as the round's mean upload (:class:`fedexp.contract.MeanUpload`,
+        of weight 1: ``Alone.combine``, :func:`fedexp.engine.processes.ranks.reduce_uploads`).
+        Metrics are the slices' sums; ``ledger`` counts every message as it is sent.
         """
         total: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
         uploaded = False
         for part in slices:
-            up = self._sending(t, part)
+            up = self._sending(t, part, ledger)
             for k, v in up.metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + v
             uploaded = uploaded or up.uploaded
@@ -385,19 +399,18 @@ class Engine(Transport, Evaluation):
             del up
         return Uplink(None, None, metrics, uploaded=uploaded, summed=total)
 
-    def _train(self, workers: list[int]) -> tuple[Stacked | None, CohortResult]:
+    def _train(
+        self, t: int, workers: list[int], ledger: ByteLedger
+    ) -> tuple[Stacked | None, CohortResult]:
         """The workers' downlink and client work: (their decoded inbox, their results).
 
-        A Poisson-sampled cohort, or a rank's share of one, may be empty.
+        The downlink's bytes are counted in ``ledger``. A Poisson-sampled cohort, or a rank's
+        share of one, may be empty.
         """
         if not workers:
             return None, CohortResult(None, [], {})
         msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
-        if isinstance(msgs, StackedUpdates) and msgs.clients == workers:  # made at once
-            inbox = self._send_cohort("down", workers, msgs.stack)
-            if inbox is not None:
-                return inbox, self._client_work(workers, inbox)
-        inbox = self._downlink(workers, [msgs[n] for n in workers])
+        inbox = self.transport.send_down(workers, msgs, t, ledger)
         return inbox, self._client_work(workers, inbox)
 
     def _record(self, who: Who, up: Uplink, started: float) -> dict[str, float]:
@@ -418,22 +431,6 @@ class Engine(Transport, Evaluation):
         out["time/round_s"] = time.perf_counter() - started
         out["memory/peak_mib"] = peak_mib(self.ctx.device)
         return out
-
-    def _downlink(self, sampled: list[int], msgs: list[Message | None]) -> Stacked | None:
-        """The round's downlink messages through their channel; decoded, stacked ``[m, ...]``.
-
-        In one pass when it can (:meth:`_send_cohort`), else message by message.
-        """
-        stacked = self._send_cohort("down", sampled, _stack_parts(msgs))
-        if stacked is not None or all(m is None for m in msgs):
-            return stacked
-        if any(m is None for m in msgs):
-            raise ValueError(f"{type(self.algorithm).__name__}: downlinks to some clients only")
-        sent = [self._send("down", n, m)[0] for n, m in zip(sampled, msgs, strict=True)]
-        decoded = _stack_parts(sent)
-        if decoded is None:
-            raise ValueError(f"{type(self.algorithm).__name__}: downlinks of different shapes")
-        return decoded
 
     def _client_work(self, sampled: list[int], inbox: Stacked | None) -> CohortResult:
         """Every sampled client's ``client_update``, in sub-cohorts of alike work.
@@ -457,67 +454,26 @@ class Engine(Transport, Evaluation):
         else:
             done = [algo.client_update(ctx, w.inbox, w.states, w.cohort) for w in works]
         results = [(rows, r) for (rows, _, _), r in zip(groups, done, strict=True)]
-        return results[0][1] if len(results) == 1 else _merge(results, len(sampled))
+        return results[0][1] if len(results) == 1 else merge_results(results, len(sampled))
 
     def _cohorts(
         self, clients: list[int], purpose: int
     ) -> list[tuple[list[int], Cohort, Hashable]]:
-        """``clients`` in sub-cohorts by ``Context.work_key``.
+        """``clients`` in sub-cohorts by ``Context.work_key`` (:func:`sub_cohorts`).
 
         Returns:
             (positions in ``clients``, the cohort, its work key) of each sub-cohort.
 
         Each cohort's clients draw from their (seed, ``purpose``, round, client) streams.
         """
-        ctx = self.ctx
         data = self.client_data(clients)
-        groups: dict[Hashable, list[int]] = {}
-        for i, d in enumerate(data):
-            groups.setdefault(ctx.work_key(d), []).append(i)
-        out = []
-        for key, rows in groups.items():
-            members = [clients[i] for i in rows]
-            ids = client_ids(members)  # on the host, as Cohort's docstring says
-            cohort = Cohort(
-                clients=members,
-                data=[data[i] for i in rows],
-                rows=ids,
-                keys=streams.stream_keys(self.seed, purpose, self.round, ids),
-                draws=torch.zeros(len(members), dtype=torch.int64),
-                pool=self.pool,
-            )
-            out.append((rows, cohort, key))
-        return out
+        return sub_cohorts(self.ctx, clients, data, self.seed, purpose, self.round, self.pool)
 
     def client_data(self, clients: Sequence[int]) -> list[ClientData]:
         """The data of ``clients`` (a table's made at once)."""
         if isinstance(self.clients, ClientTable):
             return self.clients.many(clients)
         return [self.clients[n] for n in clients]
-
-    def _uplink(
-        self, sampled: list[int], uploads: Stacked | None
-    ) -> tuple[Mapping[int, Message], dict[str, float]]:
-        """The clients' stacked uploads through their channel.
-
-        Returns (decoded uploads, the channel's metrics summed over the messages: CER's).
-        """
-        sums: dict[str, float] = {}
-        updates: dict[int, Message] = {}
-        if uploads is None or not sampled:
-            return updates, sums
-        received = self._send_cohort("up", sampled, uploads, sums)
-        if isinstance(received, torch.Tensor):
-            return StackedUpdates(sampled, received), sums
-        if received is not None:  # named parts: a stack of each
-            return StackedUpdates(sampled, received), sums
-        for i, n in enumerate(sampled):  # message by message (transforms: CER)
-            updates[n], metrics = self._send("up", n, _row(uploads, i))
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-        if isinstance(uploads, torch.Tensor):  # the server reads a stack either way
-            return StackedUpdates(sampled, torch.stack([updates[n] for n in sampled])), sums
-        return updates, sums
 
     def _host_sizes(self) -> np.ndarray:
         """Every client's training-set size on the host (NumPy int64 [N]; no tensor op).
@@ -555,127 +511,18 @@ class Engine(Transport, Evaluation):
     def state_tree(self) -> dict[str, Any] | None:
         """Every tensor of the run's state, as a nested dict for ``checkpoint.save``.
 
-        Over several processes a collective: every rank's clients' states and channel
-        memories go to rank 0, which gets the whole tree; the other ranks get None.
+        Over several processes a collective: rank 0 gets the whole tree, the other ranks None
+        (:func:`fedexp.engine.round.checkpointing.state_tree`).
         """
-        clients = self.client_states.export()
-        kinds = {"residual": self.residual, "replica": self.replica, "reference": self.reference}
-        channel = {d: {k: m[d].export() for k, m in kinds.items()} for d in ("up", "down")}
-        if self.ranks is not None:
-            got = self.ranks.leader_gathers(flatten_state({"c": clients, "m": channel}))
-            if got is None:
-                return None
-            trees = [unflatten_state(g) for g in got]
-            clients = merge_exports([t.get("c", {}) for t in trees])
-            channel = {
-                d: {
-                    k: merge_memories([t.get("m", {}).get(d, {}).get(k, {}) for t in trees])
-                    for k in kinds
-                }
-                for d in ("up", "down")
-            }
-        tree = {
-            "server": self.server,
-            "clients": clients,
-            "channel": channel,
-            "best": dict(self.best),
-        }
-        if self.privacy is not None:
-            tree["privacy"] = self.privacy.state()
-        if self.clock is not None:
-            tree["clock"] = self.clock.state()
-        return tree
+        return checkpointing.state_tree(self)
 
     def load_state_tree(self, tree: dict[str, Any], round_: int, ledger: ByteLedger) -> None:
-        """Restore what :meth:`state_tree` saved."""
-        dev = self.ctx.device
-        self.server = {k: v.to(dev) for k, v in tree.get("server", {}).items()}
-        self.client_states = self._fresh_states()
-        if "clients" in tree:
-            self.client_states.load(tree["clients"])
-        else:  # a checkpoint of a version that saved each client's state on its own
-            self.client_states.load_per_client(tree.get("client", {}))
-        channel = tree.get("channel", {})
-        self._fresh_memories()
-        for kind, store in (
-            ("residual", self.residual),
-            ("replica", self.replica),
-            ("reference", self.reference),
-        ):
-            for d in ("up", "down"):
-                saved = channel.get(d, {}).get(kind, {})
-                store[d].load({k: v for k, v in saved.items() if isinstance(v, dict)})
-                parts: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
-                for text, v in saved.items():  # one tensor a (client, part): older checkpoints
-                    if isinstance(v, dict):
-                        continue
-                    n, name = _parse_key(text)
-                    if self.ranks is None or self.ranks.owner(n) == self.ranks.rank:
-                        parts.setdefault(name, ([], []))[0].append(n)  # (a rank: its own)
-                        parts[name][1].append(v.to(dev))
-                for name, (clients, values) in parts.items():
-                    store[d].write(clients, name, values)
-        self.best = {}
-        for key, value in tree.get("best", {}).items():
-            if isinstance(value, dict):  # the validation split's "val/<m>", saved nested
-                for m, t in value.items():
-                    self.best[f"{key}/{m}"] = t.to("cpu", torch.float64)
-            else:
-                self.best[key] = value.to("cpu", torch.float64)
-        if self.privacy is not None:
-            self.privacy.load_state(tree.get("privacy", {}))
-        if self.clock is not None:
-            self.clock.load_state(tree.get("clock", {}))
+        """Restore what :meth:`state_tree` saved; the run goes on at ``round_`` with ``ledger``."""
+        checkpointing.load_state_tree(self, tree)
+        if self.clock is not None:  # (the clock reads each client's bytes)
             ledger.per_client = True
         self.round = round_
         self.ledger = ledger
-
-
-def _merge(results: list[tuple[list[int], CohortResult]], m: int) -> CohortResult:
-    """Sub-cohorts' results (each with its rows of the round's cohort) in client order."""
-    order = torch.tensor([i for rows, _ in results for i in rows])
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(m)
-
-    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts)[inverse.to(parts[0].device)]
-
-    first = results[0][1]
-    updates: Stacked | None = None
-    if isinstance(first.updates, torch.Tensor):
-        updates = cat([r.updates for _, r in results])  # type: ignore[misc]
-    elif isinstance(first.updates, dict):
-        names = first.updates
-        updates = {k: cat([r.updates[k] for _, r in results]) for k in names}  # type: ignore[index]
-    states: CohortStates | list[State]
-    parts = [r.states for _, r in results]
-    if (
-        all(isinstance(p, CohortStates) for p in parts)
-        and len({tuple(p.keys()) for p in parts}) == 1
-    ):
-        masks = {k for p in parts for k in p.present}  # type: ignore[union-attr]
-        states = CohortStates(
-            m,
-            {k: cat([p.stack(k) for p in parts]) for k in first.states.keys()},  # type: ignore[union-attr]
-            {
-                k: cat(
-                    [
-                        p.present.get(
-                            k, torch.ones(len(p), dtype=torch.bool, device=p.stack(k).device)
-                        )
-                        for p in parts
-                    ]
-                )  # type: ignore[union-attr]
-                for k in masks
-            },
-        )
-    else:
-        states = [{}] * m
-        for rows, r in results:
-            for i, state in zip(rows, r.states, strict=True):
-                states[i] = state
-    metrics = {k: cat([r.metrics[k] for _, r in results]) for k in first.metrics}
-    return CohortResult(updates, states, metrics)
 
 
 RoundCallback = Callable[[Engine, dict[str, float]], None]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedexp.contract import parts_updates, update_parts
+from fedexp.contract import MeanUpload, update_parts
 from fedexp.engine.processes.ranks import (
     Ranks,
     add_floats,
@@ -45,16 +45,14 @@ class Alone:
         return run
 
     def combine(self, who: Who, up: Uplink, mine: ByteLedger, run: ByteLedger) -> Uplink:
-        """The round's uploads, metrics and messages: this process's.
+        """The round's uploads, metrics and messages: this process's (counted in ``run``).
 
-        A round summed slice by slice (``Uplink.summed``) uploads its sum as the first sampled
-        client's upload, of weight 1, as :func:`reduce_uploads` gives the ranks' sum.
+        A round summed slice by slice (``Uplink.summed``) hands the server its sum as the
+        round's mean upload (:class:`MeanUpload`, of weight 1), as :func:`reduce_uploads`
+        hands it the ranks' sum; nothing when no one sent.
         """
         if up.summed is not None:
-            first, total = who.sampled[:1], up.summed
-            up.updates = (
-                parts_updates({k: v[None] for k, v in total.items()}, first) if total else {}
-            )
+            up.updates = MeanUpload(up.summed, who.sampled) if up.summed else {}
         return up
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from fedexp.contract import Message, Stacked
+from fedexp.engine.round.ledger import ByteLedger
 
 if TYPE_CHECKING:
     from fedexp.privacy.uplink import PrivateUplink
@@ -102,10 +103,13 @@ class Uplink:
         weights: the aggregation weights ω_n.
         report: the round's figures a server-side stage adds (``privacy/epsilon``...).
         summed: this process's Σ_n ω_n u_n, summed slice by slice (a round in slices,
-            ``Engine._sliced``), in place of its decoded uploads: the exchange makes it the
-            round's upload (``Alone``), or adds the processes' sums (``RankExchange``).
+            ``Engine._sliced``), in place of its decoded uploads: the exchange hands the
+            server it (``Alone``), or the processes' sums added (``RankExchange``), as the
+            round's mean upload (``fedexp.contract.MeanUpload``, of weight 1).
         heard: the senders whose uploads the server keeps, where a stage dropped some (the
             simulated clock's deadline, ``fedexp.system.clock``); None: every sampled one.
+        ledger: where this process counts the round's messages (the exchange's
+            ``round_ledger``); :class:`Wire` counts the uploads' bytes in it.
     """
 
     uploads: Stacked | None
@@ -118,6 +122,7 @@ class Uplink:
     report: dict[str, float] = field(default_factory=dict)
     summed: dict[str, torch.Tensor] | None = None
     heard: list[int] | None = None
+    ledger: ByteLedger | None = field(default=None, repr=False)
 
 
 class UplinkStage:
@@ -137,15 +142,20 @@ class Wire(UplinkStage):
     """The channel: codec with error feedback, bytes on the wire and in the ledger, decode.
 
     Attributes:
-        send: ``(senders, stacked uploads) -> (decoded uploads, the channel's summed
-            metrics)``: the engine's transport (``Engine._uplink``, held :func:`weakly`).
+        send: ``(senders, stacked uploads, round, ledger) -> (decoded uploads, the channel's
+            summed metrics)``, the bytes counted in the ledger: the engine's transport
+            (``Transport.send_up``).
     """
 
-    send: Callable[[list[int], Stacked | None], tuple[Mapping[int, Message], dict[str, float]]]
+    send: Callable[
+        [list[int], Stacked | None, int, ByteLedger],
+        tuple[Mapping[int, Message], dict[str, float]],
+    ]
 
     def client(self, round_: int, who: Who, up: Uplink) -> Uplink:
-        """Every upload through the channel."""
-        up.updates, sums = self.send(who.senders, up.uploads)
+        """Every upload through the channel, its bytes counted in :attr:`Uplink.ledger`."""
+        assert up.ledger is not None, "the uplink's bytes need a ledger to be counted in"
+        up.updates, sums = self.send(who.senders, up.uploads, round_, up.ledger)
         up.metrics.update({f"channel/{k}": v for k, v in sums.items()})
         up.uploaded = up.uploads is not None
         return up

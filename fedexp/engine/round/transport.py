@@ -1,11 +1,10 @@
 """Messages through their channels: the engine's transport.
 
-:class:`Transport` is the part of :class:`fedexp.engine.round.engine.Engine` that moves a round's
-messages: each part of a message through the channel of its direction by its kind
-(``model``, ``update``, ``exact``), error-feedback residuals and replicas kept per
-(client, part), every payload counted in the byte ledger; a cohort's messages in one pass
-where the channel allows it, else message by message. What is counted: ``docs/design.md``,
-"Messages and bytes".
+:class:`Transport`, which the engine builds once and calls, moves a round's messages: each
+part of a message through the channel of its direction by its kind (``model``, ``update``,
+``exact``), error-feedback residuals and replicas kept per (client, part), every payload
+counted in the byte ledger it is handed; a cohort's messages in one pass where the channel
+allows it, else message by message. What is counted: ``docs/design.md``, "Messages and bytes".
 
 A cohort's pass dispatches a fixed number of tensor ops and host reads for any cohort: the
 residuals, replicas and references are read and written as ``[m, d]`` stacks (one gather and
@@ -21,7 +20,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -30,8 +30,8 @@ import torch
 from fedexp import streams
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import Codec, DenseCodec
-from fedexp.contract import Message, StackedUpdates, State, part_scale
-from fedexp.engine.clients.part_memory import PartKey, PartMemory
+from fedexp.contract import Message, Stacked, StackedUpdates, State, part_scale
+from fedexp.engine.clients.part_memory import PartMemory
 from fedexp.engine.round.ledger import ByteLedger
 from fedexp.transfer import to_device
 
@@ -51,16 +51,6 @@ def _part_key(name: str) -> tuple[int, ...]:
 
 def _exact(channel: Channel) -> bool:
     return channel.codec.lossless and not channel.transforms and not channel.error_feedback
-
-
-def _state_key(key: PartKey) -> str:
-    n, name = key
-    return f"{n}:{name}" if name else str(n)
-
-
-def _parse_key(text: str) -> PartKey:
-    n, _, name = text.partition(":")
-    return int(n), name
 
 
 def _stack_alike(msgs: Sequence[Message | None]) -> torch.Tensor | None:
@@ -97,27 +87,210 @@ def _row(stacked: torch.Tensor | dict[str, torch.Tensor], i: int) -> Message:
 
 
 class Transport:
-    """The engine's channels, residuals, replicas and ledger (a mixin of ``Engine``)."""
+    """A run's channels and what they remember: messages through them as bytes, counted.
 
-    ctx: Context
-    algorithm: Algorithm
-    uplink: Channel
-    downlink: Channel
-    seed: int
-    round: int
-    x0: torch.Tensor
-    ledger: ByteLedger
-    residual: dict[str, PartMemory]
-    replica: dict[str, PartMemory]
-    reference: dict[str, PartMemory]
-    _server0: State | None
+    Built once by the engine from the run's settings. What it holds is the channels' memories
+    per direction (``"up"``, ``"down"``): :attr:`residual` (error feedback), :attr:`replica`
+    (what a receiver holds of a "model" part) and :attr:`reference` (a sender's last message
+    of one), ``(client, part) -> tensor`` each (:class:`PartMemory`; a checkpoint saves and
+    restores them: ``fedexp.engine.round.checkpointing``). Every method that sends
+    takes the round (whose streams a randomised codec draws from) and the ledger its bytes are
+    counted in, and returns what the receivers decode.
+
+    Args:
+        ctx: the run's context (the learning rate that scales CER's γ; the device).
+        algorithm: its message parts' kinds and scales, and the downlinks of its initial
+            server state (what a receiver holds of a "model" part before the first message).
+        uplink: channel of client → server messages.
+        downlink: channel of server → client messages.
+        seed: root of the channels' streams.
+        x0: the common initial model.
+        num_clients: N.
+        store: the folder of the memories' files (``store=disk``); None: in memory.
+        share: ``(rank, P)``: a rank keeps its own clients' memories; None: every client's.
+    """
+
     #: the device types on which a cohort's payloads are written and decoded (honest bytes:
     #: the receiver decodes what was sent); on others each message's length is its codec's
     #: length formula (exact, checked against the payloads by the tests) and the receiver's
     #: value is computed from the sent one on the device
     encode_on: ClassVar[tuple[str, ...]] = ("cpu",)
 
-    def _transmit(self, direction: str, n: int, name: str, kind: str, msg: torch.Tensor):
+    def __init__(
+        self,
+        ctx: Context,
+        algorithm: Algorithm,
+        uplink: Channel,
+        downlink: Channel,
+        seed: int,
+        x0: torch.Tensor,
+        num_clients: int,
+        store: Path | None = None,
+        share: tuple[int, int] | None = None,
+    ) -> None:
+        self.ctx, self.algorithm, self.seed, self.x0 = ctx, algorithm, seed, x0
+        self.channels = {"up": uplink, "down": downlink}
+        self._num_clients, self._store, self._share = num_clients, store, share
+        #: the initial server state (derived, not checkpointed), built when a part needs it
+        self._server0: State | None = None
+        self.residual: dict[str, PartMemory] = {}
+        self.replica: dict[str, PartMemory] = {}
+        self.reference: dict[str, PartMemory] = {}
+        self.clear()
+
+    # ------------------------------------------------------------------ memories
+    def clear(self) -> None:
+        """The memories, empty: in memory, or files under ``store`` (``store=disk``)."""
+        for kind, memories in self.memories().items():
+            for d in ("up", "down"):
+                folder = None if self._store is None else self._store / f"{kind}-{d}"
+                memories[d] = PartMemory(self._num_clients, self.ctx.device, folder, self._share)
+
+    def memories(self) -> dict[str, dict[str, PartMemory]]:
+        """Each kind of memory by direction (``"residual"``, ``"replica"``, ``"reference"``)."""
+        return {"residual": self.residual, "replica": self.replica, "reference": self.reference}
+
+    # ------------------------------------------------------------------ a round's messages
+    def send_down(
+        self,
+        clients: list[int],
+        msgs: Mapping[int, Message | None],
+        round_: int,
+        ledger: ByteLedger,
+    ) -> Stacked | None:
+        """The round's downlink messages (``Algorithm.downlinks``) through their channel.
+
+        Returns them decoded, stacked ``[m, ...]`` in ``clients`` order (None: nothing sent);
+        bytes counted in ``ledger``. In one pass when it can (:meth:`send_cohort`; messages
+        made at once as a :class:`StackedUpdates` go as they are), else message by message.
+        """
+        if isinstance(msgs, StackedUpdates) and msgs.clients == clients:  # made at once
+            stacked = self.send_cohort("down", clients, msgs.stack, round_, ledger)
+            if stacked is not None:
+                return stacked
+        rows = [msgs[n] for n in clients]
+        stacked = self.send_cohort("down", clients, _stack_parts(rows), round_, ledger)
+        if stacked is not None or all(m is None for m in rows):
+            return stacked
+        name = type(self.algorithm).__name__
+        if any(m is None for m in rows):
+            raise ValueError(f"{name}: downlinks to some clients only")
+        sent = [
+            self.send("down", n, m, round_, ledger)[0] for n, m in zip(clients, rows, strict=True)
+        ]
+        decoded = _stack_parts(sent)
+        if decoded is None:
+            raise ValueError(f"{name}: downlinks of different shapes")
+        return decoded
+
+    def send_up(
+        self, senders: list[int], uploads: Stacked | None, round_: int, ledger: ByteLedger
+    ) -> tuple[Mapping[int, Message], dict[str, float]]:
+        """The senders' stacked uploads through their channel; bytes counted in ``ledger``.
+
+        Returns (decoded uploads, the channel's metrics summed over the messages: CER's).
+        """
+        sums: dict[str, float] = {}
+        updates: dict[int, Message] = {}
+        if uploads is None or not senders:
+            return updates, sums
+        received = self.send_cohort("up", senders, uploads, round_, ledger, sums)
+        if received is not None:  # a stack (of each named part)
+            return StackedUpdates(senders, received), sums
+        for i, n in enumerate(senders):  # message by message (transforms: CER)
+            updates[n], metrics = self.send("up", n, _row(uploads, i), round_, ledger)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+        if isinstance(uploads, torch.Tensor):  # the server reads a stack either way
+            return StackedUpdates(senders, torch.stack([updates[n] for n in senders])), sums
+        return updates, sums
+
+    def send(
+        self, direction: str, n: int, msg: Message, round_: int, ledger: ByteLedger
+    ) -> tuple[Message, dict[str, float]]:
+        """Every part of one message (a tensor, or a dict of named parts) through its channel.
+
+        Returns (what the receiver decodes, the channel's metrics); bytes counted in ``ledger``.
+        """
+        kinds = self.algorithm.uplink_parts if direction == "up" else self.algorithm.downlink_parts
+        default = "update" if direction == "up" else "model"
+        if isinstance(msg, torch.Tensor):
+            return self._transmit(direction, n, "", kinds.get("", default), msg, round_, ledger)
+        out, metrics = {}, {}
+        for name in sorted(msg):
+            kind = kinds.get(name, default)
+            out[name], m = self._transmit(direction, n, name, kind, msg[name], round_, ledger)
+            metrics.update(m)
+        return out, metrics
+
+    def send_cohort(
+        self,
+        direction: str,
+        clients: list[int],
+        stacked: torch.Tensor | dict[str, torch.Tensor] | None,
+        round_: int,
+        ledger: ByteLedger,
+        metrics: dict[str, float] | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """Every client's message through its channel in one pass, part by part.
+
+        ``stacked``: the clients' messages ``[m, ...]`` in client order, or for messages with
+        named parts a dict of such stacks (:func:`_stack_parts`). Returns the decoded messages
+        in the same form, or None, with nothing sent, when some part cannot go in one pass
+        (the per-client :meth:`send` then runs): a part is empty, or the channel's
+        transforms report metrics (CER's) on the uplink and no ``metrics`` dict is given to
+        add them to. ``metrics``: the transforms' metrics are added to it, summed over the
+        messages as the caller of :meth:`send` sums them (a message's value of a metric is
+        that of its last part reporting it).
+
+        A part sent exactly as dense float32 is, on the CPU, encoded and decoded as one block
+        (each client's message is its 4·numel bytes of it); on an accelerator its bytes are
+        counted from the sizes (dense float32 has no header: 4 bytes an entry) and it stays on
+        the device. Anything else goes through :meth:`_transmit_cohort`, or, a model sent as
+        it is through a lossless codec, :meth:`_deliver`. Parts of different names are
+        independent (their own residuals, replicas and streams), so part by part equals
+        client by client.
+        """
+        if stacked is None or not clients:
+            return None
+        parts = {"": stacked} if isinstance(stacked, torch.Tensor) else stacked
+        channel = self.channels[direction]
+        kinds = self.algorithm.uplink_parts if direction == "up" else self.algorithm.downlink_parts
+        default = "update" if direction == "up" else "model"
+        plan = {}
+        for name, stack in parts.items():
+            kind = kinds.get(name, default)
+            dense = kind == "exact" or (type(channel.codec) is DenseCodec and _exact(channel))
+            if math.prod(stack.shape[1:]) == 0:
+                return None
+            coded = not dense and not (kind == "model" and _exact(channel))
+            if coded and channel.transforms and direction == "up" and metrics is None:
+                return None  # the caller would lose the transforms' metrics
+            plan[name] = (kind, dense)
+        values: dict[str, torch.Tensor] = {}
+        out = {}
+        for name, stack in sorted(parts.items()):
+            part_values: dict[str, torch.Tensor] = {}
+            kind, dense = plan[name]
+            out[name] = self._send_part_cohort(
+                direction, clients, name, kind, dense, stack.detach(), round_, ledger, part_values
+            )
+            values.update(part_values)
+        if metrics is not None and values:
+            _add_sums(metrics, values)
+        return out[""] if isinstance(stacked, torch.Tensor) else out
+
+    # ------------------------------------------------------------------ one part
+    def _transmit(
+        self,
+        direction: str,
+        n: int,
+        name: str,
+        kind: str,
+        msg: torch.Tensor,
+        round_: int,
+        ledger: ByteLedger,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """One message part between client n and the server; returns (received, metrics).
 
         ``kind`` says what the part is (:data:`fedexp.algorithms.base.PART_KINDS`):
@@ -136,20 +309,158 @@ class Transport:
         A lossy part goes through :meth:`_transmit_cohort` as a cohort of one: a message sent
         alone is the one it is in any cohort (its stream, residual and bytes).
         """
-        channel = self.uplink if direction == "up" else self.downlink
+        channel = self.channels[direction]
         shape, flat = msg.shape, msg.detach().reshape(-1)
         numel, dev = flat.numel(), msg.device
         if kind == "exact" or (kind == "model" and _exact(channel)):
             codec = DenseCodec() if kind == "exact" else channel.codec
             payload = codec.encode(flat.to(torch.float32))
             received = codec.decode(payload, numel).to(dev)
-            self.ledger.add(direction, payload, numel, part=name, client=n)
+            ledger.add(direction, payload, numel, part=name, client=n)
             return received.reshape(shape).to(msg.dtype), {}
         values: dict[str, torch.Tensor] = {}
-        received = self._transmit_cohort(direction, [n], name, kind, channel, flat[None], values)
+        received = self._transmit_cohort(
+            direction, [n], name, kind, channel, flat[None], round_, ledger, values
+        )
         metrics = {k: float(v[0]) for k, v in values.items()}
         return received[0].reshape(shape).to(msg.dtype), metrics
 
+    def _send_part_cohort(
+        self,
+        direction: str,
+        clients: list[int],
+        name: str,
+        kind: str,
+        dense: bool,
+        stack: torch.Tensor,
+        round_: int,
+        ledger: ByteLedger,
+        metrics: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One part of every client's message in one pass (:meth:`send_cohort`).
+
+        ``metrics``: the transforms' per-message metrics go there (float64 ``[m]`` each).
+        """
+        m, shape = len(clients), stack.shape[1:]
+        numel = math.prod(shape)
+        channel = self.channels[direction]
+        same = m > 1 and stack.stride(0) == 0  # one message for all (the global model)
+        if not dense and kind == "model" and _exact(channel):  # the model itself, lossless
+            rows = stack.reshape(m, numel)[: 1 if same else m].to(torch.float32)
+            received = self._deliver(direction, name, channel.codec, rows, numel, clients, ledger)
+            return received.expand(m, numel).reshape(m, *shape).to(stack.dtype)
+        if not dense:
+            flat = stack.reshape(m, numel)
+            received = self._transmit_cohort(
+                direction, clients, name, kind, channel, flat, round_, ledger, metrics
+            )
+            return received.reshape(m, *shape).to(stack.dtype)
+        if stack.device.type in self.encode_on:
+            codec = DenseCodec()
+            rows = stack.reshape(m, numel)
+            if same:  # the same message: encode it once, count it m times
+                rows = rows[:1]
+            payloads = codec.encode_many(rows.to(torch.float32))  # the bytes on the wire
+            received = codec.decode_many(payloads, numel).reshape(-1, *shape)
+            received = received.expand(m, *shape).to(stack.dtype)
+        else:
+            received = stack.to(torch.float32).to(stack.dtype)
+        ledger.add_many(direction, m, 4 * numel, numel, part=name, clients=clients)
+        return received
+
+    def _deliver(
+        self,
+        direction: str,
+        name: str,
+        codec: Codec,
+        sent: torch.Tensor,
+        numel: int,
+        clients: list[int],
+        ledger: ByteLedger,
+    ) -> torch.Tensor:
+        """What the receivers decode of the coded messages ``sent`` ``[r, numel]``; bytes counted.
+
+        ``count`` = ``len(clients)`` messages cross the wire: one per row, or (``r`` = 1) the
+        one row to all ``count`` receivers (each client's bytes kept by the ledger with
+        ``per_client``). Where payloads are written (:attr:`encode_on`, or a codec without
+        a length formula) each message is counted at ``len(payload)``; elsewhere at its
+        codec's length formula (``Codec.sizes_many``, one read of the sizes) and the receivers'
+        value is ``Codec.received_many`` of ``sent``, on its device: no bit stream is written.
+        """
+        dev, count = sent.device, len(clients)
+        on_host = dev.type in self.encode_on
+        sizes = None if on_host else codec.sizes_many(sent)
+        if sizes is None:
+            payloads = codec.encode_many(sent)
+            counted = payloads.sizes.tolist()
+            if on_host:
+                received = codec.decode_many(payloads, numel).to(dev)
+            else:
+                received = codec.received_many(sent)
+        else:
+            counted = sizes.tolist()
+            received = codec.received_many(sent)
+        if sent.shape[0] == count:
+            ledger.add_sizes(direction, counted, numel, part=name, clients=clients)
+        else:
+            ledger.add_many(direction, count, int(counted[0]), numel, part=name, clients=clients)
+        return received
+
+    def _transmit_cohort(
+        self,
+        direction: str,
+        clients: list[int],
+        name: str,
+        kind: str,
+        channel: Channel,
+        flat: torch.Tensor,
+        round_: int,
+        ledger: ByteLedger,
+        metrics: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`_transmit` of every client's part ``name`` through a lossy channel at once.
+
+        The same messages, residuals, replicas and bytes as client by client (``update``:
+        error-feedback residuals stacked; ``model``: the change against each receiver's
+        reference), the transforms and the codec in one pass (``Channel.compress_many``),
+        bytes and decoding by :meth:`_deliver`. A fixed number of tensor ops for any cohort:
+        each memory is one ``[m, numel]`` gather and one scatter (:class:`PartMemory`), who
+        holds one is known on the host, a randomised codec draws from the clients' stream
+        keys (:meth:`_stream_keys`). Returns the decoded messages ``[m, numel]``;
+        ``metrics`` gets the transforms' per-message metrics.
+        """
+        m, numel = flat.shape
+        keys = None
+        if channel.codec.randomised:
+            keys = self._stream_keys(direction, clients, name, round_, flat.device)
+        # CER's γ acts on the gradient scale whatever the algorithm sends (Algorithm.update_scale,
+        # part by part where it declares parts of different scales: SCAFFOLD's Δy and Δc)
+        scale = self.ctx.lr if part_scale(self.algorithm.update_scale, name) == "step" else 1.0
+        codec = channel.codec
+        if kind == "update":
+            store = self.residual[direction]
+            res = None
+            if channel.error_feedback and store.has(clients, name).any():
+                res = store.stack(clients, name)
+            sent, new, values = channel.compress_many(flat, res, keys, scale)
+            if new is not None:
+                store.write_stack(clients, name, new)  # copied into the rows
+            received = self._deliver(direction, name, codec, sent, numel, clients, ledger)
+        else:
+            held = self._held(direction, clients, name, flat)
+            ref = held
+            if not channel.error_feedback:
+                ref = self._reference(direction, clients, name, held)
+            sent, _, values = channel.compress_many(flat - ref, None, keys, scale)
+            received = held + self._deliver(direction, name, codec, sent, numel, clients, ledger)
+            self.replica[direction].write_stack(clients, name, received)
+            if not channel.error_feedback:
+                self.reference[direction].write_stack(clients, name, flat)
+        if metrics is not None:
+            metrics.update(values)
+        return received
+
+    # ------------------------------------------------------------------ what the receivers hold
     def _initial_part(self, direction: str, n: int, name: str, like: torch.Tensor) -> torch.Tensor:
         """What the receiver holds of a "model" part before the first message.
 
@@ -194,202 +505,6 @@ class Transport:
             return self.x0.expand(f, numel)
         return torch.zeros((1, numel), dtype=flat.dtype, device=flat.device).expand(f, numel)
 
-    def _send(self, direction: str, n: int, msg: Message) -> tuple[Message, dict[str, float]]:
-        """Every part of a message (a tensor, or a dict of named parts) through its channel."""
-        kinds = self.algorithm.uplink_parts if direction == "up" else self.algorithm.downlink_parts
-        default = "update" if direction == "up" else "model"
-        if isinstance(msg, torch.Tensor):
-            return self._transmit(direction, n, "", kinds.get("", default), msg)
-        out, metrics = {}, {}
-        for name in sorted(msg):
-            out[name], m = self._transmit(direction, n, name, kinds.get(name, default), msg[name])
-            metrics.update(m)
-        return out, metrics
-
-    def _send_cohort(
-        self,
-        direction: str,
-        clients: list[int],
-        stacked: torch.Tensor | dict[str, torch.Tensor] | None,
-        metrics: dict[str, float] | None = None,
-    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
-        """Every client's message through its channel in one pass, part by part.
-
-        ``stacked``: the clients' messages ``[m, ...]`` in client order, or for messages with
-        named parts a dict of such stacks (:func:`_stack_parts`). Returns the decoded messages
-        in the same form, or None, with nothing sent, when some part cannot go in one pass
-        (the per-client :meth:`_send` then runs): a part is empty, or the channel's
-        transforms report metrics (CER's) on the uplink and no ``metrics`` dict is given to
-        add them to. ``metrics``: the transforms' metrics are added to it, summed over the
-        messages as the caller of :meth:`_send` sums them (a message's value of a metric is
-        that of its last part reporting it).
-
-        A part sent exactly as dense float32 is, on the CPU, encoded and decoded as one block
-        (each client's message is its 4·numel bytes of it); on an accelerator its bytes are
-        counted from the sizes (dense float32 has no header: 4 bytes an entry) and it stays on
-        the device. Anything else goes through :meth:`_transmit_cohort`, or, a model sent as
-        it is through a lossless codec, :meth:`_deliver`. Parts of different names are
-        independent (their own residuals, replicas and streams), so part by part equals
-        client by client.
-        """
-        if stacked is None or not clients:
-            return None
-        parts = {"": stacked} if isinstance(stacked, torch.Tensor) else stacked
-        channel = self.uplink if direction == "up" else self.downlink
-        kinds = self.algorithm.uplink_parts if direction == "up" else self.algorithm.downlink_parts
-        default = "update" if direction == "up" else "model"
-        plan = {}
-        for name, stack in parts.items():
-            kind = kinds.get(name, default)
-            dense = kind == "exact" or (type(channel.codec) is DenseCodec and _exact(channel))
-            if math.prod(stack.shape[1:]) == 0:
-                return None
-            coded = not dense and not (kind == "model" and _exact(channel))
-            if coded and channel.transforms and direction == "up" and metrics is None:
-                return None  # the caller would lose the transforms' metrics
-            plan[name] = (kind, dense)
-        values: dict[str, torch.Tensor] = {}
-        out = {}
-        for name, stack in sorted(parts.items()):
-            part_values: dict[str, torch.Tensor] = {}
-            kind, dense = plan[name]
-            out[name] = self._send_part_cohort(
-                direction, clients, name, kind, dense, stack.detach(), part_values
-            )
-            values.update(part_values)
-        if metrics is not None and values:
-            _add_sums(metrics, values)
-        return out[""] if isinstance(stacked, torch.Tensor) else out
-
-    def _send_part_cohort(
-        self,
-        direction: str,
-        clients: list[int],
-        name: str,
-        kind: str,
-        dense: bool,
-        stack: torch.Tensor,
-        metrics: dict[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """One part of every client's message in one pass (:meth:`_send_cohort`).
-
-        ``metrics``: the transforms' per-message metrics go there (float64 ``[m]`` each).
-        """
-        m, shape = len(clients), stack.shape[1:]
-        numel = math.prod(shape)
-        channel = self.uplink if direction == "up" else self.downlink
-        same = m > 1 and stack.stride(0) == 0  # one message for all (the global model)
-        if not dense and kind == "model" and _exact(channel):  # the model itself, lossless
-            rows = stack.reshape(m, numel)[: 1 if same else m].to(torch.float32)
-            received = self._deliver(direction, name, channel.codec, rows, numel, clients)
-            return received.expand(m, numel).reshape(m, *shape).to(stack.dtype)
-        if not dense:
-            flat = stack.reshape(m, numel)
-            received = self._transmit_cohort(direction, clients, name, kind, channel, flat, metrics)
-            return received.reshape(m, *shape).to(stack.dtype)
-        if stack.device.type in self.encode_on:
-            codec = DenseCodec()
-            rows = stack.reshape(m, numel)
-            if same:  # the same message: encode it once, count it m times
-                rows = rows[:1]
-            payloads = codec.encode_many(rows.to(torch.float32))  # the bytes on the wire
-            received = codec.decode_many(payloads, numel).reshape(-1, *shape)
-            received = received.expand(m, *shape).to(stack.dtype)
-        else:
-            received = stack.to(torch.float32).to(stack.dtype)
-        self.ledger.add_many(direction, m, 4 * numel, numel, part=name, clients=clients)
-        return received
-
-    def _deliver(
-        self,
-        direction: str,
-        name: str,
-        codec: Codec,
-        sent: torch.Tensor,
-        numel: int,
-        clients: list[int],
-    ) -> torch.Tensor:
-        """What the receivers decode of the coded messages ``sent`` ``[r, numel]``; bytes counted.
-
-        ``count`` = ``len(clients)`` messages cross the wire: one per row, or (``r`` = 1) the
-        one row to all ``count`` receivers (each client's bytes kept by the ledger with
-        ``per_client``). Where payloads are written (:attr:`encode_on`, or a codec without
-        a length formula) each message is counted at ``len(payload)``; elsewhere at its
-        codec's length formula (``Codec.sizes_many``, one read of the sizes) and the receivers'
-        value is ``Codec.received_many`` of ``sent``, on its device: no bit stream is written.
-        """
-        dev, count = sent.device, len(clients)
-        on_host = dev.type in self.encode_on
-        sizes = None if on_host else codec.sizes_many(sent)
-        if sizes is None:
-            payloads = codec.encode_many(sent)
-            counted = payloads.sizes.tolist()
-            if on_host:
-                received = codec.decode_many(payloads, numel).to(dev)
-            else:
-                received = codec.received_many(sent)
-        else:
-            counted = sizes.tolist()
-            received = codec.received_many(sent)
-        if sent.shape[0] == count:
-            self.ledger.add_sizes(direction, counted, numel, part=name, clients=clients)
-        else:
-            self.ledger.add_many(
-                direction, count, int(counted[0]), numel, part=name, clients=clients
-            )
-        return received
-
-    def _transmit_cohort(
-        self,
-        direction: str,
-        clients: list[int],
-        name: str,
-        kind: str,
-        channel: Channel,
-        flat: torch.Tensor,
-        metrics: dict[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """:meth:`_transmit` of every client's part ``name`` through a lossy channel at once.
-
-        The same messages, residuals, replicas and bytes as client by client (``update``:
-        error-feedback residuals stacked; ``model``: the change against each receiver's
-        reference), the transforms and the codec in one pass (``Channel.compress_many``),
-        bytes and decoding by :meth:`_deliver`. A fixed number of tensor ops for any cohort:
-        each memory is one ``[m, numel]`` gather and one scatter (:class:`PartMemory`), who
-        holds one is known on the host, a randomised codec draws from the clients' stream
-        keys (:meth:`_stream_keys`). Returns the decoded messages ``[m, numel]``;
-        ``metrics`` gets the transforms' per-message metrics.
-        """
-        m, numel = flat.shape
-        keys = None
-        if channel.codec.randomised:
-            keys = self._stream_keys(direction, clients, name, flat.device)
-        # CER's γ acts on the gradient scale whatever the algorithm sends (Algorithm.update_scale,
-        # part by part where it declares parts of different scales: SCAFFOLD's Δy and Δc)
-        scale = self.ctx.lr if part_scale(self.algorithm.update_scale, name) == "step" else 1.0
-        if kind == "update":
-            store = self.residual[direction]
-            res = None
-            if channel.error_feedback and store.has(clients, name).any():
-                res = store.stack(clients, name)
-            sent, new, values = channel.compress_many(flat, res, keys, scale)
-            if new is not None:
-                store.write_stack(clients, name, new)  # copied into the rows
-            received = self._deliver(direction, name, channel.codec, sent, numel, clients)
-        else:
-            held = self._held(direction, clients, name, flat)
-            ref = held
-            if not channel.error_feedback:
-                ref = self._reference(direction, clients, name, held)
-            sent, _, values = channel.compress_many(flat - ref, None, keys, scale)
-            received = held + self._deliver(direction, name, channel.codec, sent, numel, clients)
-            self.replica[direction].write_stack(clients, name, received)
-            if not channel.error_feedback:
-                self.reference[direction].write_stack(clients, name, flat)
-        if metrics is not None:
-            metrics.update(values)
-        return received
-
     def _held(
         self, direction: str, clients: list[int], name: str, flat: torch.Tensor
     ) -> torch.Tensor:
@@ -421,7 +536,7 @@ class Transport:
         return torch.where(mask, stack, held)
 
     def _stream_keys(
-        self, direction: str, clients: list[int], name: str, device: torch.device
+        self, direction: str, clients: list[int], name: str, round_: int, device: torch.device
     ) -> torch.Tensor:
         """The clients' (seed, channel, round, client[, part]) stream keys, int64 ``[m]``.
 
@@ -430,7 +545,7 @@ class Transport:
         """
         purpose = _UPLINK if direction == "up" else _DOWNLINK
         ids = to_device(clients, device, torch.int64)
-        keys = streams.stream_keys(self.seed, purpose, self.round, ids)
+        keys = streams.stream_keys(self.seed, purpose, round_, ids)
         for part in _part_key(name):
             keys = streams.mix64(keys ^ part) & _MASK63
         return keys

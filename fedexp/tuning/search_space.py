@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 #: fedexp's config folder, whose ``hparams_search`` and ``experiment`` files are read.
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 #: Optuna's two directions. fedexp's objective is one number, so a sweep takes one.
 DIRECTIONS = ("minimize", "maximize")

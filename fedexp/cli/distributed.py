@@ -409,14 +409,14 @@ def _follow(cfg: DictConfig, hc: DictConfig, place: Place, single: bool) -> bool
 
     A refused setting is rank 0's to name (every rank has the same); a collective that fails
     because another rank left says so in one line, not a traceback: once a node, with the
-    command that resumes the run (:func:`fedexp.cli_group_lost.lost_line`).
+    command that resumes the run (:func:`fedexp.cli.group_lost.lost_line`).
 
     Returns:
         Whether the run finished (a failed sweep job's task returns; a single run exits).
     """
     from omegaconf import open_dict
 
-    from fedexp.cli_group_lost import lost_line
+    from fedexp.cli.group_lost import lost_line
     from fedexp.engine.processes.launch import GroupLost
     from fedexp.engine.processes.ranks import peer_left
     from fedexp.engine.runner import run
@@ -461,7 +461,7 @@ def _lead(
     single: bool,
 ) -> float:
     """Rank 0: ``job``; a process of the group that left is one line (``lost_line``)."""
-    from fedexp.cli_group_lost import lost_line
+    from fedexp.cli.group_lost import lost_line
     from fedexp.engine.processes.launch import GroupLost
 
     try:

@@ -2,7 +2,7 @@
 
 A node that dies (or a rank of it) makes the other ranks' collectives fail
 (:class:`~fedexp.engine.processes.launch.GroupLost`); each surviving node then prints one line
-(:func:`fedexp.cli_distributed.say_once`) that says where the run was and the command that
+(:func:`fedexp.cli.distributed.say_once`) that says where the run was and the command that
 resumes it: the node's own torchrun command, read from its agent's command line, with the
 run's overrides and ``resume=`` the kept checkpoints.
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from fedexp.cli_distributed import Place
+    from fedexp.cli.distributed import Place
     from fedexp.errors import Terminated
 
 
@@ -97,7 +97,7 @@ def lost_line(exc: Exception, cfg: DictConfig, overrides: Sequence[str], place: 
     """
     from omegaconf import OmegaConf
 
-    from fedexp.cli_output import describe_stop
+    from fedexp.cli.output import describe_stop
     from fedexp.errors import RankDied
 
     where = str(getattr(exc, "where", "")).strip()

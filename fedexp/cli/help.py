@@ -19,7 +19,7 @@ from typing import Any
 
 from fedexp.config.schema import RunConfig
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 _INTRO = (
     "fedexp: federated-learning experiments (personalised FL, communication compression) "

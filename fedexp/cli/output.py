@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 #: Clients the end-of-run table lists (the rest are in clients.csv).
 SHOWN_CLIENTS = 50
 
-#: The configs ``fedexp run`` composes (``fedexp.cli.CONFIG_DIR``).
-_CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+#: The configs ``fedexp run`` composes (``fedexp.cli.overrides.CONFIG_DIR``).
+_CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 #: The evaluation views beside a client's own model (``fedexp.engine.round.views``)

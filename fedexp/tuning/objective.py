@@ -13,7 +13,7 @@ configs install, turns such a job into a failed Hydra job, which the sweeper rec
 failed trial before going on.
 
 A search space the Optuna sweeper would refuse is caught before Hydra runs by
-:func:`fedexp.search_space.search_space_errors`.
+:func:`fedexp.tuning.search_space.search_space_errors`.
 
 The same callback, in the process that runs the study, writes Optuna's log lines without
 colour codes where stderr is no terminal (a log file, a pipe: :func:`plain_optuna_logs`), and
