@@ -31,7 +31,7 @@ import SimpleITK as sitk
 from data_prep import luna16 as luna_prep
 from data_prep import synthetic
 from data_prep import synthetic_images as images
-from data_prep.luna16 import load_volume
+from data_prep.luna16.volumes import load_volume
 from data_prep.mhd import mhd_problem
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset

@@ -11,7 +11,10 @@ import pandas as pd
 import pytest
 
 from data_prep import brats, synthetic
-from data_prep.brats import BratsOptions
+from data_prep.brats import BratsOptions, conversion
+from data_prep.brats.patches import n_negatives
+from data_prep.synthetic.brats import write_msd_study
+from data_prep.synthetic.mri import MRI_AFFINE, make_mri
 
 
 def _load(out: Path) -> tuple[np.ndarray, np.ndarray, pd.DataFrame, dict]:
@@ -74,7 +77,7 @@ def test_output_format_and_regions(tmp_path: Path, mri_studies: list) -> None:
 
 @pytest.mark.parametrize("axcodes", [("L", "P", "S"), ("A", "L", "I"), ("S", "R", "P")])
 def test_orientation_is_canonicalised(tmp_path: Path, axcodes: tuple[str, str, str]) -> None:
-    study = synthetic.make_mri(0, np.random.default_rng(8), centre=(30, 47, 11))
+    study = make_mri(0, np.random.default_rng(8), centre=(30, 47, 11))
     synthetic.write_brats(tmp_path / "ras", "msd", studies=[study], axcodes=("R", "A", "S"))
     synthetic.write_brats(tmp_path / "odd", "msd", studies=[study], axcodes=axcodes)
     header = nib.load(tmp_path / "odd" / "imagesTr" / f"{study.msd_name}.nii.gz")
@@ -99,7 +102,7 @@ def test_orientation_is_canonicalised(tmp_path: Path, axcodes: tuple[str, str, s
 
 
 def test_tumour_near_edge_gives_padded_patch(tmp_path: Path) -> None:
-    study = synthetic.make_mri(0, np.random.default_rng(1), centre=(12, 40, 12))
+    study = make_mri(0, np.random.default_rng(1), centre=(12, 40, 12))
     synthetic.write_brats(tmp_path / "raw", "brats2017", studies=[study])
     brats.convert(tmp_path / "raw", tmp_path / "out", BratsOptions(negative_share=0.0))
     images, masks, manifest, _ = _load(tmp_path / "out")
@@ -116,7 +119,7 @@ def test_negative_share(tmp_path: Path, mri_studies: list, share: float) -> None
     _, masks, manifest, _ = _load(tmp_path / "out")
     for _, rows in manifest.groupby("patient"):
         n_tumour = int(rows["has_tumour"].sum())
-        assert len(rows) - n_tumour == brats.n_negatives(n_tumour, share)
+        assert len(rows) - n_tumour == n_negatives(n_tumour, share)
     negatives = manifest["has_tumour"].to_numpy() == 0
     assert not masks[negatives].any() and masks[~negatives].any(axis=(1, 2)).all()
     assert summary["n_negative"] == int(negatives.sum())
@@ -149,7 +152,7 @@ def test_msd_missing_label_and_bad_shape(tmp_path: Path, mri_studies: list) -> N
     root = tmp_path / "raw"
     synthetic.write_brats(root, "msd", studies=mri_studies)
     (root / "labelsTr" / f"{mri_studies[0].msd_name}.nii.gz").unlink()
-    image_3d = nib.Nifti1Image(np.zeros((80, 80, 24), np.float32), synthetic.MRI_AFFINE)
+    image_3d = nib.Nifti1Image(np.zeros((80, 80, 24), np.float32), MRI_AFFINE)
     nib.save(image_3d, root / "imagesTr" / f"{mri_studies[1].msd_name}.nii.gz")
     (root / "imagesTr" / f"._{mri_studies[2].msd_name}.nii.gz").write_bytes(b"macOS junk")
     summary = brats.convert(root, tmp_path / "out")
@@ -171,7 +174,7 @@ def test_msd_channel_order_from_dataset_json(tmp_path: Path, mri_studies: list) 
             study.affine,
             study.centre,
         )
-        synthetic.write_msd_study(root, permuted)
+        write_msd_study(root, permuted)
     names = ["FLAIR", "T1w", "t1gd", "T2w"]
     meta = {"modality": {str(c): names[m] for c, m in enumerate(order)}}
     (root / "dataset.json").write_text(json.dumps(meta))
@@ -193,7 +196,7 @@ def test_resume_skips_converted_patients(
     def fail(*args: object) -> None:
         raise AssertionError("re-read a converted patient")
 
-    monkeypatch.setattr(brats, "load_case", fail)
+    monkeypatch.setattr(conversion, "load_case", fail)
     second = brats.convert(root, out)
     assert first["studies_converted"] == 3 and second["studies_converted"] == 0
     assert second["studies_reused"] == 3

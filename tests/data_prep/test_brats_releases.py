@@ -18,6 +18,8 @@ import pytest
 
 from data_prep import brats, luna16, synthetic
 from data_prep.brats import BratsOptions
+from data_prep.synthetic.brats import to_2023_labels
+from data_prep.synthetic.mri import make_mri
 from fedexp.data import partitions as P
 from fedexp.data.imaging import brats as load_brats
 from fedexp.data.imaging import luna16 as load_luna16
@@ -134,7 +136,7 @@ def test_brats2023_enhancing_label_3_gives_the_regions_of_label_4(
     manifest = pd.read_csv(tmp_path / "out" / "manifest.csv")
     for study in studies:
         rows = manifest.index[manifest["patient"] == study.release_name("brats2023")]
-        seg23 = synthetic.to_2023_labels(study.seg)
+        seg23 = to_2023_labels(study.seg)
         expected = [(seg23 > 0).sum(), np.isin(seg23, [1, 3]).sum(), (seg23 == 3).sum()]
         assert masks[rows].sum(axis=(0, 2, 3)).tolist() == expected
 
@@ -144,7 +146,7 @@ def test_brats2020_case_355_odd_seg_name_and_csv_tables(
 ) -> None:
     """The Kaggle copy: two folders deep, uncompressed ``.nii``, case 355's odd seg name."""
     rng = np.random.default_rng(2)
-    cases = [synthetic.make_mri(i, rng, SHAPE) for i in (0, 354)]
+    cases = [make_mri(i, rng, SHAPE) for i in (0, 354)]
     data = tmp_path / "archive" / "BraTS2020_TrainingData" / "MICCAI_BraTS2020_TrainingData"
     synthetic.write_brats(data, "brats2020", studies=cases, suffix=".nii")
     odd = data / "BraTS20_Training_355" / "W39_1998.09.19_Segm.nii"
@@ -181,9 +183,7 @@ def test_explicit_release_names_and_a_foreign_label(
     # a 2023-style label 3 in a 2021 layout is not silently read as label 1 or 4
     seg = tmp_path / "fets" / "FeTS2022_00000" / "FeTS2022_00000_seg.nii.gz"
     image = nib.load(seg)
-    nib.save(
-        nib.Nifti1Image(synthetic.to_2023_labels(np.asarray(image.dataobj)), image.affine), seg
-    )
+    nib.save(nib.Nifti1Image(to_2023_labels(np.asarray(image.dataobj)), image.affine), seg)
     code, err = _run(["--root", str(tmp_path / "fets"), "--out", str(tmp_path / "o3")], capsys)
     line = _error_line(err)
     assert code == 1 and str(seg) in line

@@ -11,7 +11,10 @@ import pytest
 import SimpleITK as sitk
 
 from data_prep import luna16, synthetic
-from data_prep.luna16 import LunaOptions
+from data_prep.luna16 import LunaOptions, patches
+from data_prep.luna16.patches import scale_hu
+from data_prep.luna16.volumes import world_to_voxel
+from data_prep.synthetic.luna16 import LUNA_SIZE_XYZ
 
 
 def _load(out: Path) -> tuple[np.ndarray, np.ndarray, pd.DataFrame, dict]:
@@ -53,7 +56,7 @@ def test_world_to_voxel_matches_simpleitk(tmp_path: Path) -> None:
     image = sitk.ReadImage(str(studies[0].path))
     points = np.random.default_rng(0).uniform(-200, -100, size=(5, 3))
     expected = [image.TransformPhysicalPointToContinuousIndex(tuple(p)) for p in points]
-    np.testing.assert_allclose(luna16.world_to_voxel(image, points), expected, atol=1e-6)
+    np.testing.assert_allclose(world_to_voxel(image, points), expected, atol=1e-6)
 
 
 def test_outputs_have_documented_format(luna_root: tuple[Path, list], tmp_path: Path) -> None:
@@ -80,7 +83,7 @@ def test_outputs_have_documented_format(luna_root: tuple[Path, list], tmp_path: 
 
 def test_hu_window_scaling() -> None:
     hu = np.array([-2000, -1000, -300, 400, 3000], np.int16)
-    np.testing.assert_allclose(luna16.scale_hu(hu, (-1000, 400)), [0, 0, 0.5, 1, 1], atol=1e-6)
+    np.testing.assert_allclose(scale_hu(hu, (-1000, 400)), [0, 0, 0.5, 1, 1], atol=1e-6)
 
 
 def test_border_candidate_is_padded(luna_root: tuple[Path, list], tmp_path: Path) -> None:
@@ -93,7 +96,7 @@ def test_border_candidate_is_padded(luna_root: tuple[Path, list], tmp_path: Path
         row = rows.iloc[0]
         patch = images[rows.index[0], 0]
         assert patch.shape == (32, 32)
-        size_x, size_y = synthetic.LUNA_SIZE_XYZ[:2]
+        size_x, size_y = LUNA_SIZE_XYZ[:2]
         cols = row["voxel_x"] - 16 + np.arange(32)
         rws = row["voxel_y"] - 16 + np.arange(32)
         outside = (rws[:, None] < 0) | (rws[:, None] >= size_y)
@@ -172,7 +175,7 @@ def test_resume_skips_converted_studies(
     def fail(path: Path) -> None:
         raise AssertionError(f"re-read {path}")
 
-    monkeypatch.setattr(luna16, "load_volume", fail)
+    monkeypatch.setattr(patches, "load_volume", fail)
     second = luna16.convert(root, out, LunaOptions(delta=2))
     assert first["studies_converted"] == len(studies) and second["studies_converted"] == 0
     assert second["studies_reused"] == len(studies) and second["n_skipped"] == 0

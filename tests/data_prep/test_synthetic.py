@@ -12,6 +12,9 @@ import pytest
 import SimpleITK as sitk
 
 from data_prep import synthetic
+from data_prep.synthetic.brats import BRATS_MODALITIES, to_msd_labels
+from data_prep.synthetic.luna16 import LUNA_SIZE_XYZ, direction_matrix
+from data_prep.synthetic.mri import MRI_SHAPE
 
 
 def test_luna16_layout_and_geometry(tmp_path: Path) -> None:
@@ -29,7 +32,7 @@ def test_luna16_layout_and_geometry(tmp_path: Path) -> None:
         header = study.path.read_text()
         assert "ElementDataFile = " + study.path.with_suffix(".raw").name in header
         image = sitk.ReadImage(str(study.path))
-        assert image.GetSize() == synthetic.LUNA_SIZE_XYZ
+        assert image.GetSize() == LUNA_SIZE_XYZ
         assert len(set(image.GetSpacing())) == 3 and np.abs(image.GetOrigin()).min() > 100
         assert not np.allclose(np.reshape(image.GetDirection(), (3, 3)), np.eye(3))
         volume = sitk.GetArrayFromImage(image)  # (z, y, x)
@@ -47,7 +50,7 @@ def test_luna16_layout_and_geometry(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["identity", "flipped", "permuted", "oblique"])
 def test_direction_matrices_are_orthonormal(kind: str) -> None:
-    matrix = synthetic.direction_matrix(kind)
+    matrix = direction_matrix(kind)
     np.testing.assert_allclose(matrix @ matrix.T, np.eye(3), atol=1e-12)
 
 
@@ -83,7 +86,7 @@ def test_brats_layouts_hold_the_same_study(tmp_path: Path) -> None:
     for study in studies:
         assert set(np.unique(study.seg)) == {0, 1, 2, 4}
         folder = tmp_path / "b17" / study.grade / study.brats_name
-        for channel, modality in enumerate(synthetic.BRATS_MODALITIES):
+        for channel, modality in enumerate(BRATS_MODALITIES):
             image = nib.load(folder / f"{study.brats_name}_{modality}.nii.gz")
             assert nib.aff2axcodes(image.affine) == ("L", "P", "S")
             canonical = nib.as_closest_canonical(image).get_fdata()
@@ -92,10 +95,10 @@ def test_brats_layouts_hold_the_same_study(tmp_path: Path) -> None:
         np.testing.assert_array_equal(seg.get_fdata(), study.seg)
         np.testing.assert_allclose(seg.affine, study.affine, atol=1e-4)
         msd = nib.load(tmp_path / "msd" / "imagesTr" / f"{study.msd_name}.nii.gz")
-        assert msd.shape == (*synthetic.MRI_SHAPE, 4)
+        assert msd.shape == (*MRI_SHAPE, 4)
         np.testing.assert_array_equal(msd.get_fdata(), study.images)
         labels = nib.load(tmp_path / "msd" / "labelsTr" / f"{study.msd_name}.nii.gz").get_fdata()
-        np.testing.assert_array_equal(labels, synthetic.to_msd_labels(study.seg))
+        np.testing.assert_array_equal(labels, to_msd_labels(study.seg))
         assert set(np.unique(labels)) == {0, 1, 2, 3}
 
 

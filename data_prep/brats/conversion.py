@@ -1,0 +1,193 @@
+"""The whole conversion of a BraTS release into the output folder.
+
+Options, every patient converted or reused from the resume cache (``OUT/studies/``), then the
+output files written (:mod:`data_prep.brats.outputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from data_prep.brats.layouts import Case, detect_layout, find_cases, msd_channel_order
+from data_prep.brats.outputs import OUTPUT_NAMES, make_manifest, run_summary, write_outputs
+from data_prep.brats.patches import PATCH, patient_crop, patient_patches
+from data_prep.brats.sites import check_sites, find_sites_file, read_sites, site_summary
+from data_prep.brats.volumes import load_case
+from data_prep.common import (
+    RunLog,
+    StudyCache,
+    StudyError,
+    cleanup_partials,
+    console_for,
+    geometry_params,
+    id_problem,
+    nothing_usable,
+    one_line,
+    prepare_out,
+    progress_bar,
+    require_dir,
+    resolve_geometry,
+    write_json,
+    write_skipped,
+)
+from data_prep.sizes import check_brats, check_room
+
+
+@dataclass(frozen=True)
+class BratsOptions:
+    """Conversion options.
+
+    Attributes:
+        layout: ``auto``, one of :data:`~data_prep.brats.layouts.LAYOUTS` or of
+            :data:`~data_prep.brats.layouts.LAYOUT_ALIASES`.
+        labels: ``whole`` (binary whole-tumour mask) or ``regions`` (WT, TC, ET channels).
+        sites: FeTS partitioning CSV (``Subject_ID,Partition_ID``) giving each patient's site;
+            a relative path is tried against the current folder, ``--root`` and the layout
+            folder. ``None`` records no site.
+        negative_share: Target share of tumour-free patches among a patient's patches (2-D
+            only: a 3-D run cuts one crop per patient).
+        seed: Seed of the tumour-free slice draw (2-D only).
+        quiet: Suppress the progress bar and messages.
+        dims: 2 for axial slice patches, 3 for one crop per patient.
+        patch: Side length in voxels (even, >= 8); ``None`` means :data:`PATCH`.
+    """
+
+    layout: str = "auto"
+    labels: str = "whole"
+    sites: Path | None = None
+    negative_share: float = 0.2
+    seed: int = 0
+    quiet: bool = True
+    dims: int = 2
+    patch: int | None = None
+
+
+def _process_cases(
+    cases: list[Case],
+    msd_order: Sequence[int],
+    cache: StudyCache,
+    options: BratsOptions,
+    log: RunLog,
+    console: Console,
+    geometry: tuple[int, int] = (2, PATCH),
+) -> list[tuple[Case, int]]:
+    """Convert (or reuse) every patient; return the usable ones with their patch counts.
+
+    ``geometry`` is ``(dims, patch side)``: 2-D slice patches or one 3-D crop per patient.
+    """
+    dims, patch = geometry
+    done: list[tuple[Case, int]] = []
+    with progress_bar(console) as progress:
+        task = progress.add_task("BraTS patients", total=len(cases))
+        for case in cases:
+            problem = id_problem(case.patient)
+            if problem is not None:
+                log.skip(case.location, f"bad patient id: {problem}", console)
+                progress.advance(task)
+                continue
+            result = cache.load(case.patient, case.stamp, keys=("slice",))
+            if result is None:
+                try:
+                    images, labels = load_case(case, msd_order)
+                    if dims == 3:
+                        result = patient_crop(images, labels, patch)
+                    else:
+                        share, seed = options.negative_share, options.seed
+                        result = patient_patches(images, labels, share, seed, patch)
+                except StudyError as exc:
+                    log.skip(exc.path, exc.reason, console)
+                except Exception as exc:  # one bad patient must not stop the run
+                    log.skip(case.location, one_line(exc), console)
+                if result is None:
+                    progress.advance(task)
+                    continue
+                cache.save(case.patient, result, case.stamp)
+                log.converted += 1
+            else:
+                log.reused += 1
+            done.append((case, len(result["slice"])))
+            progress.advance(task)
+    return done
+
+
+def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[str, Any]:
+    """Convert a BraTS 2017-2023, FeTS 2022 or MSD Task01 release into patches and masks.
+
+    Patients already converted with the same options (``OUT/studies/<patient>.npz``) are
+    reused, so an interrupted run can simply be restarted. ``--labels`` and ``--sites`` do not
+    enter the cache: each patient stores all three regions, and sites only go to the
+    manifest.
+
+    Args:
+        root: Raw release folder.
+        out: Output folder (created; must not be inside ``root``).
+        options: Conversion options.
+
+    Returns:
+        The summary written to ``OUT/summary.json``.
+
+    Raises:
+        SystemExit: If ``root`` is missing or holds no BraTS layout, on bad options, or when
+            ``options.sites`` is unreadable or lacks one of the patients.
+    """
+    options = options or BratsOptions()
+    if not 0.0 <= options.negative_share < 1.0:
+        raise SystemExit(f"error: --negative-share {options.negative_share} not in [0, 1)")
+    if options.labels not in ("whole", "regions"):
+        raise SystemExit(f"error: --labels {options.labels!r} must be whole or regions")
+    dims, patch = resolve_geometry(options.dims, options.patch, PATCH)
+    root = require_dir(Path(root), "raw BraTS folder")
+    layout, base = detect_layout(root, options.layout)
+    cases = find_cases(base, layout)
+    if not cases:
+        raise SystemExit(f"error: no {layout} patients found in {base}")
+    sites_path, sites = None, None
+    if options.sites is not None:
+        sites_path = find_sites_file(Path(options.sites), root, base)
+        sites = read_sites(sites_path)
+        check_sites(cases, sites, sites_path)
+    msd_order = msd_channel_order(base) if layout == "msd" else (0, 1, 2, 3)
+    console = console_for(options.quiet)
+    # the patch against the volumes, the output against the disk and memory (headers only)
+    say = lambda line: console.print(line, highlight=False, soft_wrap=True)  # noqa: E731
+    given = options.patch is not None
+    check_brats([c.seg for c in cases], dims, patch, given, options.labels, Path(out), say)
+    out = prepare_out(Path(out), root, OUTPUT_NAMES)
+    cleanup_partials(out)
+    log = RunLog()
+    cache = StudyCache(
+        out,
+        {
+            "dataset": "brats",
+            "negative_share": options.negative_share,
+            "seed": options.seed,
+            "msd_order": list(msd_order),
+            **geometry_params(dims, patch, PATCH),
+        },
+    )
+    done = _process_cases(cases, msd_order, cache, options, log, console, (dims, patch))
+    if not done:
+        raise nothing_usable(out, log, f"all {len(cases)} {layout} patients in {base} were skipped")
+    manifest = make_manifest(done, cache, sites)
+    if manifest.empty:
+        what = f"the {len(done)} usable patients in {base} have no tumour slice, so no patch"
+        if dims == 3:
+            what = f"the {len(done)} usable patients in {base} have no brain voxel, so no crop"
+        raise nothing_usable(out, log, what)
+    if dims == 2:  # the patches' count is known now: the output against the disk
+        size = len(manifest) * (16 + (1 if options.labels == "whole" else 3)) * patch**2
+        check_room(f"--patch {patch}", size, "images.npy and masks.npy", 0, "", out)
+    write_outputs(out, done, cache, manifest, options.labels, (dims, patch))
+    summary = run_summary(root, base, layout, options, cases, manifest, log, (dims, patch))
+    summary.update(site_summary(sites_path, sites, manifest))
+    summary["out"] = str(out)
+    write_skipped(out, log)
+    write_json(out / "summary.json", summary)
+    what = "crops" if dims == 3 else "patches"
+    console.print(f"[green]wrote[/green] {len(manifest)} {what} to {out}", highlight=False)
+    return summary
