@@ -7,7 +7,8 @@
 #   bash scripts/gpu/check.sh --only bench_cnn,profile --budget 200   # some steps again
 #
 # .whl/ is made here by `bash scripts/gpu/wheels.sh`. Without $OUT the files go to a temp
-# folder, named at the end. Steps, budgets and files: scripts/gpu/check.py.
+# folder, named at the end. Steps and files: scripts/gpu/check.py (its parts, the budgets and
+# sizes among them: scripts/gpu/device_check/).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
