@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fedexp.config.groups import check_groups
 from fedexp.data.augment import FlipRotate, Intensity, uniforms
+from fedexp.engine.config_check import check_groups
 from fedexp.engine.runner import build_engine, run
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker

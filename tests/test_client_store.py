@@ -12,6 +12,7 @@ import torch
 
 from fedexp.engine.clients.pool import ClientTable
 from fedexp.engine.clients.states import ClientStates, merge_exports, scratch_folder
+from fedexp.engine.processes.share import ALONE, Share
 from fedexp.engine.runner import build_engine, run
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
@@ -84,7 +85,9 @@ def test_each_rank_holds_its_own_clients_states_and_their_exports_merge_to_the_w
     size, procs = 8, 3
     folder = (lambda r: tmp_path / f"r{r}") if where == "disk" else (lambda r: None)
     whole = ClientStates(size, _init, "cpu", folder("whole"))
-    ranks = [ClientStates(size, _init, "cpu", folder(r), share=(r, procs)) for r in range(procs)]
+    ranks = [
+        ClientStates(size, _init, "cpu", folder(r), share=Share(r, procs)) for r in range(procs)
+    ]
     written = {n: {"v": torch.full((3,), 10.0 * n), "k": torch.tensor([-n])} for n in (0, 2, 3, 7)}
     written[5] = {"v": torch.arange(4.0)}  # a value that does not fit its column: kept aside
     whole.write(list(written), list(written.values()))
@@ -98,12 +101,25 @@ def test_each_rank_holds_its_own_clients_states_and_their_exports_merge_to_the_w
         assert torch.equal(merged["values"][key], one["values"][key])
     assert ranks[1].nbytes < whole.nbytes  # rows of 3 of the 8 clients
     for r, part in enumerate(ranks):
-        fresh = ClientStates(size, _init, "cpu", folder(f"fresh{r}"), share=(r, procs))
+        fresh = ClientStates(size, _init, "cpu", folder(f"fresh{r}"), share=Share(r, procs))
         fresh.load(one)  # every client's: it keeps its own
         for n in part.own():
             assert _equal(fresh[n], part[n]) and _equal(part[n], whole[n])
     with pytest.raises(RuntimeError, match="client 4's state is on rank 1: rank 0 of 3"):
         ranks[0].rows([0, 4])
+
+
+def test_a_share_owns_the_clients_n_mod_p_and_one_alone_owns_every_client():
+    """:class:`Share`'s arithmetic on ints and arrays agrees; a rank outside [0, P) is refused."""
+    share, ids = Share(1, 3), np.arange(10)
+    assert share.mine(ids.tolist()) == list(share.own(10)) == [1, 4, 7]
+    assert ids[share.owns(ids)].tolist() == [1, 4, 7] and share.owns(4) and not share.owns(5)
+    assert share.row(np.array([1, 4, 7])).tolist() == [0, 1, 2] and share.owner(8) == 2
+    assert list(ALONE.own(4)) == ALONE.mine(range(4)) == [0, 1, 2, 3]
+    assert "rank 1 of 3 holds those of clients n with n mod 3 == 1 only" == share.holds()
+    for rank, size in ((3, 3), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="expected 0 <= rank < size"):
+            Share(rank, size)
 
 
 def test_a_disk_store_keeps_its_columns_in_files(tmp_path):
@@ -250,7 +266,7 @@ def test_a_ranks_table_holds_its_own_clients_rows_and_every_clients_sizes(size):
     whole = federate(*args, val_fraction=0.2)
     held = 0
     for rank in range(size):
-        table = federate(*args, val_fraction=0.2, share=(rank, size))
+        table = federate(*args, val_fraction=0.2, share=Share(rank, size))
         assert len(table) == len(whole) == 7
         for n in range(7):
             mine, full = table[n], whole[n]

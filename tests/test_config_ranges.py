@@ -3,7 +3,7 @@
 Issue "Hardening, round two", item 1: settings were checked one by one in constructors, so
 new ones slipped through (``algorithm.mu=nan`` ran and blamed ``lr``; ``model.hidden=0``
 succeeded). Each argument now declares its range once, in its target's signature
-(:mod:`fedexp.config.ranges`), and :func:`fedexp.config.groups.check_groups` refuses NaN,
+(:mod:`fedexp.config.ranges`), and :func:`fedexp.engine.config_check.check_groups` refuses NaN,
 infinity and an out-of-range value on every one of them before anything is built. This file
 enumerates every option of every group (conf/<group>/*.yaml), every numeric argument of its
 target, and tries the three values on each.
@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from fedexp.config.groups import MODEL_EXTRA, check_groups
+from fedexp.config.groups import MODEL_EXTRA
 from fedexp.config.instantiate import locate_target
 from fedexp.config.ranges import Range, range_of
+from fedexp.engine.config_check import check_groups
 from fedexp.errors import ConfigError
 from helpers import ROOT, compose_config, run_cli
 

@@ -9,9 +9,10 @@ from unittest import mock
 import pytest
 from omegaconf import OmegaConf
 
-from fedexp.cli.distributed import FOLLOWER_OVERRIDES, Place, _task
+from fedexp.cli.distributed import FOLLOWER_OVERRIDES, _task
 from fedexp.cli.group_lost import lost_line, starter_command
 from fedexp.engine.processes.launch import GroupLost
+from fedexp.engine.processes.place import Place
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.processes.shared_data import machine_of
 from helpers import compose_config

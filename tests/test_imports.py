@@ -135,8 +135,6 @@ ENGINE_IMPORTS_ALLOWED = {
     # the command line and the sweeps run the engine: the layer above it
     "fedexp.cli": ("fedexp.engine.",),
     "fedexp.sweep.": ("fedexp.engine.",),
-    # the config check asks the solver whether an algorithm's server steps a global model
-    "fedexp.config.groups": ("fedexp.engine.solver.server_optim",),
     # the federated split builds the engine's pooled client table
     "fedexp.data.federated": ("fedexp.engine.clients.pool",),
     # the simulated clock is one of the round's stages (chosen when the engine is built)

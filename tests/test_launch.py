@@ -21,12 +21,11 @@ import pytest
 
 from fedexp.cli.distributed import (
     FOLLOWER_OVERRIDES,
-    Place,
     check_place,
-    env_place,
     export_submitit_env,
     prepare_argv,
 )
+from fedexp.engine.processes.place import Place, env_place
 from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker

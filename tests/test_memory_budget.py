@@ -126,7 +126,7 @@ def test_a_round_too_big_for_its_budget_runs_in_slices_as_it_runs_whole(
     )
     budget = _round_budget_gib(whole, 2)
     sliced, h_sliced = _run(small_cfg, *overrides, f"memory_budget={budget}", rounds=3)
-    assert all(c is not None and max(len(w.workers) for w in c) == 2 for c in cuts)
+    assert all(c is not None and max(len(w.my_trainers) for w in c) == 2 for c in cuts)
     assert all(len(c) > 1 for c in cuts)
     for key in whole.server:
         torch.testing.assert_close(sliced.server[key], whole.server[key], rtol=1e-5, atol=1e-6)
@@ -161,7 +161,7 @@ def test_a_round_whose_server_reads_each_upload_is_not_sliced(small_cfg, overrid
     budget = _round_budget_gib(engine, 2)
     engine.ctx.memory_budget = int(budget * 2**30)
     who = engine.sampler(0)
-    assert len(who.workers) > 2 and engine._round_slices(who) is None
+    assert len(who.my_trainers) > 2 and engine._round_slices(who) is None
 
 
 _MAPPED_AFTER_A_FREE = """

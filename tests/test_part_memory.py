@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fedexp.engine.clients.part_memory import PartMemory
+from fedexp.engine.processes.share import Share
 from fedexp.engine.round.checkpointing import _state_key
 from fedexp.engine.runner import build_engine
 from helpers import SMALL, compose_config
@@ -45,7 +46,7 @@ def test_on_disk_each_part_is_files_and_a_rank_holds_its_own_clients(tmp_path):
     disk.write([0, 5], "", [torch.ones(3), torch.zeros(3)])
     assert [p.name for p in (tmp_path / "m").iterdir()] == ["part0"]
     assert any(f.suffix == ".bin" for f in (tmp_path / "m" / "part0").iterdir())
-    rank = PartMemory(10, "cpu", None, share=(1, 2))
+    rank = PartMemory(10, "cpu", None, share=Share(1, 2))
     rank[5, ""] = torch.ones(3)
     assert list(rank) == [(5, "")]
     with pytest.raises(RuntimeError, match="client 4's state is on rank 0: rank 1 of 2"):
@@ -113,7 +114,7 @@ def test_a_cohorts_memories_are_read_and_written_as_one_stack(memory):
     other = PartMemory(10, "cpu")
     other.load(memory.export())  # a checkpoint's memories: who holds one is known again
     assert other.has(list(range(10)), "").tolist() == [n in (1, 2, 8) for n in range(10)]
-    rank = PartMemory(10, "cpu", share=(0, 2))
+    rank = PartMemory(10, "cpu", share=Share(0, 2))
     rank.load(memory.export())  # a rank keeps its own clients
     assert rank.has([2, 8], "").tolist() == [True, True] and len(rank) == 2
 

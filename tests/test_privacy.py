@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fedexp import streams
-from fedexp.config.groups import check_groups
 from fedexp.contract import StackedUpdates
+from fedexp.engine.config_check import check_groups
 from fedexp.engine.runner import build_engine, run
 from fedexp.errors import ConfigError
 from fedexp.privacy.mechanisms import adaptive_clip, clip_factors, joint_norms

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from fedexp.config.groups import check_groups
 from fedexp.contract import StackedUpdates
+from fedexp.engine.config_check import check_groups
 from fedexp.engine.runner import build_engine, run
 from fedexp.errors import ConfigError
 from fedexp.privacy.clipping import JointClip, PartClip

@@ -239,9 +239,9 @@ def _of_run(proc, tmpdir: str) -> bool:  # noqa: ANN001 - a psutil.Process
 def test_a_survivor_names_a_rank_of_its_machine_that_died(monkeypatch, tmp_path):
     """The pids each rank recorded as the group joined: a killed one (a zombie: its signal
     is read), a reaped one, and siblings alive (a plain SIGTERM stays one)."""
-    from fedexp.cli.distributed import Place
     from fedexp.cli.group_lost import lost_line
     from fedexp.engine.processes import group_pids, launch
+    from fedexp.engine.processes.place import Place
 
     host = socket.gethostname()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

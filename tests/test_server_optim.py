@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.config.groups import check_groups
 from fedexp.config.instantiate import locate_target
 from fedexp.contract import weighted_mean
+from fedexp.engine.config_check import check_groups
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.server_optim import (

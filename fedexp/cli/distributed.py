@@ -19,10 +19,10 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fedexp.engine.processes.place import Place, env_place
 from fedexp.errors import ConfigError, FedexpError
 
 if TYPE_CHECKING:
@@ -42,52 +42,6 @@ FOLLOWER_OVERRIDES = ("hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_
 
 #: A value Hydra sweeps over (``1,2``, ``range(1,3)``, ``choice(1,2)``).
 _SWEPT = re.compile(r",|^\s*\w+\(")
-
-
-@dataclass(frozen=True)
-class Place:
-    """This process's place in a group started from outside (torchrun or a SLURM job).
-
-    Attributes:
-        rank: its rank among ``size`` (``RANK``).
-        size: the processes of the run (``WORLD_SIZE``).
-        local_rank: its rank on its machine (``LOCAL_RANK``).
-        local_size: the processes on each machine (``LOCAL_WORLD_SIZE``).
-        starter: what started the processes, for messages ("torchrun", "the SLURM job").
-    """
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    starter: str = "torchrun"
-
-    @property
-    def nodes(self) -> int:
-        """The machines of the run."""
-        return max(1, self.size // max(1, self.local_size))
-
-    @property
-    def leader(self) -> bool:
-        """Rank 0: the one that tracks, prints and writes."""
-        return self.rank == 0
-
-
-def env_place(environ: Mapping[str, str] | None = None) -> Place | None:
-    """The place the environment describes (``WORLD_SIZE`` > 1), else None (one process)."""
-    env = os.environ if environ is None else environ
-    try:
-        size = int(env.get("WORLD_SIZE", "1"))
-        if size < 2:
-            return None
-        rank = int(env.get("RANK", "0"))
-        local_size = int(env.get("LOCAL_WORLD_SIZE", str(size)))
-        local_rank = int(env.get("LOCAL_RANK", str(rank % max(1, local_size))))
-    except ValueError:
-        return None
-    executor = env.get("SUBMITIT_EXECUTOR", "")
-    starter = {"": "torchrun", "slurm": "the SLURM job"}.get(executor, f"the {executor} job")
-    return Place(rank, size, local_rank, local_size, starter)
 
 
 #: How long a rank that did not print a group's error waits for the one that does.

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from fedexp.cli.distributed import Place
+    from fedexp.engine.processes.place import Place
     from fedexp.errors import Terminated
 
 

@@ -90,7 +90,7 @@ def checked(cfg: DictConfig) -> None:
 
     The run settings' ranges first (before torch and the runner are imported), then every
     group node against its target's signature and declared ranges
-    (:func:`fedexp.config.groups.check_groups`): all before the tracker is created and the
+    (:func:`fedexp.engine.config_check.check_groups`): all before the tracker is created and the
     data are read, so a bad value leaves nothing behind.
 
     Raises:
@@ -102,7 +102,7 @@ def checked(cfg: DictConfig) -> None:
     check_targets(cfg, "")
     validate(cfg)
     from fedexp.cli.distributed import check_place
-    from fedexp.config.groups import check_groups
+    from fedexp.engine.config_check import check_groups
 
     check_groups(cfg)
     check_place(cfg)  # distributed.* against torchrun's or the SLURM job's processes
@@ -147,8 +147,9 @@ def single_run(cfg: DictConfig, hc: DictConfig) -> float:
         print(f"fedexp: error: {exc}", file=sys.stderr)
         _discard_folder(hc)
         sys.exit(USAGE)
-    from fedexp.cli.distributed import env_place, say_once
+    from fedexp.cli.distributed import say_once
     from fedexp.cli.group_lost import as_started, raise_if_group_lost, sigterm_after_failure
+    from fedexp.engine.processes.place import env_place
     from fedexp.engine.runner import run
     from fedexp.engine.threads import round_callbacks
 

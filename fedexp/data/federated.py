@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from fedexp.data.dataset import ArrayDataset
 from fedexp.data.partitions import ClientSplit
 from fedexp.engine.clients.pool import ClientTable
 from fedexp.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from fedexp.engine.processes.share import Share
 
 __all__ = [
     "ClientData",
@@ -155,7 +159,7 @@ def federate(
     device: torch.device,
     val_fraction: float = 0.0,
     folder: Path | None = None,
-    share: tuple[int, int] | None = None,
+    share: Share | None = None,
 ) -> Sequence[ClientData]:
     """Partition ``data`` over clients, split each 80/20 and move the tensors to ``device``.
 
@@ -170,8 +174,8 @@ def federate(
     training data to a validation split (for tuning without looking at the test split); the
     test split, and with ``val_fraction = 0`` everything, is the same as without it.
 
-    With ``share = (rank, size)`` (``distributed.nproc``) the table holds the rows of that
-    rank's clients only (n mod size == rank) and every client's sizes: the partition and the
+    With a ``share`` (``distributed.nproc``: rank r of P) the table holds the rows of that
+    rank's clients only (n mod P == r) and every client's sizes: the partition and the
     splits are drawn for all clients as in one process.
 
     Raises:

@@ -25,13 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 from fedexp import streams
 from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
-from fedexp.config.groups import check_channel_keys, check_groups
+from fedexp.config.groups import check_channel_keys
 from fedexp.config.instantiate import fresh_dir, instantiate_checked, resumed_run_dir
 from fedexp.config.schema import validate
 from fedexp.data.augment import NoAugmentation
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.federated import clients_for_batch, federate
 from fedexp.engine.clients.states import scratch_folder
+from fedexp.engine.config_check import check_groups
 from fedexp.engine.files.outputs import CLIENT_TABLE, _table_rows, _write_outputs
 from fedexp.engine.files.progress import RoundProgress
 from fedexp.engine.health import _check_blowup
@@ -105,17 +106,16 @@ def build_engine(cfg: DictConfig) -> Engine:
     return _build(cfg)[0]
 
 
-def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDataset]:
+def _build(cfg: DictConfig, ranks: Ranks | None = None) -> tuple[Engine, ArrayDataset]:
     """:func:`build_engine`, and the data set as loaded (before it is partitioned).
 
-    ``place``: this process's rank of a run over several; its table and its clients' states
-    hold its own clients only.
+    ``ranks``: this process's place in a run over several (None: one process); its table and
+    its clients' states hold its own clients only (``ranks.share``).
     """
-    share = None if place is None else place.share
     validate(cfg)  # every setting, before the data are read (the CLI has checked them too)
     check_groups(cfg)
     device = resolve_device(cfg.device)
-    data = load_dataset(cfg.dataset, place, cfg.get("store_dir"))  # (over ranks: once)
+    data = load_dataset(cfg.dataset, ranks, cfg.get("store_dir"))  # (over ranks: once)
     partition = instantiate_checked(cfg.partition, "partition")
     store = scratch_folder(cfg.get("store", "memory"), cfg.get("store_dir"), device)
     clients = federate(
@@ -127,7 +127,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         device,
         val_fraction=cfg.get("val_fraction", 0.0),
         folder=store,
-        share=share,
+        share=None if ranks is None else ranks.share,
     )
     try:
         validate(cfg, clients)  # the run settings' ranges, and batch_size against the data
@@ -173,7 +173,7 @@ def _build(cfg: DictConfig, place: Ranks | None = None) -> tuple[Engine, ArrayDa
         privacy=privacy,
         system=_system(cfg),
         store=None if store is None else store / "states",
-        ranks=place,
+        ranks=ranks,
         eval_global=bool(cfg.get("eval_global", True)),
         holdout=_holdout(cfg, privacy),
         holdout_steps=cfg.get("holdout_steps"),
@@ -342,17 +342,17 @@ def run(
         raise ConfigError(f"distributed.nodes={nodes}: no process group spans the nodes")
     if tracker is None:  # first: an unreachable tracking server fails before anything is built
         tracker = instantiate_checked(cfg.tracker, "tracker")
-    place, procs = Ranks.current(), []  # this process's rank (torchrun, a started rank)
-    out_dir = _out_dir(cfg) if place is None and _nproc(cfg) > 1 else None
+    ranks, procs = Ranks.current(), []  # this process's rank (torchrun, a started rank)
+    out_dir = _out_dir(cfg) if ranks is None and _nproc(cfg) > 1 else None
     if out_dir is not None:  # the others start now and build their share meanwhile
-        place, procs = launch.start(cfg, str(out_dir), _rank_entry)
+        ranks, procs = launch.start(cfg, str(out_dir), _rank_entry)
     failed = True
     engine: Engine | None = None
     try:
-        engine, data = _build(cfg, place)
+        engine, data = _build(cfg, ranks)
         engine.stack = member
         dataset = None  # what rank 0 logs of the data set
-        if place is None or place.leader:
+        if ranks is None or ranks.leader:
             dataset = describe_dataset(data, OmegaConf.to_container(cfg.dataset, resolve=True))
         del data  # the clients hold their own copies
         out_dir = out_dir or _out_dir(cfg)

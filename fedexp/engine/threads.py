@@ -179,7 +179,7 @@ def _local_ranks(cfg: DictConfig) -> tuple[int, int | None]:
     (``LOCAL_WORLD_SIZE``), and for a SLURM task not started by torchrun its
     ``SLURM_CPUS_PER_TASK`` (its own cores). Otherwise ``distributed.nproc``.
     """
-    from fedexp.cli.distributed import env_place
+    from fedexp.engine.processes.place import env_place
 
     place = env_place()
     if place is not None:

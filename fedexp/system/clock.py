@@ -203,7 +203,7 @@ class Clock(UplinkStage):
         return np.sort(gen.choice(pool, size=want, replace=False)).tolist()
 
     def server(self, round_: int, who: Who, up: Uplink) -> Uplink:
-        """Time the round's senders, drop those the server does not wait for, advance the clock.
+        """Time the round's uploaders, drop those the server does not wait for, advance the clock.
 
         Adds ``clock/round_s``, ``clock/cum_s``, ``clock/wasted_bytes`` (the dropped
         clients' bytes both ways), ``clients/dropped`` and ``clients/unavailable``.
@@ -214,7 +214,7 @@ class Clock(UplinkStage):
             return self._buffered(round_, who, up)
         model = self.model
         up_bytes, down_bytes = self.bytes_of()
-        clients = np.asarray(who.sampled, dtype=np.int64)
+        clients = np.asarray(who.uploaders, dtype=np.int64)
         times = client_times(model, clients, up_bytes, down_bytes, self._steps)
         target = len(clients) if model.keeps_all else min(self.target, len(clients))
         kept = keep_first(times, clients, target, model.deadline)
@@ -249,11 +249,11 @@ class Clock(UplinkStage):
         """
         flight, now = self.flight, self.elapsed + self._idle
         assert flight is not None and self.model.buffer is not None
-        clients = np.asarray(who.sampled, dtype=np.int64)
+        clients = np.asarray(who.uploaders, dtype=np.int64)
         if clients.size:
             up_bytes, down_bytes = self.bytes_of()
             seconds = client_times(self.model, clients, up_bytes, down_bytes, self._steps)
-            parts = update_parts(up.updates, who.sampled) if up.updates else {}
+            parts = update_parts(up.updates, who.uploaders) if up.updates else {}
             flight.add(
                 clients, round_, now, seconds, {k: v.to(self.device) for k, v in parts.items()}
             )

@@ -100,6 +100,12 @@ def main() -> int:
     p.add_argument("--smallest", action="store_true", help="the rehearsal's smallest form")
     p.add_argument("--only", default="", help="comma-separated steps (default: all)")
     p.add_argument("--budget", type=float, default=0, help="total seconds (default: the mode's)")
+    p.add_argument(
+        "--stretch",
+        type=float,
+        default=1.0,
+        help="every step's budget and the total times this (a rehearsal on a busy machine)",
+    )
     p.add_argument("--out", default="", help="output folder (default: $OUT, else a temp one)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="", help=argparse.SUPPRESS)
@@ -119,7 +125,10 @@ def main() -> int:
     steps = [s for s in STEPS if s in steps]
     out = Path(args.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="fedexp-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    check = Check(mode, steps, args.budget or SIZES[mode].total_s, out)
+    if not args.stretch > 0:
+        p.error(f"--stretch {args.stretch}: expected a positive factor")
+    total = (args.budget or SIZES[mode].total_s) * args.stretch
+    check = Check(mode, steps, total, out, stretch=args.stretch)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the summary still gets written
     return check.run()
 

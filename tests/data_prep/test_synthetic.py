@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import nibabel as nib
@@ -66,16 +65,17 @@ def test_luna16_is_deterministic(tmp_path: Path) -> None:
     ).read_bytes()
 
 
-def test_generators_are_quick(tmp_path: Path) -> None:
-    start = time.perf_counter()
+def test_generators_write_small_studies(tmp_path: Path) -> None:
+    """Tests and the demo make studies by the dozen: each stays small (a few hundred KB), so
+    that writing them is quick on any machine (a property of what is written; their speed is
+    no test's business: timing asserts fail on a loaded machine)."""
     synthetic.write_luna16(tmp_path / "luna", n_studies=4)
-    luna_seconds = time.perf_counter() - start
-    start = time.perf_counter()
     studies = synthetic.make_mri_studies(n_studies=3)
     synthetic.write_brats(tmp_path / "b17", "brats2017", studies=studies)
     synthetic.write_brats(tmp_path / "msd", "msd", studies=studies)
-    brats_seconds = time.perf_counter() - start
-    assert luna_seconds < 2.0 and brats_seconds < 2.0, (luna_seconds, brats_seconds)
+    for name, count in (("luna", 4), ("b17", 3), ("msd", 3)):
+        written = sum(p.stat().st_size for p in (tmp_path / name).rglob("*") if p.is_file())
+        assert 0 < written < count * 400_000, (name, written)
 
 
 def test_brats_layouts_hold_the_same_study(tmp_path: Path) -> None:

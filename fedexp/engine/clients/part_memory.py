@@ -26,6 +26,7 @@ import torch
 
 from fedexp.contract import CohortStates
 from fedexp.engine.clients.states import ClientStates, merge_exports
+from fedexp.engine.processes.share import ALONE, Share
 
 #: (client, part name); the part of a bare-tensor message is named "".
 PartKey = tuple[int, str]
@@ -38,7 +39,8 @@ class PartMemory(MutableMapping[PartKey, torch.Tensor]):
         size: N, the number of clients.
         device: where the memories are read to.
         folder: where each part's columns go (memory-mapped files); None: in memory.
-        share: ``(rank, P)``: this rank's clients only (:class:`ClientStates`).
+        share: this process's place among the processes: its clients only
+            (:class:`ClientStates`); None: every client's.
     """
 
     def __init__(
@@ -46,7 +48,7 @@ class PartMemory(MutableMapping[PartKey, torch.Tensor]):
         size: int,
         device: torch.device | str = "cpu",
         folder: Path | None = None,
-        share: tuple[int, int] | None = None,
+        share: Share | None = None,
     ) -> None:
         self._size, self._device, self._folder, self._share = size, device, folder, share
         self._parts: dict[str, ClientStates] = {}
@@ -126,8 +128,7 @@ class PartMemory(MutableMapping[PartKey, torch.Tensor]):
             self._part(key[1:], make=True).load(part)
             ids = [int(n) for n in part.get("rows", {}).get("v", torch.zeros(0)).tolist()]
             ids += [int(n) for n, state in part.get("loose", {}).items() if "v" in state]
-            rank, procs = self._share or (0, 1)
-            own = [n for n in ids if n % procs == rank]
+            own = (self._share or ALONE).mine(ids)
             self._held[key[1:]][np.asarray(own, dtype=np.int64)] = True
 
     def __getitem__(self, key: PartKey) -> torch.Tensor:

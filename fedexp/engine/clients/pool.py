@@ -19,6 +19,7 @@ import torch
 
 from fedexp.data.client import ClientData, PoolRows
 from fedexp.engine.clients import hugepages
+from fedexp.engine.processes.share import Share
 from fedexp.transfer import to_device
 
 #: ``Tensor.numpy`` as torch defines it: :func:`take_rows` reads a CPU tensor's own memory,
@@ -285,14 +286,12 @@ class Elsewhere:
     other client's values.
     """
 
-    def __init__(self, name: str, share: tuple[int, int]) -> None:
+    def __init__(self, name: str, share: Share) -> None:
         self.name, self.share = name, share
 
     def _refuse(self, part: str) -> torch.Tensor:
-        rank, size = self.share
         raise RuntimeError(
-            f"read {part} of the {self.name} rows of another rank's client: rank {rank} of "
-            f"{size} holds those of clients n with n mod {size} == {rank} only"
+            f"read {part} of the {self.name} rows of another rank's client: {self.share.holds()}"
         )
 
     @property
@@ -313,18 +312,18 @@ def _split(
     device: torch.device,
     folder: Path | None,
     name: str,
-    share: tuple[int, int] | None = None,
+    share: Share | None = None,
 ) -> TrainPool:
     """Rows ``parts[n]`` of ``x``/``y`` for every client n, concatenated (a pool of one split).
 
-    With ``share = (rank, size)`` only the rows of clients n with n mod size == rank are
+    With a ``share`` (rank r of P) only the rows of clients n with n mod P == r are
     stored; every client's size is kept (the others' start at 0 and read as
     :class:`Elsewhere`).
     """
     sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
     held = sizes
     if share is not None:
-        held = np.where(np.arange(len(parts)) % share[1] == share[0], sizes, 0)
+        held = np.where(share.owns(np.arange(len(parts))), sizes, 0)
         parts = [p for n, p in enumerate(parts) if held[n]]
     index = np.concatenate(parts) if len(parts) else np.zeros(0, dtype=np.int64)
     total = len(index)
@@ -380,7 +379,7 @@ class ClientTable(Sequence[ClientData]):
         device: torch.device,
         folder: Path | None = None,
         zero: dict[int, list[int]] | None = None,
-        share: tuple[int, int] | None = None,
+        share: Share | None = None,
     ) -> ClientTable:
         """The table of every client's (training, test, validation) rows of ``x`` and ``y``.
 
@@ -391,8 +390,9 @@ class ClientTable(Sequence[ClientData]):
             device: where the splits live.
             folder: where their files go (memory-mapped, CPU only); None: in memory.
             zero: per client, input channels set to zero in all its splits.
-            share: (rank, size): hold the rows of clients n with n mod size == rank only
-                (``distributed.nproc``: a rank's own clients); every client's sizes are kept.
+            share: this process's place among P (rank r): hold the rows of clients n with
+                n mod P == r only (``distributed.nproc``: a rank's own clients); every
+                client's sizes are kept. None: every client's rows.
         """
         train, test, val = splits
         pools = [
@@ -402,7 +402,7 @@ class ClientTable(Sequence[ClientData]):
         has_val = any(len(v) for v in val)
         table = cls(*pools, _split(x, y, val, device, folder, "val", share) if has_val else None)
         for n, channels in (zero or {}).items():
-            if share is not None and n % share[1] != share[0]:
+            if share is not None and not share.owns(n):
                 continue
             for pool in (table.pool, table.test, table.val):
                 if pool is not None:
@@ -434,7 +434,7 @@ class ClientTable(Sequence[ClientData]):
             return [made[n] for n in clients]  # type: ignore[misc]
         ids = np.asarray(clients, dtype=np.int64)
         away = self.pool.elsewhere
-        here = None if away is None else (ids % away.share[1] == away.share[0]).tolist()
+        here = None if away is None else away.share.owns(ids).tolist()
         fields = []
         for pool in (self.pool, self.test, self.val):
             if pool is None:

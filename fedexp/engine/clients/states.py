@@ -15,11 +15,11 @@ from its column's (a state that changes shape) is kept aside, per client.
 Reads return rows as views: the hooks treat states as read-only and return new ones, which
 :meth:`ClientStates.write` copies in.
 
-Over several processes (``share = (rank, P)``) a rank holds the rows of its own clients only
-(n mod P == rank, row n // P): the population's states are split over the ranks, not copied
-to each, and reading another rank's client is refused (a bug in the caller). A checkpoint
-gathers every rank's :meth:`ClientStates.export` and :meth:`ClientStates.load` keeps a
-rank's own clients of it, so a run resumes on any number of processes.
+Over several processes (``share``: rank r of P, a :class:`Share`) a rank holds the rows of its
+own clients only (n mod P == r, row n // P): the population's states are split over the ranks,
+not copied to each, and reading another rank's client is refused (a bug in the caller). A
+checkpoint gathers every rank's :meth:`ClientStates.export` and :meth:`ClientStates.load` keeps
+a rank's own clients of it, so a run resumes on any number of processes.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 
 from fedexp.contract import CohortStates
 from fedexp.engine.clients import hugepages
+from fedexp.engine.processes.share import ALONE, Share
 from fedexp.errors import ConfigError
 
 State = dict[str, torch.Tensor]
@@ -48,7 +49,8 @@ class ClientStates(Sequence[State]):
         init: client n's initial state (read for clients never written).
         device: where states are read to (the columns live there too unless on disk).
         folder: where the columns' files go (memory-mapped); None keeps them in memory.
-        share: ``(rank, P)``: hold the clients n with n mod P == rank only; None: all.
+        share: this process's place among P (rank r): hold the clients n with n mod P == r
+            only; None: all.
         shared_init: ``init(n)`` is the same for every n (read once, broadcast); false: made
             per client for the rows never written.
     """
@@ -59,7 +61,7 @@ class ClientStates(Sequence[State]):
         init: Callable[[int], State],
         device: torch.device | str = "cpu",
         folder: str | Path | None = None,
-        share: tuple[int, int] | None = None,
+        share: Share | None = None,
         shared_init: bool = False,
     ) -> None:
         self._size, self._init, self.share = size, init, share
@@ -105,8 +107,7 @@ class ClientStates(Sequence[State]):
 
     def own(self) -> range:
         """The clients whose rows this process holds."""
-        rank, procs = self.share or (0, 1)
-        return range(rank, self._size, procs)
+        return (self.share or ALONE).own(self._size)
 
     def _rows(self, clients: Sequence[int]) -> np.ndarray:
         """The rows of ``clients`` (int64, NumPy: host bookkeeping).
@@ -115,17 +116,14 @@ class ClientStates(Sequence[State]):
             RuntimeError: a client of another rank (reading it is a bug in the caller).
         """
         ids = np.asarray(list(clients), dtype=np.int64)
-        if self.share is None:
+        share = self.share
+        if share is None:
             return ids
-        rank, procs = self.share
-        foreign = ids % procs != rank
+        foreign = ~share.owns(ids)
         if foreign.any():
             n = int(ids[foreign][0])
-            raise RuntimeError(
-                f"client {n}'s state is on rank {n % procs}: rank {rank} of {procs} holds "
-                f"those of clients n with n mod {procs} == {rank} only"
-            )
-        return ids // procs
+            raise RuntimeError(f"client {n}'s state is on rank {share.owner(n)}: {share.holds()}")
+        return share.row(ids)
 
     def rows(self, clients: Sequence[int]) -> CohortStates:
         """The states of ``clients``, in their order, stacked by key (:class:`CohortStates`).
@@ -335,8 +333,8 @@ class ClientStates(Sequence[State]):
         if written is None or not len(written):
             return
         written = written.to(torch.int64)
-        rank, procs = self.share or (0, 1)
-        states: dict[int, State] = {n: {} for n in written.tolist() if n % procs == rank}
+        mine = (self.share or ALONE).mine(written.tolist())
+        states: dict[int, State] = {n: {} for n in mine}
         for key, rows in tree.get("rows", {}).items():
             values = tree["values"][key]
             for n, v in zip(rows.tolist(), values, strict=True):

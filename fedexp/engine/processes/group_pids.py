@@ -70,11 +70,11 @@ def dead_sibling(wait: float = 0.0) -> tuple[int, int] | None:
     """
     if not _group:
         return None
-    place, me = (socket.gethostname(), os.getppid()), os.getpid()
+    starter, me = (socket.gethostname(), os.getppid()), os.getpid()  # (machine, parent)
     siblings = [
         (rank, int(proc.get("pid") or 0), proc.get("at"))
         for rank, proc in enumerate(_group)
-        if (proc.get("host"), proc.get("parent")) == place and proc.get("pid") not in (0, me)
+        if (proc.get("host"), proc.get("parent")) == starter and proc.get("pid") not in (0, me)
     ]
     deadline = time.monotonic() + wait
     while siblings:

@@ -29,6 +29,7 @@ from safetensors.torch import save as save_tensors
 
 from fedexp.contract import MeanUpload, Message, parts_updates, update_parts
 from fedexp.data.client import client_ids
+from fedexp.engine.processes.share import Share
 
 #: How long a collective may wait for a rank before the run fails (a rank that died).
 TIMEOUT = timedelta(minutes=10)
@@ -44,7 +45,7 @@ def _encode(named: dict[str, torch.Tensor]) -> bytes:
 
 
 class Ranks:
-    """This process's place in the run: its rank among ``size``.
+    """This process's place in the run, its rank among ``size`` (:attr:`share`), and the exchanges.
 
     Args:
         rank: this process's rank.
@@ -64,9 +65,9 @@ class Ranks:
         return cls(dist.get_rank(), dist.get_world_size(), device)
 
     @property
-    def share(self) -> tuple[int, int]:
-        """``(rank, P)``: what a rank's table and states hold (clients n with n mod P == rank)."""
-        return self.rank, self.size
+    def share(self) -> Share:
+        """This rank's :class:`Share`: the clients whose table rows and states it holds."""
+        return Share(self.rank, self.size)
 
     @property
     def leader(self) -> bool:
@@ -75,15 +76,11 @@ class Ranks:
 
     def owner(self, client: int) -> int:
         """The rank that runs ``client``."""
-        return client % self.size
+        return self.share.owner(client)
 
     def mine(self, clients: Sequence[int]) -> list[int]:
         """This rank's clients among ``clients``, in their order."""
-        return [n for n in clients if n % self.size == self.rank]
-
-    def mine_of(self, rank: int, num_clients: int) -> range:
-        """The clients of ``rank`` among ``num_clients``."""
-        return range(rank, num_clients, self.size)
+        return self.share.mine(clients)
 
     # ------------------------------------------------------------------ exchanges
     def gather_bytes(self, data: bytes) -> list[bytes]:

@@ -90,7 +90,7 @@ def _load_memories(engine: Engine, saved: dict[str, dict[str, Any]]) -> None:
     ``saved``: direction -> kind -> ``PartMemory.export``; older checkpoints saved one tensor
     a (client, part), keyed by :func:`_state_key`.
     """
-    transport, ranks, dev = engine.transport, engine.ranks, engine.ctx.device
+    transport, share, dev = engine.transport, engine.share, engine.ctx.device
     transport.clear()
     for kind, store in transport.memories().items():
         for d in ("up", "down"):
@@ -101,7 +101,7 @@ def _load_memories(engine: Engine, saved: dict[str, dict[str, Any]]) -> None:
                 if isinstance(v, dict):
                     continue
                 n, name = _parse_key(text)
-                if ranks is None or ranks.owner(n) == ranks.rank:  # (a rank: its own)
+                if share is None or share.owns(n):  # (a rank: its own)
                     parts.setdefault(name, ([], []))[0].append(n)
                     parts[name][1].append(v.to(dev))
             for name, (clients, values) in parts.items():

@@ -41,6 +41,7 @@ from fedexp.engine.clients.pool import ClientTable, TrainPool
 from fedexp.engine.clients.states import ClientStates
 from fedexp.engine.memory import peak_mib, reset_peak
 from fedexp.engine.processes.ranks import Ranks, weighted_sums
+from fedexp.engine.processes.share import Share
 from fedexp.engine.round import checkpointing
 from fedexp.engine.round.cohorts import merge_results, sub_cohorts
 from fedexp.engine.round.evaluation import Evaluation
@@ -159,7 +160,6 @@ class Engine(Evaluation):
     clock: Clock | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        share = None if self.ranks is None else self.ranks.share
         self.transport = Transport(
             self.ctx,
             self.algorithm,
@@ -169,7 +169,7 @@ class Engine(Evaluation):
             self.x0,
             len(self.clients),
             None if self.store is None else self.store / "channel",
-            share,
+            self.share,
         )
         self._choose_stages()
         self.pool = TrainPool.of(self.clients) if self.clients else None
@@ -254,6 +254,11 @@ class Engine(Evaluation):
         """What client 0 would receive now (the shape of an empty DP cohort's noise)."""
         return self.algorithm.downlinks(self.ctx, self.server, [0])[0]
 
+    @property
+    def share(self) -> Share | None:
+        """This process's place among the run's processes (its clients); None: it alone."""
+        return None if self.ranks is None else self.ranks.share
+
     def fresh_states(self) -> ClientStates:
         """Every client at its initial state (made when read: nothing is stored until then)."""
         algo, ctx, x0 = self.algorithm, self.ctx, self.x0
@@ -262,7 +267,7 @@ class Engine(Evaluation):
             lambda n: algo.init_client(ctx, x0, n),
             ctx.device,
             self.store,
-            share=None if self.ranks is None else self.ranks.share,
+            share=self.share,
             shared_init=not algo.init_per_client,
         )
 
@@ -311,7 +316,7 @@ class Engine(Evaluation):
         self.ledger.start_round()
         ledger = self.exchange.round_ledger(self.ledger)
         who = self.sampler(t)
-        self.last_sampled = who.sampled
+        self.last_sampled = who.uploaders
         slices = self._round_slices(who)
         if slices is None:
             up = self._sending(t, who, ledger)
@@ -323,27 +328,28 @@ class Engine(Evaluation):
         for stage in self.stages:  # re-clip, server noise, the accountant
             up = stage.server(t, who, up)
         # the senders over every slice and process (a "mean" server may get one summed upload)
-        heard = who.sampled if up.heard is None else up.heard  # (a deadline may drop some)
+        heard = who.uploaders if up.heard is None else up.heard  # (a deadline may drop some)
         self.ctx.senders = Senders(heard, self._host_sizes(), self.ctx.num_clients)
         self.server = self.algorithm.server_update(self.ctx, self.server, up.updates, up.weights)
         self.round = t + 1
         return self._record(who, up, started)
 
     def _sending(self, t: int, who: Who, ledger: ByteLedger) -> Uplink:
-        """The workers' downlink, client work and states, and the senders' side of the uplink.
+        """This process's trainers' downlink, work and states; its uploaders' side of the uplink.
 
         The messages' bytes are counted in ``ledger`` (this process's, this round).
         """
-        inbox, result = self._train(t, who.workers, ledger)
-        self.client_states.write(who.workers, result.states)
+        inbox, result = self._train(t, who.my_trainers, ledger)
+        self.client_states.write(who.my_trainers, result.states)
         sums = _sums(result.metrics)
-        up = Uplink(rows_of(result.updates, who.workers, who.senders), inbox, sums, ledger=ledger)
+        uploads = rows_of(result.updates, who.my_trainers, who.my_uploaders)
+        up = Uplink(uploads, inbox, sums, ledger=ledger)
         for stage in self.stages:  # clip, local noise, codec, wire and ledger, decode
             up = stage.client(t, who, up)
         return up
 
     def _round_slices(self, who: Who) -> list[Who] | None:
-        """``who``'s workers in slices whose stacked vectors fit ``memory_budget``; None: whole.
+        """``who``'s trainers here in slices whose stacks fit ``memory_budget``; None: whole.
 
         A round holds ``_ROUND_COPIES`` ``[m, d]`` stacks of its cohort (1,000 ResNet-18
         clients: 45 GB each). Where the server reads the uploads only through Σ_n ω_n u_n
@@ -364,15 +370,15 @@ class Engine(Evaluation):
         ):
             return None
         size = max(1, budget // (_ROUND_COPIES * self.x0.numel() * self.x0.element_size()))
-        if len(who.workers) <= size:
+        if len(who.my_trainers) <= size:
             return None
         if not self._slices_told:
             log.info("rounds in slices of %d clients (memory_budget)", size)
             self._slices_told = True
-        senders = set(who.senders)
+        mine, uploaders = who.my_trainers, set(who.my_uploaders)
         return [
-            Who(who.sampled, who.trained, part, [n for n in part if n in senders])
-            for part in (who.workers[a : a + size] for a in range(0, len(who.workers), size))
+            Who(who.uploaders, who.trainers, part, [n for n in part if n in uploaders])
+            for part in (mine[a : a + size] for a in range(0, len(mine), size))
         ]
 
     def _sliced(self, t: int, who: Who, slices: list[Who], ledger: ByteLedger) -> Uplink:
@@ -392,26 +398,27 @@ class Engine(Evaluation):
             for k, v in up.metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + v
             uploaded = uploaded or up.uploaded
-            if up.updates and part.senders:
-                weights = self._weight_tensor(part.senders, who.sampled)
-                for k, v in weighted_sums(update_parts(up.updates, part.senders), weights).items():
+            if up.updates and part.my_uploaders:
+                weights = self._weight_tensor(part.my_uploaders, who.uploaders)
+                parts = update_parts(up.updates, part.my_uploaders)
+                for k, v in weighted_sums(parts, weights).items():
                     total[k] = total[k] + v if k in total else v
             del up
         return Uplink(None, None, metrics, uploaded=uploaded, summed=total)
 
     def _train(
-        self, t: int, workers: list[int], ledger: ByteLedger
+        self, t: int, trainers: list[int], ledger: ByteLedger
     ) -> tuple[Stacked | None, CohortResult]:
-        """The workers' downlink and client work: (their decoded inbox, their results).
+        """The trainers' downlink and client work: (their decoded inbox, their results).
 
         The downlink's bytes are counted in ``ledger``. A Poisson-sampled cohort, or a rank's
         share of one, may be empty.
         """
-        if not workers:
+        if not trainers:
             return None, CohortResult(None, [], {})
-        msgs = self.algorithm.downlinks(self.ctx, self.server, workers)
-        inbox = self.transport.send_down(workers, msgs, t, ledger)
-        return inbox, self._client_work(workers, inbox)
+        msgs = self.algorithm.downlinks(self.ctx, self.server, trainers)
+        inbox = self.transport.send_down(trainers, msgs, t, ledger)
+        return inbox, self._client_work(trainers, inbox)
 
     def _record(self, who: Who, up: Uplink, started: float) -> dict[str, float]:
         """The round's figures.
@@ -419,11 +426,11 @@ class Engine(Evaluation):
         The clients' metrics are the mean over who trained, the channel's over who uploaded;
         then the stages', the sampler's, the server's and the ledger's.
         """
-        out = {k: v / len(who.trained) for k, v in up.metrics.items() if k.startswith("train/")}
+        out = {k: v / len(who.trainers) for k, v in up.metrics.items() if k.startswith("train/")}
         for k, v in up.metrics.items():
             if k.startswith("channel/"):
                 name = f"train/{k.removeprefix('channel/')}"
-                out[name] = out.get(name, 0.0) + v / len(who.sampled)
+                out[name] = out.get(name, 0.0) + v / len(who.uploaders)
         out.update(up.report)
         out.update(who.metrics())
         out.update(self.algorithm.server_metrics(self.ctx, self.server))

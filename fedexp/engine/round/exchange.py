@@ -52,7 +52,7 @@ class Alone:
         hands it the ranks' sum; nothing when no one sent.
         """
         if up.summed is not None:
-            up.updates = MeanUpload(up.summed, who.sampled) if up.summed else {}
+            up.updates = MeanUpload(up.summed, who.uploaders) if up.summed else {}
         return up
 
 
@@ -89,17 +89,17 @@ class RankExchange:
         if self.mean and up.summed is not None:  # a round in slices: summed as it went
             own = up.summed
         elif self.mean and up.updates:
-            weights = self.weights(who.senders, who.sampled)
-            own = weighted_sums(update_parts(up.updates, who.senders), weights)
+            weights = self.weights(who.my_uploaders, who.uploaders)
+            own = weighted_sums(update_parts(up.updates, who.my_uploaders), weights)
         records = self.ranks.gather_json([up.metrics, mine.round_record(), sums_record(own)])
         up.metrics = add_floats([r[0] for r in records])
         run.merge([r[1] for r in records])
         if self.mean:
             up.updates, up.uploaded = reduce_uploads(
-                self.ranks, who.sampled, own, [r[2] for r in records]
+                self.ranks, who.uploaders, own, [r[2] for r in records]
             )
         else:  # every upload, to every rank
             up.updates, up.refs, up.uploaded = gather_uploads(
-                self.ranks, who.sampled, who.senders, up.updates, up.refs
+                self.ranks, who.uploaders, who.my_uploaders, up.updates, up.refs
             )
         return up

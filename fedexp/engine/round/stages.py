@@ -36,25 +36,30 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Who:
-    """A round's clients, every process's, and this process's share.
+    """A round's clients: who uploads and who trains, over all processes and on this one.
+
+    ``my_*`` are this process's own clients of the run-wide lists (all of them in one
+    process; over several, those n with n mod P == rank:
+    :class:`fedexp.engine.processes.share.Share`).
 
     Attributes:
-        sampled: who uploads: the round's cohort over all processes, ascending.
-        trained: who receives and trains (``sampled``, or every client with ``all_train``).
-        workers: this process's clients of ``trained``.
-        senders: this process's clients of ``sampled``.
+        uploaders: who uploads: the round's sampled cohort over all processes, ascending.
+        trainers: who receives and trains, over all processes (``uploaders`` itself, or
+            every client with ``all_train``).
+        my_trainers: this process's clients of ``trainers``: those it runs.
+        my_uploaders: this process's clients of ``uploaders``: those whose uploads it sends.
     """
 
-    sampled: list[int]
-    trained: list[int]
-    workers: list[int]
-    senders: list[int]
+    uploaders: list[int]
+    trainers: list[int]
+    my_trainers: list[int]
+    my_uploaders: list[int]
 
     def metrics(self) -> dict[str, float]:
-        """``clients/sampled`` (and ``clients/trained`` when it differs)."""
-        out = {"clients/sampled": float(len(self.sampled))}
-        if self.trained is not self.sampled:
-            out["clients/trained"] = float(len(self.trained))
+        """``clients/sampled``, the uploaders (and ``clients/trained`` when the trainers differ)."""
+        out = {"clients/sampled": float(len(self.uploaders))}
+        if self.trainers is not self.uploaders:
+            out["clients/trained"] = float(len(self.trainers))
         return out
 
 
@@ -80,12 +85,14 @@ class Sampler:
 
     def __call__(self, round_: int) -> Who:
         """The round's :class:`Who`."""
-        sampled = self.draw(round_)
+        uploaders = self.draw(round_)
         pool = range(self.num_clients) if self.members is None else self.members
-        everyone = self.all_train and len(sampled) < len(pool)
-        trained = list(pool) if everyone else sampled
-        workers = self.mine(trained)
-        return Who(sampled, trained, workers, workers if trained is sampled else self.mine(sampled))
+        everyone = self.all_train and len(uploaders) < len(pool)
+        trainers = list(pool) if everyone else uploaders
+        mine = self.mine(trainers)
+        return Who(
+            uploaders, trainers, mine, mine if trainers is uploaders else self.mine(uploaders)
+        )
 
 
 @dataclass
@@ -93,8 +100,9 @@ class Uplink:
     """What the round's uploads carry through the stages.
 
     Attributes:
-        uploads: the senders' stacked messages (None: the algorithm uploads nothing).
-        inbox: the workers' decoded downlink (a "model" part's DP reference).
+        uploads: this process's uploaders' stacked messages (None: the algorithm uploads
+            nothing).
+        inbox: its trainers' decoded downlink (a "model" part's DP reference).
         metrics: sums over this process's clients: ``train/`` (per trained client),
             ``channel/`` (per upload), ``privacy/`` counts; added over the processes.
         updates: the decoded uploads, every process's after the exchange.
@@ -106,8 +114,8 @@ class Uplink:
             ``Engine._sliced``), in place of its decoded uploads: the exchange hands the
             server it (``Alone``), or the processes' sums added (``RankExchange``), as the
             round's mean upload (``fedexp.contract.MeanUpload``, of weight 1).
-        heard: the senders whose uploads the server keeps, where a stage dropped some (the
-            simulated clock's deadline, ``fedexp.system.clock``); None: every sampled one.
+        heard: the uploaders whose uploads the server keeps, where a stage dropped some (the
+            simulated clock's deadline, ``fedexp.system.clock``); None: every uploader.
         ledger: where this process counts the round's messages (the exchange's
             ``round_ledger``); :class:`Wire` counts the uploads' bytes in it.
     """
@@ -129,11 +137,11 @@ class UplinkStage:
     """One link of the uplink chain: the identity on both sides unless overridden."""
 
     def client(self, round_: int, who: Who, up: Uplink) -> Uplink:
-        """On the sending side, before the processes' exchange (this process's senders)."""
+        """On the sending side, before the processes' exchange (this process's uploaders)."""
         return up
 
     def server(self, round_: int, who: Who, up: Uplink) -> Uplink:
-        """On the server's side, after the exchange (every sender's decoded upload)."""
+        """On the server's side, after the exchange (every uploader's decoded upload)."""
         return up
 
 
@@ -142,7 +150,7 @@ class Wire(UplinkStage):
     """The channel: codec with error feedback, bytes on the wire and in the ledger, decode.
 
     Attributes:
-        send: ``(senders, stacked uploads, round, ledger) -> (decoded uploads, the channel's
+        send: ``(uploaders, stacked uploads, round, ledger) -> (decoded uploads, the channel's
             summed metrics)``, the bytes counted in the ledger: the engine's transport
             (``Transport.send_up``).
     """
@@ -155,7 +163,7 @@ class Wire(UplinkStage):
     def client(self, round_: int, who: Who, up: Uplink) -> Uplink:
         """Every upload through the channel, its bytes counted in :attr:`Uplink.ledger`."""
         assert up.ledger is not None, "the uplink's bytes need a ledger to be counted in"
-        up.updates, sums = self.send(who.senders, up.uploads, round_, up.ledger)
+        up.updates, sums = self.send(who.my_uploaders, up.uploads, round_, up.ledger)
         up.metrics.update({f"channel/{k}": v for k, v in sums.items()})
         up.uploaded = up.uploads is not None
         return up
@@ -184,14 +192,14 @@ class Privatize(UplinkStage):
     received: Callable[[], Message | None] | None = None
 
     def client(self, round_: int, who: Who, up: Uplink) -> Uplink:
-        """Clip (and locally noise) the senders' uploads; their counts into the metrics."""
+        """Clip (and locally noise) this process's uploads; their counts into the metrics."""
         if up.uploads is None:
             return up
         uploads = up.uploads
-        inbox = rows_of(up.inbox, who.workers, who.senders)
+        inbox = rows_of(up.inbox, who.my_trainers, who.my_uploaders)
         parts = uploads if isinstance(uploads, dict) else {"": uploads}
         up.refs = self.privacy.references(parts, inbox, self.x0)
-        up.uploads, counts = self.privacy.client_side(round_, who.senders, uploads, up.refs)
+        up.uploads, counts = self.privacy.client_side(round_, who.my_uploaders, uploads, up.refs)
         up.metrics.update(counts)
         return up
 
@@ -201,11 +209,11 @@ class Privatize(UplinkStage):
         report: dict[str, float] = {}
         if up.uploaded:
             up.updates, up.weights, report = self.privacy.server_side(
-                round_, who.sampled, up.updates, up.refs, lossy=self.lossy
+                round_, who.uploaders, up.updates, up.refs, lossy=self.lossy
             )
-        elif not who.sampled and self.received is not None and self.privacy.summed:
+        elif not who.uploaders and self.received is not None and self.privacy.summed:
             up.updates, up.weights, report = self.privacy.empty_release(round_, self.received())
-        report.update(self.privacy.end_round(round_, who.sampled, up.uploaded, counts))
+        report.update(self.privacy.end_round(round_, who.uploaders, up.uploaded, counts))
         up.report.update(report)
         return up
 
@@ -235,9 +243,9 @@ def take_rows(stacked: Stacked | None, index: torch.Tensor) -> Stacked | None:
     return {name: part[index] for name, part in stacked.items()}
 
 
-def rows_of(stacked: Stacked | None, workers: list[int], senders: list[int]) -> Stacked | None:
-    """The senders' rows of the workers' ``stacked`` messages."""
-    if workers is senders or stacked is None:
+def rows_of(stacked: Stacked | None, trainers: list[int], uploaders: list[int]) -> Stacked | None:
+    """The uploaders' rows of the trainers' ``stacked`` messages (the uploaders are trainers)."""
+    if trainers is uploaders or stacked is None:
         return stacked
-    where = {n: i for i, n in enumerate(workers)}
-    return take_rows(stacked, torch.tensor([where[n] for n in senders], dtype=torch.int64))
+    where = {n: i for i, n in enumerate(trainers)}
+    return take_rows(stacked, torch.tensor([where[n] for n in uploaders], dtype=torch.int64))

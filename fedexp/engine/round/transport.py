@@ -37,6 +37,7 @@ from fedexp.transfer import to_device
 
 if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm
+    from fedexp.engine.processes.share import Share
     from fedexp.engine.solver.context import Context
 
 # Stream purposes of the channels (beside streams.CLIENT etc.).
@@ -107,7 +108,8 @@ class Transport:
         x0: the common initial model.
         num_clients: N.
         store: the folder of the memories' files (``store=disk``); None: in memory.
-        share: ``(rank, P)``: a rank keeps its own clients' memories; None: every client's.
+        share: this process's place among the processes (a :class:`Share`): a rank keeps its
+            own clients' memories; None: every client's.
     """
 
     #: the device types on which a cohort's payloads are written and decoded (honest bytes:
@@ -126,7 +128,7 @@ class Transport:
         x0: torch.Tensor,
         num_clients: int,
         store: Path | None = None,
-        share: tuple[int, int] | None = None,
+        share: Share | None = None,
     ) -> None:
         self.ctx, self.algorithm, self.seed, self.x0 = ctx, algorithm, seed, x0
         self.channels = {"up": uplink, "down": downlink}

@@ -31,8 +31,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
 class Check:
     """Runs the steps' children, keeps the log, writes ``check.json`` and ``summary.md``."""
 
-    def __init__(self, mode: str, steps: list[str], total_s: float, out: Path) -> None:
-        self.mode, self.steps, self.out = mode, steps, out
+    def __init__(
+        self, mode: str, steps: list[str], total_s: float, out: Path, stretch: float = 1.0
+    ) -> None:
+        self.mode, self.steps, self.out, self.stretch = mode, steps, out, stretch
         self.sizes = SIZES[mode]
         self.start = time.monotonic()
         self.end = self.start + total_s
@@ -75,7 +77,7 @@ class Check:
         left = self.end - now
         deadlines, at = [], now
         for name in group:
-            at = min(at + self.sizes.budgets[name], self.end)
+            at = min(at + self.sizes.budgets[name] * self.stretch, self.end)
             deadlines.append(at)
         if left < 3:
             for name in group:
