@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from data_prep.brats.conversion import BratsOptions, convert
 from data_prep.brats.layouts import LAYOUT_ALIASES, LAYOUTS
 from data_prep.brats.patches import PATCH
-from data_prep.common import add_geometry_options, one_line, parse_patch, skip_line
-from fedexp.errors import DataError
+from data_prep.command import run_conversion
+from data_prep.common import add_geometry_options, parse_patch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,13 +68,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         dims=args.dims,
         patch=patch,
     )
-    try:
-        summary = convert(args.root, args.out, options)
-    except DataError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    except OSError as exc:  # e.g. a full disk or a folder without write permission
-        raise SystemExit(f"error: {one_line(exc)}") from None
-    line = skip_line(summary, Path(summary["out"]))
-    if line is not None:
-        print(line, file=sys.stderr)
-    return 0 if summary["n_samples"] > 0 else 1
+    return run_conversion(lambda: convert(args.root, args.out, options))
