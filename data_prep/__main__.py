@@ -9,7 +9,9 @@ USAGE = "usage: python -m data_prep {luna16,brats,synthetic} [options]  (--help 
 
 
 def _commands() -> dict[str, Callable[[Sequence[str] | None], int]]:
-    from data_prep import brats, luna16, synthetic
+    from data_prep import brats
+    from data_prep import luna16
+    from data_prep import synthetic
 
     return {"luna16": luna16.main, "brats": brats.main, "synthetic": synthetic.main}
 

@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from data_prep.common import one_line, skip_line
+from data_prep.common import one_line
+from data_prep.common import skip_line
 from fedexp.errors import DataError
 
 

@@ -19,7 +19,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from data_prep.common import StudyError, one_line
+from data_prep.common import StudyError
+from data_prep.common import one_line
 
 _MET_BYTES = {
     "MET_CHAR": 1,

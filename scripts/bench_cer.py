@@ -18,7 +18,9 @@ import time
 
 import numpy as np
 
-from fedexp.comm.cer import cer_admm_reference, cer_update, difference
+from fedexp.comm.cer import cer_admm_reference
+from fedexp.comm.cer import cer_update
+from fedexp.comm.cer import difference
 
 
 def _time_exact(g: np.ndarray, gamma: float, eta: float, repeats: int) -> tuple[float, np.ndarray]:

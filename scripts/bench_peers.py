@@ -38,7 +38,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -313,7 +313,10 @@ def check_sweep(out: Path, parent_out: Path | None, grid: list[str]) -> int:
         return 2
     from mlflow.tracking import MlflowClient
 
-    from fedexp.tracking.links import DEFAULT_UI, SHARE_TAG_PREFIX, read_shared_view, run_url
+    from fedexp.tracking.links import DEFAULT_UI
+    from fedexp.tracking.links import SHARE_TAG_PREFIX
+    from fedexp.tracking.links import read_shared_view
+    from fedexp.tracking.links import run_url
 
     with tempfile.TemporaryDirectory() as tmp:
         store = f"sqlite:///{tmp}/mlflow.db"

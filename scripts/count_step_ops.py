@@ -30,7 +30,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "peers"))
 
 from fedexp.engine.round.census import Census  # noqa: E402
-from fedexp.engine.solver.optim import SGD, Adam, Optimizer  # noqa: E402
+from fedexp.engine.solver.optim import SGD  # noqa: E402
+from fedexp.engine.solver.optim import Adam  # noqa: E402
+from fedexp.engine.solver.optim import Optimizer  # noqa: E402
 
 #: the local optimisers counted: name -> a fresh one
 OPTIMIZERS = {

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fedexp.engine.runner import build_engine, run  # noqa: E402
+from fedexp.engine.runner import build_engine  # noqa: E402
+from fedexp.engine.runner import run  # noqa: E402
 from fedexp.privacy import uplink  # noqa: E402
 from fedexp.privacy.mechanisms import joint_norms  # noqa: E402
 from fedexp.tracking.base import NullTracker  # noqa: E402

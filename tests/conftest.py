@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import SMALL, compose_config
+from helpers import SMALL
+from helpers import compose_config
 
 
 def pytest_configure(config):

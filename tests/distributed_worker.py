@@ -100,13 +100,11 @@ def exchanges(rank: int, size: int, port: int, out: str, limit: int) -> None:
     writes what it got to ``<out>/exchanges.json``."""
     import torch
 
-    from fedexp.engine.processes.ranks import (
-        SHORT,
-        Ranks,
-        reduce_uploads,
-        sums_record,
-        weighted_sums,
-    )
+    from fedexp.engine.processes.ranks import SHORT
+    from fedexp.engine.processes.ranks import Ranks
+    from fedexp.engine.processes.ranks import reduce_uploads
+    from fedexp.engine.processes.ranks import sums_record
+    from fedexp.engine.processes.ranks import weighted_sums
 
     _join(rank, size, port, "gloo")
     done = False
@@ -163,7 +161,8 @@ def shared_data(rank: int, size: int, port: int, out: str) -> None:
     import hashlib
 
     from fedexp.engine.processes.ranks import Ranks
-    from fedexp.engine.processes.shared_data import load_dataset, mapped
+    from fedexp.engine.processes.shared_data import load_dataset
+    from fedexp.engine.processes.shared_data import mapped
     from fedexp.errors import FedexpError
 
     _join(rank, size, port, "gloo")

@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, open_dict
+from hydra import compose
+from hydra import initialize_config_dir
+from omegaconf import DictConfig
+from omegaconf import open_dict
 
 from fedexp.config.schema import register_configs
 

@@ -23,7 +23,8 @@ def machine_data(rank: int, size: int, port: int, out: str, per_machine: int) ->
     (the machines' folders in one ``<out>/scratch``, as on a file system they share), then a
     data set that only machine 1 cannot load; writes what it got to ``<out>/rank<r>.json``."""
     from fedexp.engine.processes.ranks import Ranks
-    from fedexp.engine.processes.shared_data import load_dataset, mapped
+    from fedexp.engine.processes.shared_data import load_dataset
+    from fedexp.engine.processes.shared_data import mapped
     from fedexp.errors import FedexpError
 
     machine = rank // per_machine

@@ -16,10 +16,14 @@ import torch
 from torch import nn
 
 from fedexp.data.augment import FlipRotate
-from fedexp.data.imaging import brats, luna16
-from fedexp.engine.runner import build_engine, run
-from fedexp.errors import ConfigError, DataError
-from fedexp.models.imaging import densenet, unet
+from fedexp.data.imaging import brats
+from fedexp.data.imaging import luna16
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
+from fedexp.models.imaging import densenet
+from fedexp.models.imaging import unet
 from fedexp.tracking.base import NullTracker
 from helpers import vmapped_round_ops
 

@@ -7,9 +7,12 @@ import math
 import pytest
 import torch
 
-from fedexp.data.augment import FlipRotate, Intensity, uniforms
+from fedexp.data.augment import FlipRotate
+from fedexp.data.augment import Intensity
+from fedexp.data.augment import uniforms
 from fedexp.engine.config_check import check_groups
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
 from helpers import compose_config

@@ -18,7 +18,8 @@ import torch
 
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver import steps
-from fedexp.engine.solver.capture import CapturedSolver, solver_for
+from fedexp.engine.solver.capture import CapturedSolver
+from fedexp.engine.solver.capture import solver_for
 
 CASES = {
     "fedavg": ["algorithm=fedavg"],

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.func import grad_and_value, vmap
+from torch.func import grad_and_value
+from torch.func import vmap
 
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Objective
 from fedexp.engine.solver.steps import _rowwise
-from fedexp.models.flat import FlatModel, _nhwc
+from fedexp.models.flat import FlatModel
+from fedexp.models.flat import _nhwc
 from fedexp.models.vision import vgg8
 
 CPU = torch.device("cpu")

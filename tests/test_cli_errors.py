@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from helpers import CONF, run_cli
+from helpers import CONF
+from helpers import run_cli
 
 FAST = ["rounds=2", "progress=none", "tracker=none", "device=cpu", "checkpoint_every=0"]
 

@@ -10,7 +10,9 @@ import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import MISSING
+from dataclasses import fields
+from dataclasses import is_dataclass
 
 import pytest
 import yaml
@@ -19,9 +21,14 @@ from rich.console import Console
 
 from fedexp.cli.help import setting_docs
 from fedexp.config.schema import RunConfig
-from fedexp.engine.files.progress import RoundProgress, job_label, job_line
+from fedexp.engine.files.progress import RoundProgress
+from fedexp.engine.files.progress import job_label
+from fedexp.engine.files.progress import job_line
 from fedexp.sweep import NO_SLURM
-from helpers import CONF, ROOT, mlflow_db, run_cli
+from helpers import CONF
+from helpers import ROOT
+from helpers import mlflow_db
+from helpers import run_cli
 
 CLI = [sys.executable, "-c", "from fedexp.cli import entry; entry()"]
 

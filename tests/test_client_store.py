@@ -11,12 +11,17 @@ import pytest
 import torch
 
 from fedexp.engine.clients.pool import ClientTable
-from fedexp.engine.clients.states import ClientStates, merge_exports, scratch_folder
-from fedexp.engine.processes.share import ALONE, Share
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.clients.states import ClientStates
+from fedexp.engine.clients.states import merge_exports
+from fedexp.engine.clients.states import scratch_folder
+from fedexp.engine.processes.share import ALONE
+from fedexp.engine.processes.share import Share
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
-from helpers import compose_config, deterministic
+from helpers import compose_config
+from helpers import deterministic
 
 
 def _init(n: int) -> dict[str, torch.Tensor]:
@@ -219,7 +224,8 @@ def test_evaluating_the_clients_a_block_at_a_time_changes_no_figure(overrides, m
 def test_the_end_of_run_table_lists_the_first_clients_of_a_large_run(capsys, monkeypatch):
     from types import SimpleNamespace
 
-    from fedexp.cli.output import SHOWN_CLIENTS, print_table
+    from fedexp.cli.output import SHOWN_CLIENTS
+    from fedexp.cli.output import print_table
 
     monkeypatch.setenv("COLUMNS", "120")
     row = {"acc": 0.5, "loss": 0.7, "num_test": 2.0}

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fedexp import streams
-from fedexp.data.federated import ClientData, PoolRows
+from fedexp.data.federated import ClientData
+from fedexp.data.federated import PoolRows
 from fedexp.engine.clients.pool import TrainPool
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver import passes

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigKeyError
+from omegaconf.errors import ValidationError
 
 from fedexp.config.instantiate import instantiate_checked
-from fedexp.engine.runner import build_channel, build_engine
-from fedexp.errors import ConfigError, FedexpError
+from fedexp.engine.runner import build_channel
+from fedexp.engine.runner import build_engine
+from fedexp.errors import ConfigError
+from fedexp.errors import FedexpError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
-from helpers import CONF, compose_config, mlflow_db
+from helpers import CONF
+from helpers import compose_config
+from helpers import mlflow_db
 
 GROUPS = ["dataset", "model", "partition", "algorithm", "compressor", "tracker"]
 # options that need user input to compose into a runnable config
@@ -105,7 +110,8 @@ def test_struct_mode_rejects_unknown_group_key_without_plus():
 
 @pytest.mark.parametrize("launcher", ["parallel", "slurm"])
 def test_launcher_configs_compose(launcher):
-    from hydra import compose, initialize_config_dir
+    from hydra import compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)

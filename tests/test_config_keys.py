@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from fedexp.cli.overrides import CONFIG_DIR
-from fedexp.config.keys import added_or_removed_errors, unknown_key_errors
+from fedexp.config.keys import added_or_removed_errors
+from fedexp.config.keys import unknown_key_errors
 from helpers import run_cli
 
 

@@ -18,14 +18,18 @@ import typing
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
+from omegaconf import open_dict
 
 from fedexp.config.groups import MODEL_EXTRA
 from fedexp.config.instantiate import locate_target
-from fedexp.config.ranges import Range, range_of
+from fedexp.config.ranges import Range
+from fedexp.config.ranges import range_of
 from fedexp.engine.config_check import check_groups
 from fedexp.errors import ConfigError
-from helpers import ROOT, compose_config, run_cli
+from helpers import ROOT
+from helpers import compose_config
+from helpers import run_cli
 
 CONF = ROOT / "conf"
 #: Arguments fedexp passes itself (from the data or the run settings), not config keys.

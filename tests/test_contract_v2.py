@@ -13,11 +13,14 @@ from torch import nn
 
 from fedexp.algorithms.base import StackedUpdates
 from fedexp.algorithms.fedavg import FedAvg
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.engine.solver import passes
-from fedexp.engine.solver.optim import SGD, Adam
+from fedexp.engine.solver.optim import SGD
+from fedexp.engine.solver.optim import Adam
 from fedexp.tracking.base import NullTracker
-from helpers import assert_resume_exact, solo
+from helpers import assert_resume_exact
+from helpers import solo
 
 
 def _rounds(engine, n):

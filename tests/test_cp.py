@@ -6,7 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedexp.models.cp import CPLayout, als, compose, cp_rank
+from fedexp.models.cp import CPLayout
+from fedexp.models.cp import als
+from fedexp.models.cp import compose
+from fedexp.models.cp import cp_rank
 from fedexp.models.flat import Layout
 
 #: TDPFed Table I: layer dimensions and the CP ranks R1 (x1.5) and R2 (x2).

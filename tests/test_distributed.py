@@ -14,7 +14,10 @@ from safetensors.torch import load_file
 
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, SMALL, compose_config, needs
+from helpers import CONF
+from helpers import SMALL
+from helpers import compose_config
+from helpers import needs
 
 pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
 
@@ -55,7 +58,8 @@ def _one_client_budget(algorithm: str, *extra: str) -> float:
 
 def _two_ranks(jobs: list[tuple[str, list[str]]], out: Path) -> dict[str, dict]:
     """Run ``jobs`` over two spawned ranks; rank 0's metrics of each, by name."""
-    from distributed_worker import main, spawn_ranks
+    from distributed_worker import main
+    from distributed_worker import spawn_ranks
 
     spawn_ranks(main, str(out), jobs)
     return {name: json.loads((out / f"{name}.json").read_text()) for name, _ in jobs}

@@ -9,15 +9,19 @@ import shlex
 from types import SimpleNamespace
 
 import pytest
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
+from omegaconf import open_dict
 
 from fedexp.cli.output import default_lr
 from fedexp.cli.output import describe_stop as _describe_stop
 from fedexp.engine.files import checkpoint
-from fedexp.engine.runner import _healthy, run
+from fedexp.engine.runner import _healthy
+from fedexp.engine.runner import run
 from fedexp.errors import DivergenceError
 from fedexp.tracking.base import NullTracker
-from helpers import compose_config, deterministic, run_cli
+from helpers import compose_config
+from helpers import deterministic
+from helpers import run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

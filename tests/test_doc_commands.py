@@ -39,9 +39,12 @@ from pathlib import Path
 import pytest
 import yaml
 from filelock import FileLock
-from hydra import compose, initialize_config_dir
+from hydra import compose
+from hydra import initialize_config_dir
 
-from helpers import CONF, ROOT, without_hydra_logging
+from helpers import CONF
+from helpers import ROOT
+from helpers import without_hydra_logging
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedexp.engine.threads import available_cores, choose_threads
-from fedexp.figures import drawer, plots
+from fedexp.engine.threads import available_cores
+from fedexp.engine.threads import choose_threads
+from fedexp.figures import drawer
+from fedexp.figures import plots
 
 
 def _rounds(n: int) -> list[dict[str, float]]:

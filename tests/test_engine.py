@@ -10,7 +10,8 @@ import torch
 from fedexp import streams
 from fedexp.contract import CohortStates
 from fedexp.engine.files import checkpoint
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.errors import DivergenceError
 from fedexp.tracking.base import NullTracker
 from helpers import cohort_of

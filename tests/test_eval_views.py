@@ -21,11 +21,15 @@ import torch
 
 from fedexp import streams
 from fedexp.config.schema import validate
-from fedexp.engine.round.views import NEWCOMER, held_out, with_gains
+from fedexp.engine.round.views import NEWCOMER
+from fedexp.engine.round.views import held_out
+from fedexp.engine.round.views import with_gains
 from fedexp.engine.runner import build_engine
 from fedexp.errors import ConfigError
-from fedexp.metrics import QUANTILES, aggregate
-from helpers import SMALL, compose_config
+from fedexp.metrics import QUANTILES
+from fedexp.metrics import aggregate
+from helpers import SMALL
+from helpers import compose_config
 
 
 def _engine(*overrides: str):

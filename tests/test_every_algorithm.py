@@ -9,7 +9,8 @@ import pytest
 
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, needs
+from helpers import CONF
+from helpers import needs
 
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
 

@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import CONF, compose_config
+from helpers import CONF
+from helpers import compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 

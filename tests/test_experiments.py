@@ -17,7 +17,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from fedexp.config.instantiate import check_node
-from helpers import CONF, compose_config
+from helpers import CONF
+from helpers import compose_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

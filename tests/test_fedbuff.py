@@ -15,12 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
-from fedexp.system.buffer import Flight, staleness_weight
+from fedexp.system.buffer import Flight
+from fedexp.system.buffer import staleness_weight
 from fedexp.system.settings import System
 from fedexp.tracking.base import NullTracker
-from helpers import SMALL, assert_resume_exact, compose_config, deterministic
+from helpers import SMALL
+from helpers import assert_resume_exact
+from helpers import compose_config
+from helpers import deterministic
 
 ASYNC_KEYS = ("async/staleness_mean", "async/staleness_max", "async/in_flight")
 #: ten clients, four a round (C = 4)
@@ -157,7 +162,8 @@ def test_a_resumed_run_is_the_same_run(tmp_path):
 def test_two_processes_step_as_one(tmp_path):
     """Each rank's cohort share uploads; the exchange gives every rank every row, whose
     clock then takes the same K (the rows never pre-summed: ``Engine._keeps_all``)."""
-    from distributed_worker import main, spawn_ranks
+    from distributed_worker import main
+    from distributed_worker import spawn_ranks
 
     base = [
         *(o for o in SMALL if not o.startswith("rounds=")),

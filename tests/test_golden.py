@@ -32,7 +32,9 @@ from pathlib import Path
 import pytest
 import torch
 from golden.cases import CASES
-from golden.golden import metrics_path, run_case, state_path
+from golden.golden import metrics_path
+from golden.golden import run_case
+from golden.golden import state_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

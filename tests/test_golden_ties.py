@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from golden.ties import REL, slack
+from golden.ties import REL
+from golden.ties import slack
 
 from fedexp.metrics import classification_table
 

@@ -9,8 +9,10 @@ from unittest import mock
 import pytest
 from omegaconf import OmegaConf
 
-from fedexp.cli.distributed import FOLLOWER_OVERRIDES, _task
-from fedexp.cli.group_lost import lost_line, starter_command
+from fedexp.cli.distributed import FOLLOWER_OVERRIDES
+from fedexp.cli.distributed import _task
+from fedexp.cli.group_lost import lost_line
+from fedexp.cli.group_lost import starter_command
 from fedexp.engine.processes.launch import GroupLost
 from fedexp.engine.processes.place import Place
 from fedexp.engine.processes.ranks import Ranks

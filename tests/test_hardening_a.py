@@ -11,14 +11,21 @@ import time
 
 import pytest
 from mlflow.tracking import MlflowClient
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
+from omegaconf import open_dict
 
-from fedexp.config.instantiate import check_node, fresh_dir, instantiate_checked
+from fedexp.config.instantiate import check_node
+from fedexp.config.instantiate import fresh_dir
+from fedexp.config.instantiate import instantiate_checked
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import run
-from fedexp.errors import CheckpointError, ConfigError, Terminated
+from fedexp.errors import CheckpointError
+from fedexp.errors import ConfigError
+from fedexp.errors import Terminated
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, mlflow_db, run_cli
+from helpers import CONF
+from helpers import mlflow_db
+from helpers import run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -406,7 +413,8 @@ def test_an_unsealed_checkpoint_resumes_only_when_asked(small_cfg, tmp_path):
     """A checkpoint whose seal is gone (an older fedexp's) is refused on resume, and resumes,
     unverified, with resume_unsealed=true."""
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+    from safetensors.torch import save_file
 
     run(_cfg(small_cfg, "rounds=2", "checkpoint_every=1", "tracker=none"))
     ckpt = tmp_path / "out" / "checkpoints" / checkpoint.FILENAME

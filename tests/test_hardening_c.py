@@ -15,16 +15,22 @@ from types import SimpleNamespace
 
 import pytest
 from mlflow.tracking import MlflowClient
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
+from omegaconf import open_dict
 
 from fedexp.cli.output import describe_stop as _describe_stop
 from fedexp.config.schema import validate
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import run
-from fedexp.errors import ConfigError, DivergenceError, TrackerError
+from fedexp.errors import ConfigError
+from fedexp.errors import DivergenceError
+from fedexp.errors import TrackerError
 from fedexp.tracking.base import NullTracker
 from fedexp.tracking.mlflow_tracker import check_reachable
-from helpers import ROOT, compose_config, mlflow_db, run_cli
+from helpers import ROOT
+from helpers import compose_config
+from helpers import mlflow_db
+from helpers import run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

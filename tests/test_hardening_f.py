@@ -17,7 +17,10 @@ from omegaconf import open_dict
 
 from fedexp.engine.runner import run
 from fedexp.tracking import mlflow_tracker
-from fedexp.tracking.mlflow_tracker import HOST_TAG, PID_TAG, REAPED_TAG, MLflowTracker
+from fedexp.tracking.mlflow_tracker import HOST_TAG
+from fedexp.tracking.mlflow_tracker import PID_TAG
+from fedexp.tracking.mlflow_tracker import REAPED_TAG
+from fedexp.tracking.mlflow_tracker import MLflowTracker
 from helpers import mlflow_db
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,22 +11,28 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from monai.metrics import compute_confusion_matrix_metric, get_confusion_matrix
+from monai.metrics import compute_confusion_matrix_metric
+from monai.metrics import get_confusion_matrix
 
 from fedexp.cli.output import print_table as _print_table
 from fedexp.data import partitions as P
-from fedexp.data.imaging import brats, luna16
+from fedexp.data.imaging import brats
+from fedexp.data.imaging import luna16
 from fedexp.engine.files import progress
-from fedexp.engine.runner import build_engine, run
-from fedexp.errors import ConfigError, DataError
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
 from fedexp.metrics import segmentation_metrics
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
-from fedexp.models.imaging import densenet, unet
+from fedexp.models.imaging import densenet
+from fedexp.models.imaging import unet
 from fedexp.models.task import SegmentationTask
 from fedexp.tracking.base import NullTracker
 from fedexp.tuning.objective import objective_key
-from helpers import compose_config, vmapped_round_ops
+from helpers import compose_config
+from helpers import vmapped_round_ops
 
 TINY = {
     "densenet": ["model=densenet", "model.growth_rate=4", "model.block_config=[2,2]"],
@@ -99,7 +105,9 @@ def test_a_cohorts_unet_gradients_are_vmapped_and_equal_each_clients():
     """vmap runs the U-Net's loss over stacked clients (MONAI's one-hot scatters in place,
     which vmap refuses: the cohort then went client by client), and each row equals the
     client's own autograd gradient."""
-    from torch.func import functional_call, grad, vmap
+    from torch.func import functional_call
+    from torch.func import grad
+    from torch.func import vmap
 
     torch.manual_seed(0)
     net = unet((4, 16, 16), 2, channels=(4, 8), strides=(2,))

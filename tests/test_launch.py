@@ -19,17 +19,19 @@ from unittest import mock
 import pandas as pd
 import pytest
 
-from fedexp.cli.distributed import (
-    FOLLOWER_OVERRIDES,
-    check_place,
-    export_submitit_env,
-    prepare_argv,
-)
-from fedexp.engine.processes.place import Place, env_place
+from fedexp.cli.distributed import FOLLOWER_OVERRIDES
+from fedexp.cli.distributed import check_place
+from fedexp.cli.distributed import export_submitit_env
+from fedexp.cli.distributed import prepare_argv
+from fedexp.engine.processes.place import Place
+from fedexp.engine.processes.place import env_place
 from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
 from fedexp.tracking.base import NullTracker
-from helpers import assert_same_run_files, compose_config, mlflow_db, run_cli
+from helpers import assert_same_run_files
+from helpers import compose_config
+from helpers import mlflow_db
+from helpers import run_cli
 
 pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
 

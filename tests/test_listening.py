@@ -15,9 +15,13 @@ import sys
 import time
 
 import pytest
-from listening import listening, off_loopback, sampled
+from listening import listening
+from listening import off_loopback
+from listening import sampled
 
-from fedexp.engine.processes.ranks import keep_on_loopback, listen, loopback_interface
+from fedexp.engine.processes.ranks import keep_on_loopback
+from fedexp.engine.processes.ranks import listen
+from fedexp.engine.processes.ranks import loopback_interface
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp"

@@ -24,21 +24,33 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric
+from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from fedexp.cli.ui import missing_store, server_command, server_env
-from fedexp.engine.runner import loggable, run
-from fedexp.figures import canvas, plots
-from fedexp.figures.pca import MODEL_SPREAD_TOL, client_model_pca
+from fedexp.cli.ui import missing_store
+from fedexp.cli.ui import server_command
+from fedexp.cli.ui import server_env
+from fedexp.engine.runner import loggable
+from fedexp.engine.runner import run
+from fedexp.figures import canvas
+from fedexp.figures import plots
+from fedexp.figures.pca import MODEL_SPREAD_TOL
+from fedexp.figures.pca import client_model_pca
 from fedexp.report import main as report_main
 from fedexp.report import render
-from fedexp.report.reach import kib_ticks, reach_plot, reach_table
+from fedexp.report.reach import kib_ticks
+from fedexp.report.reach import reach_plot
+from fedexp.report.reach import reach_table
 from fedexp.tracking.base import NullTracker
-from fedexp.tracking.links import experiment_url, fedexp_command, ui_command
+from fedexp.tracking.links import experiment_url
+from fedexp.tracking.links import fedexp_command
+from fedexp.tracking.links import ui_command
 from fedexp.tuning import objective as tuning
-from helpers import ROOT, mlflow_db, run_cli
+from helpers import ROOT
+from helpers import mlflow_db
+from helpers import run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -377,12 +389,10 @@ def test_a_tuning_trials_line_shows_the_objective_first(monkeypatch):
 
 
 def test_edge_of_a_search_range():
-    from optuna.distributions import (
-        CategoricalDistribution,
-        IntUniformDistribution,
-        LogUniformDistribution,
-        UniformDistribution,
-    )
+    from optuna.distributions import CategoricalDistribution
+    from optuna.distributions import IntUniformDistribution
+    from optuna.distributions import LogUniformDistribution
+    from optuna.distributions import UniformDistribution
 
     lr = LogUniformDistribution(1e-4, 1.0)
     assert tuning.edge_of(lr, 0.9) == ("upper", 1.0, "[0.0001, 1] (log scale)")
@@ -583,7 +593,8 @@ def test_no_alembic_lines_when_a_model_imports_optuna(tmp_path):
 def test_the_dataset_source_is_given_with_its_type(tmp_path):
     from mlflow.data.dataset_source_registry import resolve_dataset_source
 
-    from fedexp.tracking.dataset_input import DatasetRecord, mlflow_source
+    from fedexp.tracking.dataset_input import DatasetRecord
+    from fedexp.tracking.dataset_input import mlflow_source
 
     path = str(tmp_path / "bc.csv")
     with warnings.catch_warnings(record=True) as caught:

@@ -10,13 +10,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import balanced_accuracy_score, roc_auc_score
+from sklearn.metrics import balanced_accuracy_score
+from sklearn.metrics import roc_auc_score
 
-from fedexp.metrics import (
-    classification_metrics,
-    classification_metrics_batched,
-    probabilities,
-)
+from fedexp.metrics import classification_metrics
+from fedexp.metrics import classification_metrics_batched
+from fedexp.metrics import probabilities
 from fedexp.models.task import ClassificationTask
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

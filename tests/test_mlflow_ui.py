@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from fedexp.tracking.links import ML_VIEW_QUERY, experiment_url, run_url, runs_url, ui_base
+from fedexp.tracking.links import ML_VIEW_QUERY
+from fedexp.tracking.links import experiment_url
+from fedexp.tracking.links import run_url
+from fedexp.tracking.links import runs_url
+from fedexp.tracking.links import ui_base
 from helpers import mlflow_db
 
 ROOT = Path(__file__).resolve().parent.parent

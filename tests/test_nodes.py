@@ -22,13 +22,16 @@ import time
 from pathlib import Path
 
 import pytest
-from listening import descendants, off_loopback, sampled
+from listening import descendants
+from listening import off_loopback
+from listening import sampled
 
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.engine.processes.ranks import loopback_interface
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import assert_same_run_files, compose_config
+from helpers import assert_same_run_files
+from helpers import compose_config
 
 pytestmark = pytest.mark.slow  # several processes, whole CLI runs: make test-slow
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.func import grad_and_value, vmap
+from torch.func import grad_and_value
+from torch.func import vmap
 
 from fedexp.models.flat import FlatModel
-from fedexp.models.norms import functional_norms, tracked_norms
-from fedexp.models.task import PADDING, valid_rows
+from fedexp.models.norms import functional_norms
+from fedexp.models.norms import tracked_norms
+from fedexp.models.task import PADDING
+from fedexp.models.task import valid_rows
 
 CPU = torch.device("cpu")
 

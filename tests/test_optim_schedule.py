@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedexp.engine.solver.optim import SGD, Adam
+from fedexp.engine.solver.optim import SGD
+from fedexp.engine.solver.optim import Adam
 
 
 def _stack(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:

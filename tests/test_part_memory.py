@@ -10,7 +10,8 @@ from fedexp.engine.clients.part_memory import PartMemory
 from fedexp.engine.processes.share import Share
 from fedexp.engine.round.checkpointing import _state_key
 from fedexp.engine.runner import build_engine
-from helpers import SMALL, compose_config
+from helpers import SMALL
+from helpers import compose_config
 
 
 @pytest.fixture(params=["memory", "disk"])

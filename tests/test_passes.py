@@ -183,7 +183,8 @@ def test_a_gpu_cohort_draws_its_minibatches_without_waiting_for_the_device(small
     its minibatches' indices are drawn there and reach the GPU in copies the host does not
     wait for, so that drawing a block of steps and a single step makes no synchronisation
     (``torch.cuda.set_sync_debug_mode("error")`` raises at one)."""
-    from fedexp.engine.solver.steps import Ahead, draw_batch
+    from fedexp.engine.solver.steps import Ahead
+    from fedexp.engine.solver.steps import draw_batch
 
     engine = build_engine(small_cfg("device=cuda", f"sampling={sampling}", "batch_size=8"))
     ctx = engine.ctx

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
+from torch import nn
 
 from fedexp.models.flat import FlatModel
 from fedexp.models.pool_first import pool_first
-from fedexp.models.vision import resnet9, vgg8
+from fedexp.models.vision import resnet9
+from fedexp.models.vision import vgg8
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "peers"))
 

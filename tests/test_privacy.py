@@ -11,13 +11,21 @@ import torch
 from fedexp import streams
 from fedexp.contract import StackedUpdates
 from fedexp.engine.config_check import check_groups
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
-from fedexp.privacy.mechanisms import adaptive_clip, clip_factors, joint_norms
+from fedexp.privacy.mechanisms import adaptive_clip
+from fedexp.privacy.mechanisms import clip_factors
+from fedexp.privacy.mechanisms import joint_norms
 from fedexp.privacy.settings import Privacy
 from fedexp.privacy.uplink import PrivateUplink
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, SMALL, assert_resume_exact, compose_config, needs, run_cli
+from helpers import CONF
+from helpers import SMALL
+from helpers import assert_resume_exact
+from helpers import compose_config
+from helpers import needs
+from helpers import run_cli
 
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
 TINY = [*SMALL, "num_clients=10", "batch_size=8", "tracker=none"]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
-from scipy import optimize, stats
+from scipy import optimize
+from scipy import stats
 
 from fedexp.privacy import accountant as acc
 

@@ -11,14 +11,19 @@ import torch
 
 from fedexp.contract import StackedUpdates
 from fedexp.engine.config_check import check_groups
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
-from fedexp.privacy.clipping import JointClip, PartClip
-from fedexp.privacy.mechanisms import clip_factors, joint_norms
+from fedexp.privacy.clipping import JointClip
+from fedexp.privacy.clipping import PartClip
+from fedexp.privacy.mechanisms import clip_factors
+from fedexp.privacy.mechanisms import joint_norms
 from fedexp.privacy.settings import Privacy
 from fedexp.privacy.uplink import PrivateUplink
 from fedexp.tracking.base import NullTracker
-from helpers import SMALL, compose_config, run_cli
+from helpers import SMALL
+from helpers import compose_config
+from helpers import run_cli
 
 TINY = [*SMALL, "num_clients=10", "batch_size=8", "tracker=none"]
 SCAFFOLD = {"dy": "update", "dc": "update"}

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-
 
 
 def _exchanges(out: Path, limit: int) -> dict:
-    from distributed_worker import exchanges, spawn_ranks
+    from distributed_worker import exchanges
+    from distributed_worker import spawn_ranks
 
     spawn_ranks(exchanges, str(out), limit, timeout=300)
     return json.loads((out / "exchanges.json").read_text())

@@ -24,14 +24,14 @@ from omegaconf import OmegaConf
 
 from fedexp.cli.output import describe_stop
 from fedexp.engine.clients import states
-from fedexp.engine.clients.states import (
-    OWNER_FILE,
-    SCRATCH_PREFIX,
-    reap_scratch,
-    remove_scratch,
-    scratch_folder,
-)
-from fedexp.engine.processes.launch import _death, _exit_code, _how
+from fedexp.engine.clients.states import OWNER_FILE
+from fedexp.engine.clients.states import SCRATCH_PREFIX
+from fedexp.engine.clients.states import reap_scratch
+from fedexp.engine.clients.states import remove_scratch
+from fedexp.engine.clients.states import scratch_folder
+from fedexp.engine.processes.launch import _death
+from fedexp.engine.processes.launch import _exit_code
+from fedexp.engine.processes.launch import _how
 from fedexp.engine.processes.ranks import peer_left
 from fedexp.errors import RankDied
 from helpers import compose_config
@@ -240,7 +240,8 @@ def test_a_survivor_names_a_rank_of_its_machine_that_died(monkeypatch, tmp_path)
     """The pids each rank recorded as the group joined: a killed one (a zombie: its signal
     is read), a reaped one, and siblings alive (a plain SIGTERM stays one)."""
     from fedexp.cli.group_lost import lost_line
-    from fedexp.engine.processes import group_pids, launch
+    from fedexp.engine.processes import group_pids
+    from fedexp.engine.processes import launch
     from fedexp.engine.processes.place import Place
 
     host = socket.gethostname()
@@ -309,7 +310,8 @@ def test_a_sigterm_as_the_group_breaks_is_the_group_lost(monkeypatch):
     (a process that left) is handled, or over several nodes once a connection of this rank
     was closed by its other end, is the group lost (where: the runner's round); a SIGTERM
     with the group whole stays one."""
-    from fedexp.engine.processes import group_pids, launch
+    from fedexp.engine.processes import group_pids
+    from fedexp.engine.processes import launch
 
     me = {"pid": os.getpid(), "host": socket.gethostname(), "parent": os.getppid(), "at": None}
     monkeypatch.setattr(group_pids, "_group", [me, {**me, "parent": -1}])  # two nodes

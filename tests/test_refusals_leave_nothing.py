@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from fedexp.errors import FedexpError
-from helpers import SMALL, run_cli
+from helpers import SMALL
+from helpers import run_cli
 
 
 def _one_error(proc) -> str:
@@ -83,7 +84,8 @@ def test_a_report_option_error_is_one_line(argv, said, capsys):
 
 
 def test_a_missing_sites_file_names_each_place_looked_in_once(tmp_path):
-    from data_prep import brats, synthetic
+    from data_prep import brats
+    from data_prep import synthetic
 
     root = tmp_path / "raw"
     synthetic.write_brats(root, "brats2021", n_studies=2, seed=5)

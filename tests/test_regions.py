@@ -12,9 +12,12 @@ from monai.losses import DiceCELoss
 
 from fedexp.data.augment import FlipRotate
 from fedexp.data.imaging import brats
-from fedexp.engine.runner import build_engine, run
-from fedexp.errors import ConfigError, DataError
-from fedexp.models.task import PADDING, RegionsTask
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
+from fedexp.models.task import PADDING
+from fedexp.models.task import RegionsTask
 from fedexp.tracking.base import NullTracker
 from helpers import vmapped_round_ops
 

@@ -10,7 +10,11 @@ from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
 from fedexp.engine.runner import run
-from fedexp.report import collect, reach, reach_plot, reach_table, table
+from fedexp.report import collect
+from fedexp.report import reach
+from fedexp.report import reach_plot
+from fedexp.report import reach_table
+from fedexp.report import table
 from helpers import mlflow_db
 
 
@@ -157,7 +161,8 @@ def test_paper_table_order_labels_and_missing_rank_row():
 
 def _fake_store(monkeypatch, groups):
     """``fedexp report`` reads these groups as runs (row = algorithm, column = δ, by seed)."""
-    from fedexp.report import cli, pipeline
+    from fedexp.report import cli
+    from fedexp.report import pipeline
     from fedexp.report.collect import Run
 
     runs = [

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric
+from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
 
 from fedexp.report import main
@@ -300,7 +301,8 @@ def test_select_by_validation_reports_the_chosen_configurations_test_metric(stor
 
 
 def test_help_explains_every_option_with_its_default():
-    from fedexp.report.options import _Formatter, parser
+    from fedexp.report.options import _Formatter
+    from fedexp.report.options import parser
 
     p = parser()
     fmt = _Formatter("fedexp report")

@@ -14,10 +14,15 @@ import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
-from test_report_cli import cell, log_run, md_rows, report
+from test_report_cli import cell
+from test_report_cli import log_run
+from test_report_cli import md_rows
+from test_report_cli import report
 
-from fedexp.report.collect import Run, epsilon_of
-from fedexp.report.render import epsilon_text, key_value
+from fedexp.report.collect import Run
+from fedexp.report.collect import epsilon_of
+from fedexp.report.render import epsilon_text
+from fedexp.report.render import key_value
 from helpers import mlflow_db
 
 #: final acc/mean per (algorithm, target ε) over seeds 0 and 1; None: privacy=none (ε = ∞)

@@ -7,16 +7,19 @@ import math
 import numpy as np
 import pytest
 
-from fedexp.report.collect import Agg, Run, latest_per_config, same_value
-from fedexp.report.render import default_scale, table, tex
-from fedexp.report.stats import (
-    free_params,
-    paired_differences,
-    pooling_conflicts,
-    sample_std,
-    select,
-    summary,
-)
+from fedexp.report.collect import Agg
+from fedexp.report.collect import Run
+from fedexp.report.collect import latest_per_config
+from fedexp.report.collect import same_value
+from fedexp.report.render import default_scale
+from fedexp.report.render import table
+from fedexp.report.render import tex
+from fedexp.report.stats import free_params
+from fedexp.report.stats import paired_differences
+from fedexp.report.stats import pooling_conflicts
+from fedexp.report.stats import sample_std
+from fedexp.report.stats import select
+from fedexp.report.stats import summary
 
 
 def run(rid: str, start: int = 0, tags: dict | None = None, **params: object) -> Run:

@@ -11,7 +11,10 @@ import io
 
 import pytest
 from mlflow.tracking import MlflowClient
-from test_report_cli import cell, log_run, md_rows, report
+from test_report_cli import cell
+from test_report_cli import log_run
+from test_report_cli import md_rows
+from test_report_cli import report
 
 from fedexp.report.render import default_scale
 from helpers import mlflow_db

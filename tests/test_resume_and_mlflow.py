@@ -8,7 +8,9 @@ from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
 from fedexp.engine.runner import run
-from helpers import deterministic, mlflow_db, run_cli
+from helpers import deterministic
+from helpers import mlflow_db
+from helpers import run_cli
 
 
 def _mlflow_cfg(make, tmp_path, *overrides):

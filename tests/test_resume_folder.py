@@ -13,8 +13,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fedexp.config.instantiate import hydra_subdir, resumed_run_dir, run_dir
-from helpers import SMALL, without_hydra_logging
+from fedexp.config.instantiate import hydra_subdir
+from fedexp.config.instantiate import resumed_run_dir
+from fedexp.config.instantiate import run_dir
+from helpers import SMALL
+from helpers import without_hydra_logging
 
 
 def test_a_checkpoint_folder_names_its_run_folder(tmp_path):
@@ -103,8 +106,10 @@ def test_resume_names_a_checkpoint_or_says_where_none_is(tmp_path):
     """Issue 70, items 2 and 3: ``resume=`` is checked before Hydra makes a folder, and a run's
     folder (which holds ``checkpoints/``) stands for its checkpoints."""
     from fedexp.engine.files import checkpoint
-    from fedexp.engine.files.resume import LAST_CHECKPOINT, resume_target
-    from fedexp.errors import CheckpointError, ConfigError
+    from fedexp.engine.files.resume import LAST_CHECKPOINT
+    from fedexp.engine.files.resume import resume_target
+    from fedexp.errors import CheckpointError
+    from fedexp.errors import ConfigError
 
     assert LAST_CHECKPOINT == checkpoint.FILENAME  # (resume.py imports no torch)
     run = tmp_path / "run"

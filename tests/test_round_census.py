@@ -37,7 +37,8 @@ import torch
 from fedexp.engine.round.census import Census
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver import passes
-from helpers import CONF, compose_config
+from helpers import CONF
+from helpers import compose_config
 
 #: the algorithms whose personal part is a head (logistic regression is all head)
 HEADED = ["model=mlp", "model.hidden=16"]

@@ -21,15 +21,16 @@ from fedexp.contract import weighted_mean
 from fedexp.engine.config_check import check_groups
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.server_optim import (
-    ServerAdagrad,
-    ServerAdam,
-    ServerSGD,
-    ServerYogi,
-    steps_global_model,
-)
+from fedexp.engine.solver.server_optim import ServerAdagrad
+from fedexp.engine.solver.server_optim import ServerAdam
+from fedexp.engine.solver.server_optim import ServerSGD
+from fedexp.engine.solver.server_optim import ServerYogi
+from fedexp.engine.solver.server_optim import steps_global_model
 from fedexp.errors import ConfigError
-from helpers import CONF, assert_resume_exact, compose_config, run_cli
+from helpers import CONF
+from helpers import assert_resume_exact
+from helpers import compose_config
+from helpers import run_cli
 
 D = 7
 

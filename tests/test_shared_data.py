@@ -14,13 +14,17 @@ import pytest
 
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset
-from fedexp.engine.processes.shared_data import _open, _write, load_dataset, mapped
+from fedexp.engine.processes.shared_data import _open
+from fedexp.engine.processes.shared_data import _write
+from fedexp.engine.processes.shared_data import load_dataset
+from fedexp.engine.processes.shared_data import mapped
 from helpers import compose_config
 
 
 @pytest.mark.slow
 def test_two_ranks_map_one_copy_of_what_one_process_loads(tmp_path):
-    from distributed_worker import shared_data, spawn_ranks
+    from distributed_worker import shared_data
+    from distributed_worker import spawn_ranks
 
     spawn_ranks(shared_data, str(tmp_path), timeout=300)
     node = compose_config("dataset=synthetic", "dataset.num_samples=700").dataset

@@ -140,7 +140,8 @@ def test_one_backward_of_the_summed_losses_is_each_clients_gradient(small_cfg, o
     against each row's own autograd and functorch's ``vmap(grad_and_value)``, on a BatchNorm
     model (statistics of the valid rows returned as ``post``) with a short batch, and on an
     objective with stacked ``aux`` tensors."""
-    from torch.func import grad_and_value, vmap
+    from torch.func import grad_and_value
+    from torch.func import vmap
 
     from fedexp.engine.solver import steps
     from fedexp.models.task import PADDING
@@ -227,7 +228,8 @@ def test_a_linear_layers_stacked_logits_are_x_w_plus_b_as_vmap_computes_them(out
     algorithms whose objectives stay vmapped), narrow (``(W xᵀ)ᵀ``) or not."""
     from torch.func import vmap
 
-    from fedexp.models.tabular import NARROW, linear
+    from fedexp.models.tabular import NARROW
+    from fedexp.models.tabular import linear
 
     gen = torch.Generator().manual_seed(outputs)
     m, b, d = 40, 32, 30
@@ -261,7 +263,9 @@ def test_only_fedexps_linear_layers_stack_as_the_modules_compute():
     ``nn.Linear`` computes a narrow layer in the other orientation (other bits)."""
     from torch import nn
 
-    from fedexp.models.tabular import BodyHead, Linear, mlp
+    from fedexp.models.tabular import BodyHead
+    from fedexp.models.tabular import Linear
+    from fedexp.models.tabular import mlp
 
     assert mlp([6], 2).stacks and not mlp([6], 2, dropout=0.1).stacks
     assert BodyHead(nn.Sequential(Linear(6, 4), nn.ReLU()), Linear(4, 1)).stacks
@@ -292,7 +296,9 @@ def test_a_stacks_optimiser_step_is_each_rows_step_bit_for_bit(opt, per_coordina
     Adam's step count [m] broadcast over each row): the same bits as vmap of the row's step."""
     from torch.func import vmap
 
-    from fedexp.engine.solver.optim import SGD, Adam, stack_states
+    from fedexp.engine.solver.optim import SGD
+    from fedexp.engine.solver.optim import Adam
+    from fedexp.engine.solver.optim import stack_states
 
     make = {
         "sgd": lambda: SGD(),

@@ -14,8 +14,13 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from fedexp.sweep.stacked import balanced, groups, stack_key, stackable
-from helpers import ROOT, compose_config, run_cli
+from fedexp.sweep.stacked import balanced
+from fedexp.sweep.stacked import groups
+from fedexp.sweep.stacked import stack_key
+from fedexp.sweep.stacked import stackable
+from helpers import ROOT
+from helpers import compose_config
+from helpers import run_cli
 
 TINY = ["rounds=3", "num_clients=4", "device=cpu", "checkpoint_every=0", "progress=log"]
 
@@ -316,7 +321,8 @@ def test_a_groups_configs_are_derived_from_its_first_as_hydra_composes_them():
     from hydra.errors import ConfigCompositionException
     from omegaconf import OmegaConf
 
-    from fedexp.sweep.stacked import DerivingLoader, derived_config
+    from fedexp.sweep.stacked import DerivingLoader
+    from fedexp.sweep.stacked import derived_config
 
     first = ["algorithm=ditto", "partition.delta=1", "seed=0", "lr=0.05"]
     same = [

@@ -18,7 +18,10 @@ from fedexp.engine.round import stacking
 from fedexp.engine.round.stacking import Stack
 from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import CONF, SMALL, compose_config, needs
+from helpers import CONF
+from helpers import SMALL
+from helpers import compose_config
+from helpers import needs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

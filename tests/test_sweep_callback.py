@@ -12,17 +12,15 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 import fedexp.sweep as sweep
-from fedexp.sweep import (
-    NO_SLURM,
-    JobStatus,
-    SweepCallback,
-    SweepInfo,
-    child_name,
-    experiment_name,
-    report_command,
-    varying_keys,
-    write_status,
-)
+from fedexp.sweep import NO_SLURM
+from fedexp.sweep import JobStatus
+from fedexp.sweep import SweepCallback
+from fedexp.sweep import SweepInfo
+from fedexp.sweep import child_name
+from fedexp.sweep import experiment_name
+from fedexp.sweep import report_command
+from fedexp.sweep import varying_keys
+from fedexp.sweep import write_status
 from helpers import mlflow_db
 
 BASIC = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"

@@ -31,31 +31,30 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from fedexp import sweep
-from fedexp.engine.files.progress import PROGRESS_FILE, RoundProgress, job_label
-from fedexp.sweep import (
-    JobStatus,
-    LiveSweep,
-    SweepCallback,
-    SweepInfo,
-    child_name,
-    group_keys,
-    metric_label,
-    run_color,
-    run_name,
-    sweep_size,
-    sweep_values,
-    write_status,
-)
-from fedexp.tracking.links import (
-    SHARE_PARAM,
-    SHARE_TAG_PREFIX,
-    compress_state,
-    group_id,
-    read_shared_view,
-    shared_view,
-    sweep_view_url,
-)
-from helpers import mlflow_db, run_cli
+from fedexp.engine.files.progress import PROGRESS_FILE
+from fedexp.engine.files.progress import RoundProgress
+from fedexp.engine.files.progress import job_label
+from fedexp.sweep import JobStatus
+from fedexp.sweep import LiveSweep
+from fedexp.sweep import SweepCallback
+from fedexp.sweep import SweepInfo
+from fedexp.sweep import child_name
+from fedexp.sweep import group_keys
+from fedexp.sweep import metric_label
+from fedexp.sweep import run_color
+from fedexp.sweep import run_name
+from fedexp.sweep import sweep_size
+from fedexp.sweep import sweep_values
+from fedexp.sweep import write_status
+from fedexp.tracking.links import SHARE_PARAM
+from fedexp.tracking.links import SHARE_TAG_PREFIX
+from fedexp.tracking.links import compress_state
+from fedexp.tracking.links import group_id
+from fedexp.tracking.links import read_shared_view
+from fedexp.tracking.links import shared_view
+from fedexp.tracking.links import sweep_view_url
+from helpers import mlflow_db
+from helpers import run_cli
 
 pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
 

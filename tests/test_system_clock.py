@@ -15,13 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
-from fedexp.system.clock import keep_first, local_steps, round_seconds
+from fedexp.system.clock import keep_first
+from fedexp.system.clock import local_steps
+from fedexp.system.clock import round_seconds
 from fedexp.system.settings import System
-from fedexp.system.trace import read_availability, read_devices
+from fedexp.system.trace import read_availability
+from fedexp.system.trace import read_devices
 from fedexp.tracking.base import NullTracker
-from helpers import SMALL, assert_resume_exact, compose_config, deterministic, run_cli
+from helpers import SMALL
+from helpers import assert_resume_exact
+from helpers import compose_config
+from helpers import deterministic
+from helpers import run_cli
 
 CLOCK_KEYS = (
     "clock/round_s",
@@ -387,7 +395,8 @@ def test_a_resumed_run_keeps_its_clock(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_and_a_stack_keep_one_clock(tmp_path):
-    from distributed_worker import main, spawn_ranks
+    from distributed_worker import main
+    from distributed_worker import spawn_ranks
     from test_stacking import run_stacked
 
     base = [
@@ -432,7 +441,9 @@ class _History:
 
 def test_reach_gives_rounds_and_simulated_seconds(tmp_path):
     from fedexp.report.collect import Run
-    from fedexp.report.reach import reach_plot, reach_runs, reach_table
+    from fedexp.report.reach import reach_plot
+    from fedexp.report.reach import reach_runs
+    from fedexp.report.reach import reach_table
 
     trackers = {}
     for name in ("none", "stc"):

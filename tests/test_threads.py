@@ -14,13 +14,11 @@ import torch
 from omegaconf import OmegaConf
 
 from fedexp.engine import threads as th
-from fedexp.engine.threads import (
-    LoadFollower,
-    busy_note,
-    choose_threads,
-    fit_to_load,
-    launcher_jobs,
-)
+from fedexp.engine.threads import LoadFollower
+from fedexp.engine.threads import busy_note
+from fedexp.engine.threads import choose_threads
+from fedexp.engine.threads import fit_to_load
+from fedexp.engine.threads import launcher_jobs
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,9 @@ from omegaconf import open_dict
 
 from fedexp.data.tabular import breast_cancer
 from fedexp.engine.runner import run
-from helpers import ROOT, SMALL, compose_config
+from helpers import ROOT
+from helpers import SMALL
+from helpers import compose_config
 
 #: 3 clients of logistic regression on breast cancer: 31 float32 parameters each way
 DENSE_BYTES = 3 * 4 * 31

@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.data.tabular import breast_cancer, csv_table
+from fedexp.data.tabular import breast_cancer
+from fedexp.data.tabular import csv_table
 from fedexp.tracking import provenance
-from fedexp.tracking.dataset_input import DIGEST_CHARS, content_hash, describe_dataset
+from fedexp.tracking.dataset_input import DIGEST_CHARS
+from fedexp.tracking.dataset_input import content_hash
+from fedexp.tracking.dataset_input import describe_dataset
 
 
 def _git(cwd, *args):

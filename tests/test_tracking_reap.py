@@ -25,17 +25,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from fedexp.errors import TrackerError
-from fedexp.tracking.mlflow_tracker import (
-    HOST_TAG,
-    NOTE_TAG,
-    PID_TAG,
-    REAPED_TAG,
-    STARTED_TAG,
-    MLflowTracker,
-    _started,
-    check_sqlite_path,
-)
-from helpers import mlflow_db, run_cli
+from fedexp.tracking.mlflow_tracker import HOST_TAG
+from fedexp.tracking.mlflow_tracker import NOTE_TAG
+from fedexp.tracking.mlflow_tracker import PID_TAG
+from fedexp.tracking.mlflow_tracker import REAPED_TAG
+from fedexp.tracking.mlflow_tracker import STARTED_TAG
+from fedexp.tracking.mlflow_tracker import MLflowTracker
+from fedexp.tracking.mlflow_tracker import _started
+from fedexp.tracking.mlflow_tracker import check_sqlite_path
+from helpers import mlflow_db
+from helpers import run_cli
 
 HOST = socket.gethostname()
 

@@ -15,7 +15,9 @@ from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
 from fedexp.engine.runner import run
-from helpers import SMALL, compose_config, mlflow_db
+from helpers import SMALL
+from helpers import compose_config
+from helpers import mlflow_db
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

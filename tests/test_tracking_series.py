@@ -10,8 +10,12 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from fedexp.engine.runner import loggable, run
-from fedexp.figures.plots import CLIENTS_PER_GROUP, MAX_CLIENT_PANELS, pick_clients, plot_clients
+from fedexp.engine.runner import loggable
+from fedexp.engine.runner import run
+from fedexp.figures.plots import CLIENTS_PER_GROUP
+from fedexp.figures.plots import MAX_CLIENT_PANELS
+from fedexp.figures.plots import pick_clients
+from fedexp.figures.plots import plot_clients
 from fedexp.tracking.base import NullTracker
 from helpers import deterministic
 
@@ -129,7 +133,8 @@ def _edges(seed: int) -> torch.Tensor:
 def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
     """A figure built once and refilled by the next run (``canvas._KEPT``) saves the same bytes
     as one built for that run alone: limits, ticks, titles and gaps of the new data only."""
-    from fedexp.figures import canvas, plots
+    from fedexp.figures import canvas
+    from fedexp.figures import plots
 
     def drawn(name: str, draw) -> bytes:
         path = tmp_path / name
@@ -162,7 +167,8 @@ def test_a_kept_figure_draws_the_png_a_fresh_one_draws(tmp_path):
 
 def test_the_round_axes_tick_whole_rounds_only(tmp_path):
     """A short run's figures put no tick at round 0.5 (every panel of clients.png too)."""
-    from fedexp.figures import canvas, plots
+    from fedexp.figures import canvas
+    from fedexp.figures import plots
 
     canvas._KEPT.clear()
     plots.plot_rounds(_history(0, 2), tmp_path / "curves.png")
@@ -180,7 +186,8 @@ def test_a_figures_png_holds_the_pixels_savefig_draws_without_its_opaque_alpha(t
     import numpy as np
     from PIL import Image
 
-    from fedexp.figures import canvas, plots
+    from fedexp.figures import canvas
+    from fedexp.figures import plots
 
     plots.plot_rounds(_history(2, 9), tmp_path / "ours.png")
     drawn = canvas._KEPT[("rounds", "acc")].fig

@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from hydra.core.utils import JobReturn, JobStatus
+from hydra.core.utils import JobReturn
+from hydra.core.utils import JobStatus
 
 from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import build_engine
@@ -140,7 +141,8 @@ def test_objective_without_validation_is_the_test_headline_with_one_leak_warning
 
 
 def test_no_leak_warning_for_a_single_hydra_run(fresh_warning, caplog):
-    from hydra import compose, initialize_config_dir
+    from hydra import compose
+    from hydra import initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
     from helpers import CONF

@@ -24,7 +24,9 @@ from fedexp import cli
 from fedexp.cli import overrides
 from fedexp.tuning import search_space
 from fedexp.tuning.search_space import search_space_errors
-from helpers import CONF, ROOT, run_cli
+from helpers import CONF
+from helpers import ROOT
+from helpers import run_cli
 
 #: A tiny Optuna sweep on the command line (nothing runs: the checks come first).
 TINY = ["rounds=1", "hydra.sweeper.n_trials=1"]

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from fedexp.config.instantiate import instantiate_checked
-from fedexp.config.schema import override_errors, validate
-from fedexp.data.federated import federate, validation_split
+from fedexp.config.schema import override_errors
+from fedexp.config.schema import validate
+from fedexp.data.federated import federate
+from fedexp.data.federated import validation_split
 from fedexp.data.partitions import ClientSplit
-from fedexp.errors import ConfigError, DataError
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
 from helpers import compose_config
 
 CPU = torch.device("cpu")

@@ -13,10 +13,12 @@ import math
 import pandas as pd
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
+from hydra import compose
+from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from helpers import CONF, run_cli
+from helpers import CONF
+from helpers import run_cli
 
 pytestmark = pytest.mark.slow  # several processes or whole CLI runs: make test-slow
 

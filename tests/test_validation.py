@@ -21,8 +21,12 @@ from omegaconf import open_dict
 from fedexp.config.schema import validate
 from fedexp.data import partitions as P
 from fedexp.data.tabular import csv_table
-from fedexp.errors import ConfigError, DataError
-from helpers import ROOT, compose_config, run_cli, without_hydra_logging
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
+from helpers import ROOT
+from helpers import compose_config
+from helpers import run_cli
+from helpers import without_hydra_logging
 
 FAST = ["progress=none", "tracker=none", "device=cpu", "checkpoint_every=0"]
 

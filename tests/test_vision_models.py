@@ -14,8 +14,12 @@ from fedexp.engine.runner import build_engine
 from fedexp.errors import ConfigError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
-from fedexp.models.vision import dnn, resnet9, resnet18, vgg8
-from helpers import CONF, compose_config
+from fedexp.models.vision import dnn
+from fedexp.models.vision import resnet9
+from fedexp.models.vision import resnet18
+from fedexp.models.vision import vgg8
+from helpers import CONF
+from helpers import compose_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,29 +13,39 @@ from typing import Any
 
 from rich.console import Console
 
-from data_prep.brats.layouts import Case, detect_layout, find_cases, msd_channel_order
-from data_prep.brats.outputs import OUTPUT_NAMES, make_manifest, run_summary, write_outputs
-from data_prep.brats.patches import PATCH, patient_crop, patient_patches
-from data_prep.brats.sites import check_sites, find_sites_file, read_sites, site_summary
+from data_prep.brats.layouts import Case
+from data_prep.brats.layouts import detect_layout
+from data_prep.brats.layouts import find_cases
+from data_prep.brats.layouts import msd_channel_order
+from data_prep.brats.outputs import OUTPUT_NAMES
+from data_prep.brats.outputs import make_manifest
+from data_prep.brats.outputs import run_summary
+from data_prep.brats.outputs import write_outputs
+from data_prep.brats.patches import PATCH
+from data_prep.brats.patches import patient_crop
+from data_prep.brats.patches import patient_patches
+from data_prep.brats.sites import check_sites
+from data_prep.brats.sites import find_sites_file
+from data_prep.brats.sites import read_sites
+from data_prep.brats.sites import site_summary
 from data_prep.brats.volumes import load_case
-from data_prep.common import (
-    RunLog,
-    StudyCache,
-    StudyError,
-    cleanup_partials,
-    console_for,
-    geometry_params,
-    id_problem,
-    nothing_usable,
-    one_line,
-    prepare_out,
-    progress_bar,
-    require_dir,
-    resolve_geometry,
-    write_json,
-    write_skipped,
-)
-from data_prep.sizes import check_brats, check_room
+from data_prep.common import RunLog
+from data_prep.common import StudyCache
+from data_prep.common import StudyError
+from data_prep.common import cleanup_partials
+from data_prep.common import console_for
+from data_prep.common import geometry_params
+from data_prep.common import id_problem
+from data_prep.common import nothing_usable
+from data_prep.common import one_line
+from data_prep.common import prepare_out
+from data_prep.common import progress_bar
+from data_prep.common import require_dir
+from data_prep.common import resolve_geometry
+from data_prep.common import write_json
+from data_prep.common import write_skipped
+from data_prep.sizes import check_brats
+from data_prep.sizes import check_room
 
 
 @dataclass(frozen=True)

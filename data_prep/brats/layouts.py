@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.common import file_stamp, one_line
+from data_prep.common import file_stamp
+from data_prep.common import one_line
 
 MODALITIES = ("flair", "t1", "t1ce", "t2")
 """Output channel order (the same for every release)."""

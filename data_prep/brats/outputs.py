@@ -13,10 +13,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from data_prep.brats.labels import LABEL_TABLES, REGIONS
-from data_prep.brats.layouts import MODALITIES, Case
+from data_prep.brats.labels import LABEL_TABLES
+from data_prep.brats.labels import REGIONS
+from data_prep.brats.layouts import MODALITIES
+from data_prep.brats.layouts import Case
 from data_prep.brats.patches import PATCH
-from data_prep.common import RunLog, StudyCache, write_csv, write_stacked
+from data_prep.common import RunLog
+from data_prep.common import StudyCache
+from data_prep.common import write_csv
+from data_prep.common import write_stacked
 
 if TYPE_CHECKING:
     from data_prep.brats.conversion import BratsOptions

@@ -13,8 +13,10 @@ import nibabel as nib
 import numpy as np
 
 from data_prep.brats.labels import to_common_labels
-from data_prep.brats.layouts import ODD_SEG_NAMES, Case
-from data_prep.common import StudyError, one_line
+from data_prep.brats.layouts import ODD_SEG_NAMES
+from data_prep.brats.layouts import Case
+from data_prep.common import StudyError
+from data_prep.common import one_line
 
 
 def load_canonical(path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -34,10 +34,14 @@ Modules: :mod:`~data_prep.luna16.volumes` (finding and reading the CT volumes),
 :mod:`~data_prep.luna16.cli`.
 """
 
-from data_prep.luna16.cli import build_parser, main
-from data_prep.luna16.conversion import LunaOptions, convert
-from data_prep.luna16.outputs import MANIFEST_COLUMNS, OUTPUT_NAMES
-from data_prep.luna16.patches import HU_WINDOW, PATCH
+from data_prep.luna16.cli import build_parser
+from data_prep.luna16.cli import main
+from data_prep.luna16.conversion import LunaOptions
+from data_prep.luna16.conversion import convert
+from data_prep.luna16.outputs import MANIFEST_COLUMNS
+from data_prep.luna16.outputs import OUTPUT_NAMES
+from data_prep.luna16.patches import HU_WINDOW
+from data_prep.luna16.patches import PATCH
 
 __all__ = [
     "HU_WINDOW",

@@ -12,7 +12,9 @@ import numpy as np
 import pandas as pd
 from rich.console import Console
 
-from data_prep.common import RunLog, id_problem, one_line
+from data_prep.common import RunLog
+from data_prep.common import id_problem
+from data_prep.common import one_line
 
 CANDIDATE_COLUMNS = ("seriesuid", "coordX", "coordY", "coordZ", "class")
 CANDIDATE_FILES = ("candidates_V2.csv", "candidates.csv")

@@ -16,27 +16,33 @@ import numpy as np
 import pandas as pd
 from rich.console import Console
 
-from data_prep.common import (
-    RunLog,
-    StudyCache,
-    StudyError,
-    cleanup_partials,
-    console_for,
-    file_stamp,
-    geometry_params,
-    nothing_usable,
-    one_line,
-    prepare_out,
-    progress_bar,
-    require_dir,
-    resolve_geometry,
-    write_json,
-    write_skipped,
-)
-from data_prep.luna16.candidates import find_candidates_csv, read_candidates, subsample_negatives
-from data_prep.luna16.outputs import MANIFEST_COLUMNS, OUTPUT_NAMES, run_summary, write_outputs
-from data_prep.luna16.patches import HU_WINDOW, PATCH, convert_study
-from data_prep.luna16.volumes import find_volumes, subset_of
+from data_prep.common import RunLog
+from data_prep.common import StudyCache
+from data_prep.common import StudyError
+from data_prep.common import cleanup_partials
+from data_prep.common import console_for
+from data_prep.common import file_stamp
+from data_prep.common import geometry_params
+from data_prep.common import nothing_usable
+from data_prep.common import one_line
+from data_prep.common import prepare_out
+from data_prep.common import progress_bar
+from data_prep.common import require_dir
+from data_prep.common import resolve_geometry
+from data_prep.common import write_json
+from data_prep.common import write_skipped
+from data_prep.luna16.candidates import find_candidates_csv
+from data_prep.luna16.candidates import read_candidates
+from data_prep.luna16.candidates import subsample_negatives
+from data_prep.luna16.outputs import MANIFEST_COLUMNS
+from data_prep.luna16.outputs import OUTPUT_NAMES
+from data_prep.luna16.outputs import run_summary
+from data_prep.luna16.outputs import write_outputs
+from data_prep.luna16.patches import HU_WINDOW
+from data_prep.luna16.patches import PATCH
+from data_prep.luna16.patches import convert_study
+from data_prep.luna16.volumes import find_volumes
+from data_prep.luna16.volumes import subset_of
 from data_prep.mhd import mhd_problem
 from data_prep.sizes import check_luna
 

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from data_prep.common import RunLog, write_csv, write_stacked
+from data_prep.common import RunLog
+from data_prep.common import write_csv
+from data_prep.common import write_stacked
 from data_prep.luna16.patches import PATCH
 from data_prep.luna16.volumes import ORIENTATION
 

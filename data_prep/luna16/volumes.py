@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import SimpleITK as sitk
 
-from data_prep.common import RunLog, id_problem
+from data_prep.common import RunLog
+from data_prep.common import id_problem
 
 ORIENTATION = "LPS"
 """Volumes are re-oriented to DICOM LPS (axis flips/permutations only, never resampled)."""

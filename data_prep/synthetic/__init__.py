@@ -18,10 +18,14 @@ Modules: :mod:`~data_prep.synthetic.luna16` (CT studies, LUNA16 layout),
 BraTS, FeTS and MSD layouts), :mod:`~data_prep.synthetic.cli`.
 """
 
-from data_prep.synthetic.brats import BRATS_RELEASES, write_brats
-from data_prep.synthetic.cli import build_parser, main
-from data_prep.synthetic.luna16 import LunaStudy, write_luna16
-from data_prep.synthetic.mri import MRIStudy, make_mri_studies
+from data_prep.synthetic.brats import BRATS_RELEASES
+from data_prep.synthetic.brats import write_brats
+from data_prep.synthetic.cli import build_parser
+from data_prep.synthetic.cli import main
+from data_prep.synthetic.luna16 import LunaStudy
+from data_prep.synthetic.luna16 import write_luna16
+from data_prep.synthetic.mri import MRIStudy
+from data_prep.synthetic.mri import make_mri_studies
 
 __all__ = [
     "BRATS_RELEASES",

@@ -15,7 +15,8 @@ import nibabel as nib
 import numpy as np
 import pandas as pd
 
-from data_prep.synthetic.mri import MRIStudy, make_mri_studies
+from data_prep.synthetic.mri import MRIStudy
+from data_prep.synthetic.mri import make_mri_studies
 
 BRATS_MODALITIES = ("flair", "t1", "t1ce", "t2")
 MSD_MODALITY_NAMES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}

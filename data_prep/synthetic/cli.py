@@ -6,9 +6,11 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_prep.synthetic.brats import BRATS_RELEASES, write_brats
+from data_prep.synthetic.brats import BRATS_RELEASES
+from data_prep.synthetic.brats import write_brats
 from data_prep.synthetic.luna16 import write_luna16
-from data_prep.synthetic.mri import MRI_SHAPE, make_mri_studies
+from data_prep.synthetic.mri import MRI_SHAPE
+from data_prep.synthetic.mri import make_mri_studies
 
 
 def build_parser() -> argparse.ArgumentParser:

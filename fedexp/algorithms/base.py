@@ -20,26 +20,25 @@ the one-client views (``downlink``, ``eval_params``) are derived. Hooks must not
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import torch
 
-from fedexp.contract import (
-    PART_KINDS,
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Message,
-    Senders,
-    Stacked,
-    StackedUpdates,
-    State,
-    parts_updates,
-    update_parts,
-    weighted_mean,
-)
+from fedexp.contract import PART_KINDS
+from fedexp.contract import Cohort
+from fedexp.contract import CohortResult
+from fedexp.contract import CohortStates
+from fedexp.contract import Message
+from fedexp.contract import Senders
+from fedexp.contract import Stacked
+from fedexp.contract import StackedUpdates
+from fedexp.contract import State
+from fedexp.contract import parts_updates
+from fedexp.contract import update_parts
+from fedexp.contract import weighted_mean
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.context import Context
 from fedexp.transfer import to_device

@@ -15,9 +15,15 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
-from fedexp.config.ranges import PositiveInt, Range
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 

@@ -69,13 +69,23 @@ import numpy as np
 import torch
 
 from fedexp import streams
-from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
-from fedexp.config.ranges import Positive, PositiveInt, Range
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.objective import Aux, Objective
-from fedexp.engine.solver.steps import stacked_gradients, unstack_states
-from fedexp.models.task import PADDING, valid_rows
+from fedexp.engine.solver.objective import Aux
+from fedexp.engine.solver.objective import Objective
+from fedexp.engine.solver.steps import stacked_gradients
+from fedexp.engine.solver.steps import unstack_states
+from fedexp.models.task import PADDING
+from fedexp.models.task import valid_rows
 from fedexp.transfer import to_device
 
 #: stream purpose of the ALA data slice (beside ``fedexp.streams``'s)

@@ -63,20 +63,20 @@ from types import MappingProxyType
 
 import torch
 
-from fedexp.algorithms.base import (
-    Algorithm,
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    StackedUpdates,
-    State,
-    Updates,
-    Weights,
-    gather_rows,
-    scatter_rows,
-)
-from fedexp.config.ranges import Fraction, NonNegative, Positive
+from fedexp.algorithms.base import Algorithm
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import StackedUpdates
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
+from fedexp.algorithms.base import gather_rows
+from fedexp.algorithms.base import scatter_rows
+from fedexp.config.ranges import Fraction
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import Positive
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError

@@ -30,10 +30,13 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, State
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import State
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedper import FedPer
-from fedexp.config.ranges import NonNegative, Positive, Range
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import Range
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.context import Context
 from fedexp.errors import ConfigError

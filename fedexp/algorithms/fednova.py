@@ -45,17 +45,16 @@ from types import MappingProxyType
 
 import torch
 
-from fedexp.algorithms.base import (
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    State,
-    Updates,
-    Weights,
-    update_parts,
-)
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
+from fedexp.algorithms.base import update_parts
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import NonNegative
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Objective

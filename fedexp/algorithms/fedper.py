@@ -20,19 +20,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fedexp.algorithms.base import (
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    StackedUpdates,
-    State,
-    Updates,
-    Weights,
-    broadcast,
-    weighted_mean,
-)
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import StackedUpdates
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
+from fedexp.algorithms.base import broadcast
+from fedexp.algorithms.base import weighted_mean
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.server_optim import server_optimizer_of
 from fedexp.engine.solver.steps import unstack_states

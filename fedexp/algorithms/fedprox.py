@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import NonNegative
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Objective

@@ -28,10 +28,14 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedper import FedPer
-from fedexp.config.ranges import NonNegative, Range
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import Range
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states

@@ -62,12 +62,18 @@ from collections.abc import Callable
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
 from fedexp.config.ranges import Positive
 from fedexp.engine.clients.pool import padded
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.objective import Aux, Objective
+from fedexp.engine.solver.objective import Aux
+from fedexp.engine.solver.objective import Objective
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError
 from fedexp.models.task import valid_rows

@@ -30,10 +30,16 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
 from fedexp.algorithms.fedprox import FedProx
-from fedexp.config.ranges import NonNegative, Range
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 

@@ -48,24 +48,25 @@ from typing import Annotated
 import numpy as np
 import torch
 
-from fedexp.algorithms.base import (
-    Algorithm,
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    StackedUpdates,
-    State,
-    Updates,
-    Weights,
-    gather_rows,
-    scatter_rows,
-)
-from fedexp.config.ranges import Positive, Range
+from fedexp.algorithms.base import Algorithm
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import StackedUpdates
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
+from fedexp.algorithms.base import gather_rows
+from fedexp.algorithms.base import scatter_rows
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
-from fedexp.graph.fusion import check_penalty, prox_rows
-from fedexp.graph.incidence import q_rows, qt_rows
+from fedexp.graph.fusion import check_penalty
+from fedexp.graph.fusion import prox_rows
+from fedexp.graph.incidence import q_rows
+from fedexp.graph.incidence import qt_rows
 from fedexp.transfer import to_device
 
 

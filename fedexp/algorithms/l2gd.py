@@ -49,20 +49,20 @@ from typing import Annotated
 import torch
 
 from fedexp import streams
-from fedexp.algorithms.base import (
-    Algorithm,
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    StackedUpdates,
-    State,
-    Updates,
-    Weights,
-    broadcast,
-    weighted_mean,
-)
-from fedexp.config.ranges import Positive, PositiveInt, Range
+from fedexp.algorithms.base import Algorithm
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import StackedUpdates
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
+from fedexp.algorithms.base import broadcast
+from fedexp.algorithms.base import weighted_mean
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.errors import ConfigError

@@ -10,16 +10,14 @@ from collections.abc import Callable
 
 import torch
 
-from fedexp.algorithms.base import (
-    Algorithm,
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    State,
-    Updates,
-    Weights,
-)
+from fedexp.algorithms.base import Algorithm
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.steps import unstack_states
 

@@ -42,21 +42,26 @@ import logging
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
-from fedexp.config.ranges import NonNegative, Positive
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import Positive
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.objective import Objective
-from fedexp.engine.solver.optim import SGD, stack_states
+from fedexp.engine.solver.optim import SGD
 from fedexp.engine.solver.optim import State as OptState
-from fedexp.engine.solver.steps import (
-    Ahead,
-    check_rows,
-    draw_step,
-    rowwise,
-    stacked_gradients,
-    unstack_states,
-)
+from fedexp.engine.solver.optim import stack_states
+from fedexp.engine.solver.steps import Ahead
+from fedexp.engine.solver.steps import check_rows
+from fedexp.engine.solver.steps import draw_step
+from fedexp.engine.solver.steps import rowwise
+from fedexp.engine.solver.steps import stacked_gradients
+from fedexp.engine.solver.steps import unstack_states
 
 log = logging.getLogger("fedexp")
 

@@ -38,12 +38,20 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
-from fedexp.config.ranges import Positive, PositiveInt
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import PositiveInt
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.optim import SGD
-from fedexp.engine.solver.steps import check_rows, draw_batch, unstack_states
+from fedexp.engine.solver.steps import check_rows
+from fedexp.engine.solver.steps import draw_batch
+from fedexp.engine.solver.steps import unstack_states
 
 
 class PFedMe(FedAvg):

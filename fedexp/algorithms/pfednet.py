@@ -32,31 +32,32 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import (
-    Algorithm,
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    StackedUpdates,
-    State,
-    Updates,
-    Weights,
-)
-from fedexp.config.ranges import NonNegative, NonNegativeInt, Positive, PositiveInt, Range
+from fedexp.algorithms.base import Algorithm
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import StackedUpdates
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import NonNegativeInt
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
 from fedexp.contract import update_parts
 from fedexp.data.client import ClientData
 from fedexp.engine.solver import steps as solver
 from fedexp.engine.solver.context import Context
-from fedexp.graph import (
-    covariance_sketch,
-    kernel_sketch,
-    knn_edges,
-    label_sketch,
-    make_rff,
-    sketch_distances,
-)
-from fedexp.graph.admm import ZStepSolver, ZStepState
+from fedexp.graph import covariance_sketch
+from fedexp.graph import kernel_sketch
+from fedexp.graph import knn_edges
+from fedexp.graph import label_sketch
+from fedexp.graph import make_rff
+from fedexp.graph import sketch_distances
+from fedexp.graph.admm import ZStepSolver
+from fedexp.graph.admm import ZStepState
 from fedexp.transfer import to_device
 
 _SKETCHES = ("label", "covariance", "kernel", "model")

@@ -30,19 +30,17 @@ from types import MappingProxyType
 
 import torch
 
-from fedexp.algorithms.base import (
-    Algorithm,
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    StackedUpdates,
-    State,
-    Updates,
-    Weights,
-    broadcast,
-    update_parts,
-)
+from fedexp.algorithms.base import Algorithm
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import StackedUpdates
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
+from fedexp.algorithms.base import broadcast
+from fedexp.algorithms.base import update_parts
 from fedexp.algorithms.fedavg import ServerLr
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.server_optim import server_optimizer_of

@@ -45,13 +45,21 @@ from typing import Annotated
 import torch
 
 from fedexp import streams
-from fedexp.algorithms.base import Cohort, CohortResult, CohortStates, Stacked, State
-from fedexp.algorithms.fedavg import FedAvg, ServerLr
-from fedexp.config.ranges import Fraction, NonNegativeInt, Range
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import State
+from fedexp.algorithms.fedavg import FedAvg
+from fedexp.algorithms.fedavg import ServerLr
+from fedexp.config.ranges import Fraction
+from fedexp.config.ranges import NonNegativeInt
+from fedexp.config.ranges import Range
 from fedexp.data.client import ClientData
 from fedexp.engine.solver.context import Context
 from fedexp.engine.solver.losses import train_losses
-from fedexp.engine.solver.objective import Aux, Objective
+from fedexp.engine.solver.objective import Aux
+from fedexp.engine.solver.objective import Objective
 from fedexp.engine.solver.optim import State as OptState
 from fedexp.engine.solver.steps import unstack_states
 from fedexp.models.flat import FlatModel

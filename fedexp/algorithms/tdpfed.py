@@ -46,27 +46,35 @@ from typing import Annotated
 
 import torch
 
-from fedexp.algorithms.base import (
-    Algorithm,
-    Cohort,
-    CohortResult,
-    CohortStates,
-    Stacked,
-    StackedUpdates,
-    State,
-    Updates,
-    Weights,
-    broadcast,
-    weighted_mean,
-)
+from fedexp.algorithms.base import Algorithm
+from fedexp.algorithms.base import Cohort
+from fedexp.algorithms.base import CohortResult
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import Stacked
+from fedexp.algorithms.base import StackedUpdates
+from fedexp.algorithms.base import State
+from fedexp.algorithms.base import Updates
+from fedexp.algorithms.base import Weights
+from fedexp.algorithms.base import broadcast
+from fedexp.algorithms.base import weighted_mean
 from fedexp.algorithms.fedavg import ServerLr
-from fedexp.config.ranges import OpenFraction, Positive, PositiveInt, Range
+from fedexp.config.ranges import OpenFraction
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
 from fedexp.contract import update_parts
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.objective import Aux, Objective
-from fedexp.engine.solver.optim import SGD, Adam, Optimizer, stack_states
-from fedexp.engine.solver.steps import draw_batch, unstack_states
-from fedexp.models.cp import CPLayout, als, compose
+from fedexp.engine.solver.objective import Aux
+from fedexp.engine.solver.objective import Objective
+from fedexp.engine.solver.optim import SGD
+from fedexp.engine.solver.optim import Adam
+from fedexp.engine.solver.optim import Optimizer
+from fedexp.engine.solver.optim import stack_states
+from fedexp.engine.solver.steps import draw_batch
+from fedexp.engine.solver.steps import unstack_states
+from fedexp.models.cp import CPLayout
+from fedexp.models.cp import als
+from fedexp.models.cp import compose
 from fedexp.models.flat import Layout
 from fedexp.transfer import to_device
 

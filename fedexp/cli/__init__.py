@@ -24,14 +24,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedexp.cli import overrides
-from fedexp.cli.overrides import (
-    USAGE,
-    checked_paths,
-    group_option_errors,
-    hydra_code_override,
-    override_shape_errors,
-    sweep_without_multirun,
-)
+from fedexp.cli.overrides import USAGE
+from fedexp.cli.overrides import checked_paths
+from fedexp.cli.overrides import group_option_errors
+from fedexp.cli.overrides import hydra_code_override
+from fedexp.cli.overrides import override_shape_errors
+from fedexp.cli.overrides import sweep_without_multirun
 from fedexp.errors import Terminated
 
 if TYPE_CHECKING:
@@ -55,7 +53,8 @@ def _hydra_run(cfg: DictConfig) -> float:
     from hydra.types import RunMode
 
     from fedexp.cli.distributed import group_job
-    from fedexp.cli.job import checked, single_run
+    from fedexp.cli.job import checked
+    from fedexp.cli.job import single_run
     from fedexp.cli.sweep_job import sweep_job
     from fedexp.sweep.stacked import job_hydra
 
@@ -134,7 +133,8 @@ def main() -> None:
             f"{bad}: Hydra settings that name code (callbacks, _target_, logging classes) "
             "cannot be overridden; only fedexp's own classes can be configured"
         )
-    from fedexp.config.keys import added_or_removed_errors, unknown_key_errors
+    from fedexp.config.keys import added_or_removed_errors
+    from fedexp.config.keys import unknown_key_errors
     from fedexp.config.schema import override_errors
 
     # lr=-1, algorithm=nope, algorithm.lamda=0.1: one line before Hydra composes anything

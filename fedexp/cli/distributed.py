@@ -22,8 +22,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fedexp.engine.processes.place import Place, env_place
-from fedexp.errors import ConfigError, FedexpError
+from fedexp.engine.processes.place import Place
+from fedexp.engine.processes.place import env_place
+from fedexp.errors import ConfigError
+from fedexp.errors import FedexpError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -171,7 +173,8 @@ def prepare_argv(args: list[str]) -> tuple[list[str], str | None, int]:
     """
     launcher = launcher_option(args)
     if launcher is not None:
-        from fedexp.sweep import NO_SLURM, slurm_missing
+        from fedexp.sweep import NO_SLURM
+        from fedexp.sweep import slurm_missing
 
         if slurm_missing(launcher):
             return args, NO_SLURM, 1
@@ -312,7 +315,8 @@ def join(cfg: DictConfig, hc: DictConfig, place: Place) -> Ranks:
     import torch.distributed as dist
     from omegaconf import open_dict
 
-    from fedexp.engine.processes.ranks import init_from_env, keep_on_loopback
+    from fedexp.engine.processes.ranks import init_from_env
+    from fedexp.engine.processes.ranks import keep_on_loopback
 
     if int(cfg.get("threads") or 0) <= 0:
         _threads(place)

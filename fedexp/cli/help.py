@@ -13,7 +13,9 @@ import inspect
 import re
 import shutil
 import textwrap
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import MISSING
+from dataclasses import fields
+from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any
 

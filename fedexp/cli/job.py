@@ -14,9 +14,13 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from fedexp.cli.output import describe_stop, print_table
+from fedexp.cli.output import describe_stop
+from fedexp.cli.output import print_table
 from fedexp.cli.overrides import USAGE
-from fedexp.errors import ConfigError, DataError, FedexpError, Terminated
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
+from fedexp.errors import FedexpError
+from fedexp.errors import Terminated
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -34,7 +38,9 @@ def _set_threads(cfg: DictConfig, hc: DictConfig) -> None:
     """
     from hydra.types import RunMode
 
-    from fedexp.engine.threads import apply_threads, available_cores, launcher_jobs
+    from fedexp.engine.threads import apply_threads
+    from fedexp.engine.threads import available_cores
+    from fedexp.engine.threads import launcher_jobs
     from fedexp.figures import drawer
 
     jobs = 1
@@ -148,7 +154,9 @@ def single_run(cfg: DictConfig, hc: DictConfig) -> float:
         _discard_folder(hc)
         sys.exit(USAGE)
     from fedexp.cli.distributed import say_once
-    from fedexp.cli.group_lost import as_started, raise_if_group_lost, sigterm_after_failure
+    from fedexp.cli.group_lost import as_started
+    from fedexp.cli.group_lost import raise_if_group_lost
+    from fedexp.cli.group_lost import sigterm_after_failure
     from fedexp.engine.processes.place import env_place
     from fedexp.engine.runner import run
     from fedexp.engine.threads import round_callbacks
@@ -182,7 +190,8 @@ def _discard_folder(hc: DictConfig) -> None:
 
     A refused resume: Hydra's record of it (``.hydra/resume-<stamp>``) in the run's folder.
     """
-    from fedexp.config.instantiate import discard_fresh_dir, discard_resume_record
+    from fedexp.config.instantiate import discard_fresh_dir
+    from fedexp.config.instantiate import discard_resume_record
 
     discard_fresh_dir(hc.runtime.output_dir)
     discard_resume_record(hc.runtime.output_dir, str(hc.output_subdir))

@@ -14,13 +14,11 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedexp.errors import (
-    CheckpointError,
-    ConfigError,
-    DivergenceError,
-    RankDied,
-    Terminated,
-)
+from fedexp.errors import CheckpointError
+from fedexp.errors import ConfigError
+from fedexp.errors import DivergenceError
+from fedexp.errors import RankDied
+from fedexp.errors import Terminated
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -147,7 +145,8 @@ def default_lr(overrides: list[str]) -> float | None:
     ``resume`` (an experiment's or a sweep's settings stay: their lr is the default); None
     when it cannot be composed.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     keep = _without([o for o in overrides if not o.startswith("hydra.")], ("lr", "resume"))

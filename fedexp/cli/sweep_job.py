@@ -13,14 +13,21 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedexp.cli.job import checked, objective, prepare, run_name, sigterm_as_exception
+from fedexp.cli.job import checked
+from fedexp.cli.job import objective
+from fedexp.cli.job import prepare
+from fedexp.cli.job import run_name
+from fedexp.cli.job import sigterm_as_exception
 from fedexp.cli.output import describe_stop
-from fedexp.errors import ConfigError, FedexpError, Terminated
+from fedexp.errors import ConfigError
+from fedexp.errors import FedexpError
+from fedexp.errors import Terminated
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from fedexp.sweep import JobStatus, SweepInfo
+    from fedexp.sweep import JobStatus
+    from fedexp.sweep import SweepInfo
 
 
 def _headline(result) -> dict[str, float]:  # noqa: ANN001 - RunResult, imported lazily
@@ -79,7 +86,9 @@ def sweep_job(cfg: DictConfig, hc: DictConfig) -> float:
     which the sweep's callback reads.
     """
     from fedexp.engine.files.progress import job_label
-    from fedexp.sweep import JobStatus, SweepInfo, write_status
+    from fedexp.sweep import JobStatus
+    from fedexp.sweep import SweepInfo
+    from fedexp.sweep import write_status
     from fedexp.sweep.stacked import job_hydra
 
     info = SweepInfo.read(hc.sweep.dir)

@@ -37,12 +37,10 @@ from typing import IO
 from urllib.parse import urlparse
 
 from fedexp.errors import FedexpError
-from fedexp.tracking.links import (
-    ML_VIEW_QUERY,
-    default_store,
-    experiment_url,
-    is_server,
-)
+from fedexp.tracking.links import ML_VIEW_QUERY
+from fedexp.tracking.links import default_store
+from fedexp.tracking.links import experiment_url
+from fedexp.tracking.links import is_server
 
 #: The only address the server listens on: this machine.
 HOST = "127.0.0.1"

@@ -13,12 +13,16 @@ bytes counted on their own) and its own residual.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Protocol
 
 import torch
 
-from fedexp.comm.codec import Codec, DenseCodec, Payloads, Streams
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import DenseCodec
+from fedexp.comm.codec import Payloads
+from fedexp.comm.codec import Streams
 
 
 class UpdateTransform(Protocol):

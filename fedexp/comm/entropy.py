@@ -27,7 +27,11 @@ from typing import Annotated
 
 import torch
 
-from fedexp.comm.codec import Codec, DenseCodec, Payloads, Streams, overrides
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import DenseCodec
+from fedexp.comm.codec import Payloads
+from fedexp.comm.codec import Streams
+from fedexp.comm.codec import overrides
 from fedexp.config.ranges import Range
 
 try:  # pragma: no cover - depends on the environment

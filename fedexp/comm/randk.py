@@ -21,8 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.comm.codec import Codec, Streams, as_rows, check_generators, overrides
-from fedexp.comm.topk import TopKCodec, keep_count
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import Streams
+from fedexp.comm.codec import as_rows
+from fedexp.comm.codec import check_generators
+from fedexp.comm.codec import overrides
+from fedexp.comm.topk import TopKCodec
+from fedexp.comm.topk import keep_count
 from fedexp.config.ranges import PositiveFraction
 from fedexp.streams import mix64
 

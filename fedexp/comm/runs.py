@@ -28,26 +28,28 @@ import struct
 import numpy as np
 import torch
 
-from fedexp.comm.codec import Codec, Payloads, as_rows, overrides
-from fedexp.comm.golomb import (
-    MAX_RICE_PARAMETER,
-    BitReader,
-    BitWriter,
-    best_rice_parameter,
-    check_padding,
-    rice_bits,
-)
-from fedexp.comm.golomb_cohort import (
-    OUT_OF_RANGE,
-    best_rice_parameters,
-    best_rice_rows,
-    gaps_of_marked,
-    positions_to_gaps_many,
-    read_rice_many,
-    rice_bits_many,
-    rice_status_message,
-)
-from fedexp.comm.topk import _gather, _spans, flat_cpu_float32, pack_sparse_many
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import Payloads
+from fedexp.comm.codec import as_rows
+from fedexp.comm.codec import overrides
+from fedexp.comm.golomb import MAX_RICE_PARAMETER
+from fedexp.comm.golomb import BitReader
+from fedexp.comm.golomb import BitWriter
+from fedexp.comm.golomb import best_rice_parameter
+from fedexp.comm.golomb import check_padding
+from fedexp.comm.golomb import rice_bits
+from fedexp.comm.golomb_cohort import OUT_OF_RANGE
+from fedexp.comm.golomb_cohort import best_rice_parameters
+from fedexp.comm.golomb_cohort import best_rice_rows
+from fedexp.comm.golomb_cohort import gaps_of_marked
+from fedexp.comm.golomb_cohort import positions_to_gaps_many
+from fedexp.comm.golomb_cohort import read_rice_many
+from fedexp.comm.golomb_cohort import rice_bits_many
+from fedexp.comm.golomb_cohort import rice_status_message
+from fedexp.comm.topk import _gather
+from fedexp.comm.topk import _spans
+from fedexp.comm.topk import flat_cpu_float32
+from fedexp.comm.topk import pack_sparse_many
 
 _RUNS, _DENSE = 0, 1
 _RUN_HEADER = struct.Struct("<BIB")

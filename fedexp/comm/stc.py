@@ -37,28 +37,29 @@ import struct
 import numpy as np
 import torch
 
-from fedexp.comm.codec import Codec, Payloads, Streams, as_rows, check_generators, overrides
-from fedexp.comm.golomb import (
-    BitReader,
-    BitWriter,
-    check_padding,
-    expected_position_bits,
-    gaps_to_positions,
-    positions_to_gaps,
-    rice_bits,
-)
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import Payloads
+from fedexp.comm.codec import Streams
+from fedexp.comm.codec import as_rows
+from fedexp.comm.codec import check_generators
+from fedexp.comm.codec import overrides
+from fedexp.comm.golomb import BitReader
+from fedexp.comm.golomb import BitWriter
+from fedexp.comm.golomb import check_padding
+from fedexp.comm.golomb import expected_position_bits
+from fedexp.comm.golomb import gaps_to_positions
+from fedexp.comm.golomb import positions_to_gaps
+from fedexp.comm.golomb import rice_bits
 from fedexp.comm.golomb_cohort import positions_to_gaps_many
-from fedexp.comm.topk import (
-    check_fraction,
-    flat_cpu_float32,
-    keep_count,
-    pack_sparse_many,
-    read_sparse_many,
-    rice_parameter_for,
-    rice_parameters_for_many,
-    sparse_bits_rows,
-    sparse_rows,
-)
+from fedexp.comm.topk import check_fraction
+from fedexp.comm.topk import flat_cpu_float32
+from fedexp.comm.topk import keep_count
+from fedexp.comm.topk import pack_sparse_many
+from fedexp.comm.topk import read_sparse_many
+from fedexp.comm.topk import rice_parameter_for
+from fedexp.comm.topk import rice_parameters_for_many
+from fedexp.comm.topk import sparse_bits_rows
+from fedexp.comm.topk import sparse_rows
 from fedexp.config.ranges import PositiveFraction
 
 #: ATen's ``internal::GRAIN_SIZE``: a CPU reduction over at least this many elements may be

@@ -31,29 +31,30 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from fedexp.comm.codec import Codec, Payloads, Streams, as_rows, check_generators, overrides
-from fedexp.comm.golomb import (
-    MAX_RICE_PARAMETER,
-    BitReader,
-    BitWriter,
-    best_rice_parameter,
-    check_padding,
-    gaps_to_positions,
-    golomb_parameter,
-    positions_to_gaps,
-    rice_bits,
-)
-from fedexp.comm.golomb_cohort import (
-    best_rice_parameters,
-    best_rice_rows,
-    gaps_of_sorted,
-    positions_to_gaps_many,
-    read_rice_many,
-    rice_bits_many,
-    rice_bits_rows,
-    rice_status_message,
-    write_rice_many,
-)
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import Payloads
+from fedexp.comm.codec import Streams
+from fedexp.comm.codec import as_rows
+from fedexp.comm.codec import check_generators
+from fedexp.comm.codec import overrides
+from fedexp.comm.golomb import MAX_RICE_PARAMETER
+from fedexp.comm.golomb import BitReader
+from fedexp.comm.golomb import BitWriter
+from fedexp.comm.golomb import best_rice_parameter
+from fedexp.comm.golomb import check_padding
+from fedexp.comm.golomb import gaps_to_positions
+from fedexp.comm.golomb import golomb_parameter
+from fedexp.comm.golomb import positions_to_gaps
+from fedexp.comm.golomb import rice_bits
+from fedexp.comm.golomb_cohort import best_rice_parameters
+from fedexp.comm.golomb_cohort import best_rice_rows
+from fedexp.comm.golomb_cohort import gaps_of_sorted
+from fedexp.comm.golomb_cohort import positions_to_gaps_many
+from fedexp.comm.golomb_cohort import read_rice_many
+from fedexp.comm.golomb_cohort import rice_bits_many
+from fedexp.comm.golomb_cohort import rice_bits_rows
+from fedexp.comm.golomb_cohort import rice_status_message
+from fedexp.comm.golomb_cohort import write_rice_many
 from fedexp.config.ranges import PositiveFraction
 
 _SPARSE_HEADER = struct.Struct("<IB")

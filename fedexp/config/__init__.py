@@ -1,3 +1,4 @@
-from fedexp.config.schema import RunConfig, register_configs
+from fedexp.config.schema import RunConfig
+from fedexp.config.schema import register_configs
 
 __all__ = ["RunConfig", "register_configs"]

@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, open_dict
+from omegaconf import DictConfig
+from omegaconf import ListConfig
+from omegaconf import open_dict
 
 from fedexp.config.instantiate import check_node
 from fedexp.errors import ConfigError

@@ -21,10 +21,13 @@ import typing
 from typing import Any
 
 import hydra.utils
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
+from omegaconf import ListConfig
+from omegaconf import OmegaConf
 
 from fedexp.config.ranges import range_of
-from fedexp.errors import ConfigError, FedexpError
+from fedexp.errors import ConfigError
+from fedexp.errors import FedexpError
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 _SCALARS = (bool, int, float, str)

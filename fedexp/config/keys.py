@@ -26,14 +26,16 @@ import difflib
 import importlib
 import inspect
 from collections.abc import Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
+from dataclasses import is_dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fedexp.config.schema import REMOVED, RunConfig
+from fedexp.config.schema import REMOVED
+from fedexp.config.schema import RunConfig
 
 
 @cache

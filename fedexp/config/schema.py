@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING
+from dataclasses import dataclass
+from dataclasses import field
+from dataclasses import fields
 from typing import Any
 
 from fedexp.errors import ConfigError

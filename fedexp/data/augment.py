@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.config.ranges import Fraction, NonNegative
+from fedexp.config.ranges import Fraction
+from fedexp.config.ranges import NonNegative
 from fedexp.errors import ConfigError
-from fedexp.streams import _GOLDEN, _s64, _srl, mix64
+from fedexp.streams import _GOLDEN
+from fedexp.streams import _s64
+from fedexp.streams import _srl
+from fedexp.streams import mix64
 
 #: tweak of augmentation's hashes (apart from the minibatch draws')
 _AUGMENT = _s64(0x2545F4914F6CDD1D)

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fedexp.data.client import ClientData, PoolRows
+from fedexp.data.client import ClientData
+from fedexp.data.client import PoolRows
 from fedexp.data.dataset import ArrayDataset
 from fedexp.data.partitions import ClientSplit
 from fedexp.engine.clients.pool import ClientTable
-from fedexp.errors import ConfigError, DataError
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
 
 if TYPE_CHECKING:
     from fedexp.engine.processes.share import Share

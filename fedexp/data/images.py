@@ -387,7 +387,8 @@ def tiny_imagenet(
             without images, an annotation naming an unknown wnid or a missing file, or an
             image that is not a 64x64 picture, or a failed download.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
+    from PIL import UnidentifiedImageError
 
     if max_per_class is not None and max_per_class < 1:
         raise DataError(f"dataset.max_per_class={max_per_class}: expected ≥ 1 (or null for all)")

@@ -22,7 +22,9 @@ from typing import Annotated
 import numpy as np
 import pandas as pd
 
-from fedexp.config.ranges import NonNegativeInt, Positive, Range
+from fedexp.config.ranges import NonNegativeInt
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import Range
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
 

@@ -13,12 +13,16 @@ A partition returns either a plain list of index arrays (one per client) or a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Annotated
 
 import numpy as np
 
-from fedexp.config.ranges import NonNegativeInt, Positive, PositiveInt, Range
+from fedexp.config.ranges import NonNegativeInt
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
 from fedexp.errors import DataError
 
 #: Label imbalance δ: the majority class is δ times the minority one (1: balanced).

@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
 
-from fedexp.config.ranges import NonNegative, NonNegativeInt, PositiveInt, Range
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import NonNegativeInt
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
 from fedexp.data.dataset import ArrayDataset
 from fedexp.errors import DataError
 

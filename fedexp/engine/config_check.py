@@ -20,10 +20,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
-from fedexp.config.groups import MODEL_EXTRA, PLAIN_GROUPS, check_channel, split_model_node
-from fedexp.config.instantiate import check_node, locate_target
+from fedexp.config.groups import MODEL_EXTRA
+from fedexp.config.groups import PLAIN_GROUPS
+from fedexp.config.groups import check_channel
+from fedexp.config.groups import split_model_node
+from fedexp.config.instantiate import check_node
+from fedexp.config.instantiate import locate_target
 from fedexp.engine.solver.server_optim import steps_global_model
 from fedexp.errors import ConfigError
 from fedexp.privacy.checks import check_privacy

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
 from fedexp.engine.files import checkpoint
-from fedexp.engine.files.resume import _change_tags, _check_resume, _resume_changes, flatten_config
+from fedexp.engine.files.resume import _change_tags
+from fedexp.engine.files.resume import _check_resume
+from fedexp.engine.files.resume import _resume_changes
+from fedexp.engine.files.resume import flatten_config
 from fedexp.engine.health import _healthy
 from fedexp.engine.round.engine import Engine
 from fedexp.engine.round.ledger import ByteLedger

@@ -20,42 +20,54 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
 from fedexp import streams
 from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.config.groups import check_channel_keys
-from fedexp.config.instantiate import fresh_dir, instantiate_checked, resumed_run_dir
+from fedexp.config.instantiate import fresh_dir
+from fedexp.config.instantiate import instantiate_checked
+from fedexp.config.instantiate import resumed_run_dir
 from fedexp.config.schema import validate
 from fedexp.data.augment import NoAugmentation
 from fedexp.data.dataset import ArrayDataset
-from fedexp.data.federated import clients_for_batch, federate
+from fedexp.data.federated import clients_for_batch
+from fedexp.data.federated import federate
 from fedexp.engine.clients.states import scratch_folder
 from fedexp.engine.config_check import check_groups
-from fedexp.engine.files.outputs import CLIENT_TABLE, _table_rows, _write_outputs
+from fedexp.engine.files.outputs import CLIENT_TABLE
+from fedexp.engine.files.outputs import _table_rows
+from fedexp.engine.files.outputs import _write_outputs
 from fedexp.engine.files.progress import RoundProgress
 from fedexp.engine.health import _check_blowup
 from fedexp.engine.health import _healthy as _healthy  # (imported from here too)
-from fedexp.engine.memory import keep_freed_memory, resolve_budget
+from fedexp.engine.memory import keep_freed_memory
+from fedexp.engine.memory import resolve_budget
 from fedexp.engine.processes import launch
 from fedexp.engine.processes.ranks import Ranks
 from fedexp.engine.processes.shared_data import load_dataset
-from fedexp.engine.record import RunRecord, resume
+from fedexp.engine.record import RunRecord
 from fedexp.engine.record import loggable as loggable  # (imported from here too)
+from fedexp.engine.record import resume
 from fedexp.engine.round import stacking
-from fedexp.engine.round.engine import Engine, RoundCallback
+from fedexp.engine.round.engine import Engine
+from fedexp.engine.round.engine import RoundCallback
 from fedexp.engine.round.views import held_out
 from fedexp.engine.solver.capture import solver_for
 from fedexp.engine.solver.context import Context
-from fedexp.engine.solver.server_optim import ServerOptimizer, ServerSGD
+from fedexp.engine.solver.server_optim import ServerOptimizer
+from fedexp.engine.solver.server_optim import ServerSGD
 from fedexp.errors import ConfigError
 from fedexp.models.builder import build_model
 from fedexp.models.flat import FlatModel
-from fedexp.models.task import check_model_fits, task_for
+from fedexp.models.task import check_model_fits
+from fedexp.models.task import task_for
 from fedexp.privacy.uplink import PrivateUplink
 from fedexp.system.settings import SystemModel
-from fedexp.tracking.base import NullTracker, Tracker
+from fedexp.tracking.base import NullTracker
+from fedexp.tracking.base import Tracker
 from fedexp.tracking.dataset_input import describe_dataset
 
 log = logging.getLogger("fedexp")

@@ -29,10 +29,12 @@ import numpy as np
 import PIL.Image
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.collections import LineCollection, PathCollection
+from matplotlib.collections import LineCollection
+from matplotlib.collections import PathCollection
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.text import Annotation, Text
+from matplotlib.text import Annotation
+from matplotlib.text import Text
 from matplotlib.ticker import MaxNLocator
 from PIL.PngImagePlugin import PngInfo
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedexp.figures.drawer import draw
-from fedexp.figures.pca import MODEL_SPREAD_TOL, client_model_pca
+from fedexp.figures.pca import MODEL_SPREAD_TOL
+from fedexp.figures.pca import client_model_pca
 
 if TYPE_CHECKING:
     import torch

@@ -5,17 +5,21 @@ sum-of-norms penalty (``admm``: the z-step ADMM; ``prox``: column proxes) and FP
 fusion penalties (``fusion``: SCAD / MCP group proxes). See ``docs/pfednet_math.md``.
 """
 
-from fedexp.graph.incidence import apply_Q, apply_Qt, as_edge_tensor, incidence_matrix
-from fedexp.graph.knn import Graph, canonical_edges, knn_edges, laplacian
-from fedexp.graph.sketches import (
-    covariance_sketch,
-    kernel_sketch,
-    label_sketch,
-    make_rff,
-    median_bandwidth,
-    model_sketch,
-    sketch_distances,
-)
+from fedexp.graph.incidence import apply_Q
+from fedexp.graph.incidence import apply_Qt
+from fedexp.graph.incidence import as_edge_tensor
+from fedexp.graph.incidence import incidence_matrix
+from fedexp.graph.knn import Graph
+from fedexp.graph.knn import canonical_edges
+from fedexp.graph.knn import knn_edges
+from fedexp.graph.knn import laplacian
+from fedexp.graph.sketches import covariance_sketch
+from fedexp.graph.sketches import kernel_sketch
+from fedexp.graph.sketches import label_sketch
+from fedexp.graph.sketches import make_rff
+from fedexp.graph.sketches import median_bandwidth
+from fedexp.graph.sketches import model_sketch
+from fedexp.graph.sketches import sketch_distances
 
 __all__ = [
     "Graph",

@@ -43,17 +43,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedexp.graph.admm_stopping import (
-    _RHO_MAX_UPDATES,
-    _RHO_PERIOD,
-    _balanced_rho,
-    _GapCertificate,
-    _objective_offset,
-    _Residuals,
-)
-from fedexp.graph.incidence import RowOps, apply_Q, as_edge_tensor
-from fedexp.graph.knn import Graph, laplacian
-from fedexp.graph.prox import PNorm, parse_p, prox_columns
+from fedexp.graph.admm_stopping import _RHO_MAX_UPDATES
+from fedexp.graph.admm_stopping import _RHO_PERIOD
+from fedexp.graph.admm_stopping import _balanced_rho
+from fedexp.graph.admm_stopping import _GapCertificate
+from fedexp.graph.admm_stopping import _objective_offset
+from fedexp.graph.admm_stopping import _Residuals
+from fedexp.graph.incidence import RowOps
+from fedexp.graph.incidence import apply_Q
+from fedexp.graph.incidence import as_edge_tensor
+from fedexp.graph.knn import Graph
+from fedexp.graph.knn import laplacian
+from fedexp.graph.prox import PNorm
+from fedexp.graph.prox import parse_p
+from fedexp.graph.prox import prox_columns
 from fedexp.transfer import to_device
 
 __all__ = ["ZStepSolver", "ZStepState", "zstep_objective"]

@@ -9,7 +9,8 @@ tensor with ``i < j`` in every row; that order fixes the column order of the inc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import torch
 

@@ -25,7 +25,10 @@ from torch.func import functional_call
 
 from fedexp.errors import ConfigError
 from fedexp.models.conv_gemm import install as install_conv_gemm
-from fedexp.models.norms import functional_norms, momentum, tracked_norms, updated
+from fedexp.models.norms import functional_norms
+from fedexp.models.norms import momentum
+from fedexp.models.norms import tracked_norms
+from fedexp.models.norms import updated
 from fedexp.models.pool_first import pool_first
 from fedexp.transfer import to_device
 

@@ -18,10 +18,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from monai.networks.nets import DenseNet, UNet
+from monai.networks.nets import DenseNet
+from monai.networks.nets import UNet
 from torch import nn
 
-from fedexp.config.ranges import NonNegativeInt, OpenFraction, PositiveInt
+from fedexp.config.ranges import NonNegativeInt
+from fedexp.config.ranges import OpenFraction
+from fedexp.config.ranges import PositiveInt
 from fedexp.errors import ConfigError
 
 #: Instance norm with a learnable scale and shift: parameters, no running statistics.

@@ -24,7 +24,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
+from torch import nn
 
 log = logging.getLogger(__name__)
 

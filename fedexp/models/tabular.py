@@ -14,7 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedexp.config.ranges import OpenFraction, PositiveInt, Range
+from fedexp.config.ranges import OpenFraction
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
 
 #: Hidden layers of :func:`mlp`: none would be logistic regression under other names.
 HiddenLayers = Annotated[

@@ -15,14 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from fedexp.data.dataset import ArrayDataset
-from fedexp.errors import ConfigError, DataError
-from fedexp.metrics import (
-    CLASSIFICATION_METRICS,
-    classification_metrics,
-    classification_table,
-    nanmean,
-    segmentation_metrics,
-)
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
+from fedexp.metrics import CLASSIFICATION_METRICS
+from fedexp.metrics import classification_metrics
+from fedexp.metrics import classification_table
+from fedexp.metrics import nanmean
+from fedexp.metrics import segmentation_metrics
 
 #: The target of a padding row (a short minibatch's place-holder in a cohort's ``[m, B]``
 #: batch, :func:`fedexp.engine.solver.steps.draw_batch`), in every target entry of the row:

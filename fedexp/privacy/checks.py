@@ -6,7 +6,8 @@ import copy
 
 from omegaconf import DictConfig
 
-from fedexp.config.instantiate import instantiate_checked, locate_target
+from fedexp.config.instantiate import instantiate_checked
+from fedexp.config.instantiate import locate_target
 from fedexp.errors import ConfigError
 from fedexp.privacy.uplink import PrivateUplink
 

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fedexp.privacy.mechanisms import clip_factors, joint_norms
+from fedexp.privacy.mechanisms import clip_factors
+from fedexp.privacy.mechanisms import joint_norms
 
 #: how far from 1 the shares' sum may be
 SUM_TOLERANCE = 1e-9

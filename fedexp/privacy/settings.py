@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fedexp.config.ranges import Fraction, NonNegative, Range
+from fedexp.config.ranges import Fraction
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import Range
 from fedexp.privacy.clipping import check_shares
 
 MODES = ("none", "central", "local")

@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedexp import streams
-from fedexp.contract import Message, Stacked, parts_updates, update_parts
+from fedexp.contract import Message
+from fedexp.contract import Stacked
+from fedexp.contract import parts_updates
+from fedexp.contract import update_parts
 from fedexp.privacy.clipping import clipping_of
-from fedexp.privacy.mechanisms import (
-    adaptive_clip,
-    add_gaussian_rows,
-    gaussian,
-    update_noise_multiplier,
-)
+from fedexp.privacy.mechanisms import adaptive_clip
+from fedexp.privacy.mechanisms import add_gaussian_rows
+from fedexp.privacy.mechanisms import gaussian
+from fedexp.privacy.mechanisms import update_noise_multiplier
 from fedexp.privacy.settings import Privacy
 
 if TYPE_CHECKING:  # dp-accounting (and SciPy) load when a run has privacy on: ~1 s

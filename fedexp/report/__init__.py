@@ -25,10 +25,23 @@ the cells of a table), :mod:`~fedexp.report.output` (a report as Markdown, LaTeX
 from __future__ import annotations
 
 from fedexp.report.cli import main
-from fedexp.report.collect import Agg, Run, client_for, fetch, latest_per_config, values_of
-from fedexp.report.reach import reach, reach_plot, reach_runs, reach_table
-from fedexp.report.render import ALGORITHM_LABELS, default_scale, table
-from fedexp.report.stats import paired_differences, pooling_conflicts, sample_std, select
+from fedexp.report.collect import Agg
+from fedexp.report.collect import Run
+from fedexp.report.collect import client_for
+from fedexp.report.collect import fetch
+from fedexp.report.collect import latest_per_config
+from fedexp.report.collect import values_of
+from fedexp.report.reach import reach
+from fedexp.report.reach import reach_plot
+from fedexp.report.reach import reach_runs
+from fedexp.report.reach import reach_table
+from fedexp.report.render import ALGORITHM_LABELS
+from fedexp.report.render import default_scale
+from fedexp.report.render import table
+from fedexp.report.stats import paired_differences
+from fedexp.report.stats import pooling_conflicts
+from fedexp.report.stats import sample_std
+from fedexp.report.stats import select
 
 __all__ = [
     "ALGORITHM_LABELS",

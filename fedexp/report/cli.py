@@ -15,9 +15,12 @@ from typing import Any
 
 from fedexp.errors import FedexpError
 from fedexp.report.collect import client_for
-from fedexp.report.options import _labels, parser
-from fedexp.report.output import write_csv, write_text
-from fedexp.report.pipeline import build, select_runs
+from fedexp.report.options import _labels
+from fedexp.report.options import parser
+from fedexp.report.output import write_csv
+from fedexp.report.output import write_text
+from fedexp.report.pipeline import build
+from fedexp.report.pipeline import select_runs
 
 
 def main(argv: list[str]) -> None:
@@ -113,7 +116,8 @@ def _check_views(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _views(client: Any, args: argparse.Namespace, labels: dict[str, str]) -> str:
     """``--views``: the table of ``--metric`` under each view (:mod:`fedexp.report.views`)."""
-    from fedexp.report.views import build_views, write_views
+    from fedexp.report.views import build_views
+    from fedexp.report.views import write_views
 
     reports, skipped = build_views(client, args, labels)
     for w in [*skipped, *(w for _, rep in reports for w in rep.warnings)]:
@@ -139,7 +143,9 @@ def _reach(client: Any, args: argparse.Namespace, labels: dict[str, str]) -> str
     Rows named as in the other tables (display names, ``--labels``), headed by the keys' short
     names (``choice.algorithm`` -> algorithm).
     """
-    from fedexp.report.reach import reach_plot, reach_runs, reach_table
+    from fedexp.report.reach import reach_plot
+    from fedexp.report.reach import reach_runs
+    from fedexp.report.reach import reach_table
     from fedexp.report.render import short
 
     runs = select_runs(client, args)

@@ -14,7 +14,9 @@ import textwrap
 from typing import NoReturn
 
 from fedexp.report import render
-from fedexp.report.collect import IGNORED_KEYS, IGNORED_PREFIXES, Agg
+from fedexp.report.collect import IGNORED_KEYS
+from fedexp.report.collect import IGNORED_PREFIXES
+from fedexp.report.collect import Agg
 
 DESCRIPTION = textwrap.fill(
     "Tables of a metric across seeds from the MLflow records of runs and sweeps: a row per "

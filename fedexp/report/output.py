@@ -12,8 +12,10 @@ import math
 
 from fedexp.report import render
 from fedexp.report.collect import sort_key
-from fedexp.report.options import _direction, _order
-from fedexp.report.pipeline import Key, Report
+from fedexp.report.options import _direction
+from fedexp.report.options import _order
+from fedexp.report.pipeline import Key
+from fedexp.report.pipeline import Report
 from fedexp.report.stats import summary
 
 

@@ -14,32 +14,30 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 from fedexp.errors import FedexpError
 from fedexp.report import render
-from fedexp.report.collect import (
-    Run,
-    by_sweep,
-    check_keys,
-    check_metric,
-    epsilon_of,
-    fetch,
-    latest_per_config,
-    parse_where,
-    sort_key,
-    values_of,
-    where,
-)
-from fedexp.report.options import _direction, _order
-from fedexp.report.stats import (
-    Choice,
-    describe_values,
-    paired_differences,
-    pooling_conflicts,
-    select,
-)
+from fedexp.report.collect import Run
+from fedexp.report.collect import by_sweep
+from fedexp.report.collect import check_keys
+from fedexp.report.collect import check_metric
+from fedexp.report.collect import epsilon_of
+from fedexp.report.collect import fetch
+from fedexp.report.collect import latest_per_config
+from fedexp.report.collect import parse_where
+from fedexp.report.collect import sort_key
+from fedexp.report.collect import values_of
+from fedexp.report.collect import where
+from fedexp.report.options import _direction
+from fedexp.report.options import _order
+from fedexp.report.stats import Choice
+from fedexp.report.stats import describe_values
+from fedexp.report.stats import paired_differences
+from fedexp.report.stats import pooling_conflicts
+from fedexp.report.stats import select
 
 Key = tuple[str, ...]
 

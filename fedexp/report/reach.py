@@ -15,15 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fedexp.errors import FedexpError
-from fedexp.report.collect import (
-    Run,
-    client_for,
-    fetch,
-    history,
-    latest_per_config,
-    sort_key,
-)
-from fedexp.report.render import key_value, label_of
+from fedexp.report.collect import Run
+from fedexp.report.collect import client_for
+from fedexp.report.collect import fetch
+from fedexp.report.collect import history
+from fedexp.report.collect import latest_per_config
+from fedexp.report.collect import sort_key
+from fedexp.report.render import key_value
+from fedexp.report.render import label_of
 from fedexp.report.stats import sample_std
 
 

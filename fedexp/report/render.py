@@ -12,7 +12,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fedexp.report.collect import UNSET, sort_key
+from fedexp.report.collect import UNSET
+from fedexp.report.collect import sort_key
 
 #: Display names of the algorithms (``choice.algorithm``, conf/algorithm/<name>.yaml).
 ALGORITHM_LABELS = {

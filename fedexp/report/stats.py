@@ -12,7 +12,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from fedexp.report.collect import UNSET, Run, ignored, sort_key
+from fedexp.report.collect import UNSET
+from fedexp.report.collect import Run
+from fedexp.report.collect import ignored
+from fedexp.report.collect import sort_key
 
 Key = tuple[str, ...]
 

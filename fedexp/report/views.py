@@ -20,8 +20,12 @@ from typing import Any
 from fedexp.errors import FedexpError
 from fedexp.report import render
 from fedexp.report.options import _order
-from fedexp.report.output import groups_of, statement, write_csv
-from fedexp.report.pipeline import Key, Report, build
+from fedexp.report.output import groups_of
+from fedexp.report.output import statement
+from fedexp.report.output import write_csv
+from fedexp.report.pipeline import Key
+from fedexp.report.pipeline import Report
+from fedexp.report.pipeline import build
 
 #: Each view's prefix of a metric's name (``acc/mean`` -> ``global/acc/mean``).
 PREFIXES = {"personal": "", "global": "global/", "gain": "gain/", "new": "new/"}

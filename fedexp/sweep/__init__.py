@@ -55,41 +55,35 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from fedexp.sweep.names import (  # noqa: F401 - re-exported: fedexp.sweep is the API
-    RUN_NAME_CHARS,
-    SHORT_KEYS,
-    child_name,
-    experiment_name,
-    group_keys,
-    report_command,
-    run_color,
-    run_name,
-    short_name,
-    slurm_missing,
-    sweep_size,
-    sweep_values,
-    varying_keys,
-)
-from fedexp.sweep.status import (  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
-    NO_STATUS,
-    STATUS_FILE,
-    STOPPED,
-    SWEEP_FILE,
-    ConfigResult,
-    JobStatus,
-    SweepInfo,
-    _mean,
-    best_of,
-    read_statuses,
-    summarise,
-    write_status,
-)
-from fedexp.sweep.summary import (  # noqa: F401 - re-exported: fedexp.sweep is the API
-    LiveSweep,
-    SweepSummary,
-    _terminal,
-    metric_label,
-)
+from fedexp.sweep.names import RUN_NAME_CHARS  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import SHORT_KEYS  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import child_name  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import experiment_name  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import group_keys  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import report_command  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import run_color  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import run_name  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import short_name  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import slurm_missing  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import sweep_size  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import sweep_values  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.names import varying_keys  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.status import NO_STATUS  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import STATUS_FILE  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import STOPPED  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import SWEEP_FILE  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import ConfigResult  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import JobStatus  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import SweepInfo  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import _mean  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import best_of  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import read_statuses  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import summarise  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.status import write_status  # noqa: F401 - re-exported: fedexp.sweep is the API  # noqa: F401
+from fedexp.sweep.summary import LiveSweep  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.summary import SweepSummary  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.summary import _terminal  # noqa: F401 - re-exported: fedexp.sweep is the API
+from fedexp.sweep.summary import metric_label  # noqa: F401 - re-exported: fedexp.sweep is the API
 
 SUMMARY_FILE = "fedexp_summary.txt"
 MLFLOW_TARGET = "fedexp.tracking.mlflow_tracker.MLflowTracker"
@@ -333,7 +327,10 @@ class SweepCallback(Callback):
         (:func:`fedexp.tracking.links.shared_view`); where it cannot be stored, the plain
         link to the experiment (and None: nothing is grouped).
         """
-        from fedexp.tracking.links import shared_view, sweep_view_url, ui_base, ui_command
+        from fedexp.tracking.links import shared_view
+        from fedexp.tracking.links import sweep_view_url
+        from fedexp.tracking.links import ui_base
+        from fedexp.tracking.links import ui_command
 
         parent = self._parent
         keys = group_keys(self.info.varying, self.groups)
@@ -394,14 +391,12 @@ class SweepCallback(Callback):
 
         from mlflow.entities import RunTag
 
-        from fedexp.tracking.reaper import (
-            HOST_TAG,
-            NOTE_TAG,
-            PID_TAG,
-            REAPED_TAG,
-            STARTED_TAG,
-            _gone,
-        )
+        from fedexp.tracking.reaper import HOST_TAG
+        from fedexp.tracking.reaper import NOTE_TAG
+        from fedexp.tracking.reaper import PID_TAG
+        from fedexp.tracking.reaper import REAPED_TAG
+        from fedexp.tracking.reaper import STARTED_TAG
+        from fedexp.tracking.reaper import _gone
 
         parent, host = self._parent, socket.gethostname()
         try:

@@ -51,7 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig
+from omegaconf import OmegaConf
+from omegaconf import open_dict
+from omegaconf import read_write
 
 #: Keys that may differ between the runs of one group (a key, and its sub-keys).
 STACKABLE = ("seed", "partition")
@@ -171,9 +174,11 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         initial_job_idx: the first job's number.
     """
     from hydra.core.singleton import Singleton
-    from hydra.core.utils import configure_log, setup_globals
+    from hydra.core.utils import configure_log
+    from hydra.core.utils import setup_globals
 
-    from fedexp.engine.threads import available_cores, launcher_jobs
+    from fedexp.engine.threads import available_cores
+    from fedexp.engine.threads import launcher_jobs
 
     if int(launcher.max_runs) < 1:  # (one line, before anything runs)
         print(
@@ -196,7 +201,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         todo = balanced(todo, n_jobs)
         from functools import partial
 
-        from fedexp.sweep.workers import nan_returns, run_groups
+        from fedexp.sweep.workers import nan_returns
+        from fedexp.sweep.workers import run_groups
 
         state = Singleton.get_state()
         task = launcher.hydra_context, launcher.task_function, config, int(launcher.max_runs)
@@ -255,7 +261,8 @@ def _group(launcher: Any, jobs: list[tuple[int, list[str]]]) -> list:
     (``distributed.nproc`` or ``nodes`` > 1: a process joins one torch.distributed group, so
     its runs cannot be threads beside each other).
     """
-    from hydra.core.utils import configure_log, run_job
+    from hydra.core.utils import configure_log
+    from hydra.core.utils import run_job
 
     config = launcher.config
     try:
@@ -319,7 +326,8 @@ def derived_config(
     ``+``/``~``, no ``hydra.*``); otherwise None. tests/test_stacked_launcher.py holds derived
     configs equal to composed ones.
     """
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.config_loader_impl import get_overrides_dirname
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
 
@@ -468,7 +476,10 @@ def _run_group(
     ``first``: the first job's sweep config if already composed.
     """
     from hydra.core.hydra_config import HydraConfig
-    from hydra.core.utils import JobReturn, JobStatus, configure_log, env_override
+    from hydra.core.utils import JobReturn
+    from hydra.core.utils import JobStatus
+    from hydra.core.utils import configure_log
+    from hydra.core.utils import env_override
 
     from fedexp.engine.round.stacking import Stack
     from fedexp.engine.round.stacking import current as current_member

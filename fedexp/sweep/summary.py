@@ -9,12 +9,19 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from fedexp.sweep.names import child_name
-from fedexp.sweep.status import ConfigResult, JobStatus, SweepInfo, _mean, _number, _scan, _std
+from fedexp.sweep.status import ConfigResult
+from fedexp.sweep.status import JobStatus
+from fedexp.sweep.status import SweepInfo
+from fedexp.sweep.status import _mean
+from fedexp.sweep.status import _number
+from fedexp.sweep.status import _scan
+from fedexp.sweep.status import _std
 
 
 def metric_label(name: str) -> str:

@@ -30,7 +30,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence, Set
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait
 from typing import Any
 
 #: A group: its jobs as (number, overrides).
@@ -196,7 +197,8 @@ def run_groups(
 
 def nan_returns(group: Group) -> list:
     """The ``JobReturn`` of each job of a group whose worker died: NaN, as a failed job's."""
-    from hydra.core.utils import JobReturn, JobStatus
+    from hydra.core.utils import JobReturn
+    from hydra.core.utils import JobStatus
 
     returns = []
     for _ in group:

@@ -21,7 +21,8 @@ checkpoint keeps it as tensors (:meth:`Flight.state`) and a resumed run is the s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import numpy as np
 import torch

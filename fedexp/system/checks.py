@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from fedexp.config.instantiate import instantiate_checked, locate_target
+from fedexp.config.instantiate import instantiate_checked
+from fedexp.config.instantiate import locate_target
 from fedexp.errors import ConfigError
 
 

@@ -24,16 +24,25 @@ arrays the round already has: no device read, no loop over clients.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import numpy as np
 import torch
 
 from fedexp import streams
-from fedexp.contract import Message, StackedUpdates, parts_updates, update_parts
-from fedexp.engine.round.stages import Uplink, UplinkStage, Who, take_rows
-from fedexp.system.buffer import Flight, staleness_weight
-from fedexp.system.settings import SystemModel, over_sampled
+from fedexp.contract import Message
+from fedexp.contract import StackedUpdates
+from fedexp.contract import parts_updates
+from fedexp.contract import update_parts
+from fedexp.engine.round.stages import Uplink
+from fedexp.engine.round.stages import UplinkStage
+from fedexp.engine.round.stages import Who
+from fedexp.engine.round.stages import take_rows
+from fedexp.system.buffer import Flight
+from fedexp.system.buffer import staleness_weight
+from fedexp.system.settings import SystemModel
+from fedexp.system.settings import over_sampled
 
 
 def local_steps(sizes: np.ndarray, steps: int, epochs: float | None, batch_size: int) -> np.ndarray:

@@ -28,9 +28,14 @@ from typing import Annotated
 
 import numpy as np
 
-from fedexp.config.ranges import NonNegative, Positive, PositiveFraction, Range
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import PositiveFraction
+from fedexp.config.ranges import Range
 from fedexp.errors import ConfigError
-from fedexp.system.trace import Availability, read_availability, read_devices
+from fedexp.system.trace import Availability
+from fedexp.system.trace import read_availability
+from fedexp.system.trace import read_devices
 
 PROFILES = ("none", "uniform", "lognormal", "trace")
 #: the per-client quantities, in the order of their streams' index

@@ -53,24 +53,30 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import mlflow
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.entities import Metric
+from mlflow.entities import Param
+from mlflow.entities import RunStatus
+from mlflow.entities import RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 
-from fedexp.config.ranges import PositiveInt, Range
-from fedexp.tracking.dataset_input import DatasetRecord, mlflow_source
-from fedexp.tracking.links import experiment_url, ui_base, ui_command
-from fedexp.tracking.reaper import (  # noqa: F401 - the tags are part of this module's API
-    HOST_TAG,
-    NOTE_TAG,
-    PID_TAG,
-    REAPED_TAG,
-    STARTED_TAG,
-    Reaper,
-    _started,
-)
-from fedexp.tracking.store import check_reachable, check_sqlite_path
+from fedexp.config.ranges import PositiveInt
+from fedexp.config.ranges import Range
+from fedexp.tracking.dataset_input import DatasetRecord
+from fedexp.tracking.dataset_input import mlflow_source
+from fedexp.tracking.links import experiment_url
+from fedexp.tracking.links import ui_base
+from fedexp.tracking.links import ui_command
+from fedexp.tracking.reaper import HOST_TAG  # noqa: F401 - the tags are part of this module's API
+from fedexp.tracking.reaper import NOTE_TAG  # noqa: F401 - the tags are part of this module's API
+from fedexp.tracking.reaper import PID_TAG  # noqa: F401 - the tags are part of this module's API
+from fedexp.tracking.reaper import REAPED_TAG  # noqa: F401 - the tags are part of this module's API
+from fedexp.tracking.reaper import STARTED_TAG  # noqa: F401 - the tags are part of this module's API
+from fedexp.tracking.reaper import Reaper  # noqa: F401 - the tags are part of this module's API
+from fedexp.tracking.reaper import _started  # noqa: F401 - the tags are part of this module's API
+from fedexp.tracking.store import check_reachable
+from fedexp.tracking.store import check_sqlite_path
 
 log = logging.getLogger("fedexp")
 
@@ -415,8 +421,11 @@ class MLflowTracker(Reaper):
 
         import numpy as np
         from mlflow.data.schema import TensorDatasetSchema
-        from mlflow.entities import Dataset, DatasetInput, InputTag
-        from mlflow.types import Schema, TensorSpec
+        from mlflow.entities import Dataset
+        from mlflow.entities import DatasetInput
+        from mlflow.entities import InputTag
+        from mlflow.types import Schema
+        from mlflow.types import TensorSpec
 
         run = self._call(self.client.get_run, self.run_id)
         held = [d.dataset for d in (run.inputs.dataset_inputs if run.inputs else [])]

@@ -14,7 +14,8 @@ import logging
 import os
 import socket
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 from typing import Any
 
 from mlflow.entities import RunTag

@@ -33,7 +33,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobReturn, JobStatus
+from hydra.core.utils import JobReturn
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 

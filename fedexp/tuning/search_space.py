@@ -312,7 +312,10 @@ def _sweep_error(value: Any, sampler: str) -> str | None:
     stops before stop); ``interval(low, high)`` a uniform one, int where both bounds are, on a
     log scale with ``tag(log, ...)``; anything else (``glob``) is refused.
     """
-    from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.core.override_parser.types import Glob
+    from hydra.core.override_parser.types import IntervalSweep
+    from hydra.core.override_parser.types import RangeSweep
 
     if isinstance(value, Glob):
         return "the Optuna sweeper cannot search glob() (expected choice(), range() or interval())"

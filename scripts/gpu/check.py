@@ -57,19 +57,22 @@ if str(HERE) not in sys.path:  # (loaded by its path: its parts, device_check/, 
     sys.path.insert(0, str(HERE))
 
 from device_check.child import run_child  # noqa: E402
-from device_check.environment import PEAKS, _fp32_peak  # noqa: E402
+from device_check.environment import PEAKS  # noqa: E402
+from device_check.environment import _fp32_peak  # noqa: E402
 from device_check.kernel_profile import _kernels  # noqa: E402
 from device_check.orchestrator import Check  # noqa: E402
-from device_check.paths import ROOT, _import_paths  # noqa: E402
-from device_check.sizes import SIZES, STEPS, WORKLOADS, Sizes  # noqa: E402
+from device_check.paths import ROOT  # noqa: E402
+from device_check.paths import _import_paths  # noqa: E402
+from device_check.sizes import SIZES  # noqa: E402
+from device_check.sizes import STEPS  # noqa: E402
+from device_check.sizes import WORKLOADS  # noqa: E402
+from device_check.sizes import Sizes  # noqa: E402
 from device_check.summary import summary  # noqa: E402
 from device_check.syncs import count_syncs  # noqa: E402
-from device_check.workloads import (  # noqa: E402
-    _example_batch,
-    _lr_module_and_loss,
-    _train_flops,
-    _workload,
-)
+from device_check.workloads import _example_batch  # noqa: E402
+from device_check.workloads import _lr_module_and_loss  # noqa: E402
+from device_check.workloads import _train_flops  # noqa: E402
+from device_check.workloads import _workload  # noqa: E402
 
 #: what other scripts and the tests use (scripts/bench_device.py, tests/test_gpu_check.py)
 __all__ = [

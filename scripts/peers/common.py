@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
+from torch.utils.data import TensorDataset
 
 #: Prefix of the result line a worker prints on stdout.
 RESULT_PREFIX = "BENCH_PEERS_RESULT "

@@ -25,9 +25,15 @@ import socket
 
 import common
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord
+from flwr.app import ConfigRecord
+from flwr.app import Context
+from flwr.app import Message
+from flwr.app import MetricRecord
+from flwr.app import RecordDict
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
+from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fedexp.engine.runner import build_engine
-from helpers import assert_eval_stack_is_eval_params, solo
+from helpers import assert_eval_stack_is_eval_params
+from helpers import solo
 
 #: few local steps keep the file fast; no property here depends on their number
 FAST = ("local_steps=2",)

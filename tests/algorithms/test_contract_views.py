@@ -12,14 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedexp.algorithms.base import (
-    Algorithm,
-    CohortStates,
-    StackedUpdates,
-    broadcast,
-    gather_rows,
-    scatter_rows,
-)
+from fedexp.algorithms.base import Algorithm
+from fedexp.algorithms.base import CohortStates
+from fedexp.algorithms.base import StackedUpdates
+from fedexp.algorithms.base import broadcast
+from fedexp.algorithms.base import gather_rows
+from fedexp.algorithms.base import scatter_rows
 from fedexp.algorithms.fedavg import FedAvg
 from fedexp.algorithms.finetune import FedAvgFT
 from fedexp.algorithms.ifca import IFCA

@@ -9,9 +9,14 @@ import pytest
 import torch
 
 from fedexp import streams
-from fedexp.algorithms.fedala import ALA_STREAM, FedALA, first_draws
+from fedexp.algorithms.fedala import ALA_STREAM
+from fedexp.algorithms.fedala import FedALA
+from fedexp.algorithms.fedala import first_draws
 from fedexp.engine.runner import build_engine
-from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, cohort_of, refused
+from helpers import assert_eval_stack_is_eval_params
+from helpers import assert_resume_exact
+from helpers import cohort_of
+from helpers import refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

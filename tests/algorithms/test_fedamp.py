@@ -7,10 +7,13 @@ import math
 import pytest
 import torch
 
-from fedexp.algorithms.fedamp import FedAMP, attention
-from fedexp.engine.runner import build_engine, run
+from fedexp.algorithms.fedamp import FedAMP
+from fedexp.algorithms.fedamp import attention
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.tracking.base import NullTracker
-from helpers import assert_eval_stack_is_eval_params, assert_resume_exact
+from helpers import assert_eval_stack_is_eval_params
+from helpers import assert_resume_exact
 
 
 def _rounds(engine, n):

@@ -8,10 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fedexp.algorithms.feddwa import FedDWA, dwa_weights
+from fedexp.algorithms.feddwa import FedDWA
+from fedexp.algorithms.feddwa import dwa_weights
 from fedexp.contract import CohortStates
 from fedexp.engine.runner import build_engine
-from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, refused, solo
+from helpers import assert_eval_stack_is_eval_params
+from helpers import assert_resume_exact
+from helpers import refused
+from helpers import solo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

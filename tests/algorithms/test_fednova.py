@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from fedexp.algorithms.fednova import FedNova, gain
+from fedexp.algorithms.fednova import FedNova
+from fedexp.algorithms.fednova import gain
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver.optim import SGD
 from fedexp.errors import ConfigError

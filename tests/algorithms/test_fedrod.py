@@ -8,13 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedexp.algorithms.fedrod import (
-    FedRoD,
-    class_counts,
-    cohort_class_counts,
-    log_priors,
-    prior_adjusted,
-)
+from fedexp.algorithms.fedrod import FedRoD
+from fedexp.algorithms.fedrod import class_counts
+from fedexp.algorithms.fedrod import cohort_class_counts
+from fedexp.algorithms.fedrod import log_priors
+from fedexp.algorithms.fedrod import prior_adjusted
 from fedexp.contract import Cohort
 from fedexp.data.federated import ClientData
 from fedexp.engine.clients.pool import TrainPool

@@ -7,9 +7,12 @@ import math
 import pytest
 import torch
 
-from fedexp.algorithms.finetune import FedAvgFT, FedProxFT
+from fedexp.algorithms.finetune import FedAvgFT
+from fedexp.algorithms.finetune import FedProxFT
 from fedexp.engine.runner import build_engine
-from helpers import cohort_of, deterministic, refused
+from helpers import cohort_of
+from helpers import deterministic
+from helpers import refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,16 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.algorithms.fpfc import FPFC, complete_edges, count_clusters
+from fedexp.algorithms.fpfc import FPFC
+from fedexp.algorithms.fpfc import complete_edges
+from fedexp.algorithms.fpfc import count_clusters
 from fedexp.engine.runner import build_engine
-from fedexp.graph.fusion import (
-    check_penalty,
-    penalty_derivative,
-    penalty_value,
-    prox_norm,
-    prox_rows,
-)
-from helpers import assert_eval_stack_is_eval_params, assert_resume_exact
+from fedexp.graph.fusion import check_penalty
+from fedexp.graph.fusion import penalty_derivative
+from fedexp.graph.fusion import penalty_value
+from fedexp.graph.fusion import prox_norm
+from fedexp.graph.fusion import prox_rows
+from helpers import assert_eval_stack_is_eval_params
+from helpers import assert_resume_exact
 
 MLP = ("model=mlp", "model.hidden=8")
 LAM, RHO = 0.5, 1.5

@@ -14,7 +14,9 @@ from fedexp.engine.runner import build_engine
 from fedexp.engine.solver import losses as losses_module
 from fedexp.engine.solver.losses import train_losses
 from fedexp.engine.solver.optim import SGD
-from helpers import cohort_of, refused, solo
+from helpers import cohort_of
+from helpers import refused
+from helpers import solo
 
 MLP = ("model=mlp", "model.hidden=8")
 

@@ -8,7 +8,9 @@ import torch
 from fedexp.algorithms.l2gd import L2GD
 from fedexp.engine.runner import build_engine
 from fedexp.errors import ConfigError
-from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, refused
+from helpers import assert_eval_stack_is_eval_params
+from helpers import assert_resume_exact
+from helpers import refused
 
 #: p = 0.5: two local steps a round on average keep the file fast
 FAST = ("algorithm=l2gd", "algorithm.p=0.5")

@@ -7,11 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedexp.algorithms.moon import MOON, contrastive_loss
+from fedexp.algorithms.moon import MOON
+from fedexp.algorithms.moon import contrastive_loss
 from fedexp.engine.runner import build_engine
 from fedexp.errors import ConfigError
 from fedexp.models.task import PADDING
-from helpers import cohort_of, deterministic, refused
+from helpers import cohort_of
+from helpers import deterministic
+from helpers import refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,8 @@ from fedexp import streams
 from fedexp.algorithms.perfedavg import PerFedAvg
 from fedexp.engine.runner import build_engine
 from fedexp.engine.solver import passes
-from helpers import deterministic, refused
+from helpers import deterministic
+from helpers import refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,10 +9,13 @@ import torch
 
 from fedexp.algorithms.pfedme import PFedMe
 from fedexp.contract import CohortStates
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.engine.solver import passes
 from fedexp.tracking.base import NullTracker
-from helpers import assert_resume_exact, cohort_of, solo
+from helpers import assert_resume_exact
+from helpers import cohort_of
+from helpers import solo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from fedexp.engine.runner import build_engine
-from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, refused
+from helpers import assert_eval_stack_is_eval_params
+from helpers import assert_resume_exact
+from helpers import refused
 
 
 def _rounds(engine, n):
@@ -165,7 +167,8 @@ def test_stored_z_meets_the_zsteps_objective_target(small_cfg, monkeypatch, p, l
     error. Kept in float32 between calls, Z's almost-fused columns kept one-ulp differences
     that the fusion penalty counts: 3.6e-6 (p = 1, λ = 1) and 3.6e-5 (p = ∞, λ = 10) here.
     """
-    from fedexp.graph.admm import ZStepSolver, zstep_objective
+    from fedexp.graph.admm import ZStepSolver
+    from fedexp.graph.admm import zstep_objective
 
     calls = []
     solve = ZStepSolver.solve

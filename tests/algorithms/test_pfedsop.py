@@ -7,9 +7,15 @@ import math
 import pytest
 import torch
 
-from fedexp.algorithms.pfedsop import PFedSOP, angle, gompertz, sop_direction
+from fedexp.algorithms.pfedsop import PFedSOP
+from fedexp.algorithms.pfedsop import angle
+from fedexp.algorithms.pfedsop import gompertz
+from fedexp.algorithms.pfedsop import sop_direction
 from fedexp.engine.runner import build_engine
-from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, cohort_of, refused
+from helpers import assert_eval_stack_is_eval_params
+from helpers import assert_resume_exact
+from helpers import cohort_of
+from helpers import refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

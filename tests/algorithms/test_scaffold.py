@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fedexp.engine.runner import build_engine
-from helpers import FIXED_POINT, stationarity
+from helpers import FIXED_POINT
+from helpers import stationarity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

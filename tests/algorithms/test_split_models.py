@@ -10,7 +10,9 @@ import torch
 
 from fedexp.algorithms.fedrep import FedRep
 from fedexp.engine.runner import build_engine
-from helpers import assert_eval_stack_is_eval_params, cohort_of, refused
+from helpers import assert_eval_stack_is_eval_params
+from helpers import cohort_of
+from helpers import refused
 
 MLP = ("model=mlp", "model.hidden=8")
 BN = (*MLP, "model.norm=batch")

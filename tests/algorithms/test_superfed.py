@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedexp.algorithms.superfed import LAMBDA_GRID, SuPerFed, cos2, select_lambdas
+from fedexp.algorithms.superfed import LAMBDA_GRID
+from fedexp.algorithms.superfed import SuPerFed
+from fedexp.algorithms.superfed import cos2
+from fedexp.algorithms.superfed import select_lambdas
 from fedexp.engine.runner import build_engine
 
 #: few local steps keep the file fast; no property here depends on their number

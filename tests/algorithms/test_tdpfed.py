@@ -8,12 +8,16 @@ import pytest
 import torch
 
 from fedexp.algorithms.tdpfed import TDPFed
-from fedexp.engine.runner import build_engine, run
+from fedexp.engine.runner import build_engine
+from fedexp.engine.runner import run
 from fedexp.engine.solver import passes
-from fedexp.engine.solver.optim import SGD, Adam
+from fedexp.engine.solver.optim import SGD
+from fedexp.engine.solver.optim import Adam
 from fedexp.models.cp import compose
 from fedexp.tracking.base import NullTracker
-from helpers import assert_eval_stack_is_eval_params, assert_resume_exact, refused
+from helpers import assert_eval_stack_is_eval_params
+from helpers import assert_resume_exact
+from helpers import refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,26 +13,27 @@ import torch
 
 from fedexp.comm.cer import CERTransform
 from fedexp.comm.channel import Channel
-from fedexp.comm.codec import Codec, DenseCodec, Payloads
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import DenseCodec
+from fedexp.comm.codec import Payloads
 from fedexp.comm.entropy import EntropyCodec
-from fedexp.comm.golomb import (
-    MAX_RICE_PARAMETER,
-    BitWriter,
-    best_rice_parameter,
-    positions_to_gaps,
-    rice_bits,
-)
-from fedexp.comm.golomb_cohort import (
-    OUT_OF_RANGE,
-    best_rice_parameters,
-    positions_to_gaps_many,
-    read_rice_many,
-    rice_bits_many,
-    write_rice_many,
-)
+from fedexp.comm.golomb import MAX_RICE_PARAMETER
+from fedexp.comm.golomb import BitWriter
+from fedexp.comm.golomb import best_rice_parameter
+from fedexp.comm.golomb import positions_to_gaps
+from fedexp.comm.golomb import rice_bits
+from fedexp.comm.golomb_cohort import OUT_OF_RANGE
+from fedexp.comm.golomb_cohort import best_rice_parameters
+from fedexp.comm.golomb_cohort import positions_to_gaps_many
+from fedexp.comm.golomb_cohort import read_rice_many
+from fedexp.comm.golomb_cohort import rice_bits_many
+from fedexp.comm.golomb_cohort import write_rice_many
 from fedexp.comm.randk import RandKCodec
 from fedexp.comm.runs import RunLengthCodec
-from fedexp.comm.stc import STCCodec, TwoMeanSTCCodec, masked_row_means, row_means
+from fedexp.comm.stc import STCCodec
+from fedexp.comm.stc import TwoMeanSTCCodec
+from fedexp.comm.stc import masked_row_means
+from fedexp.comm.stc import row_means
 from fedexp.comm.topk import TopKCodec
 
 

@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.comm.cer import (
-    CERTransform,
-    cer_admm_reference,
-    cer_update,
-    difference,
-    prox_tv_tail0,
-)
-from fedexp.comm.runs import RunLengthCodec, count_runs
+from fedexp.comm.cer import CERTransform
+from fedexp.comm.cer import cer_admm_reference
+from fedexp.comm.cer import cer_update
+from fedexp.comm.cer import difference
+from fedexp.comm.cer import prox_tv_tail0
+from fedexp.comm.runs import RunLengthCodec
+from fedexp.comm.runs import count_runs
 
 
 def _kkt_violation(u: np.ndarray, w: np.ndarray, tau: float) -> tuple[float, float]:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from fedexp.comm.runs import RunLengthCodec
-from fedexp.engine.runner import build_channel, build_engine
+from fedexp.engine.runner import build_channel
+from fedexp.engine.runner import build_engine
 from helpers import compose_config
 
 

@@ -14,11 +14,14 @@ import pytest
 import torch
 
 from fedexp.comm.cer import CERTransform
-from fedexp.comm.codec import Codec, DenseCodec
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import DenseCodec
 from fedexp.comm.entropy import EntropyCodec
-from fedexp.comm.randk import RandKCodec, keyed_positions
+from fedexp.comm.randk import RandKCodec
+from fedexp.comm.randk import keyed_positions
 from fedexp.comm.runs import RunLengthCodec
-from fedexp.comm.stc import STCCodec, TwoMeanSTCCodec
+from fedexp.comm.stc import STCCodec
+from fedexp.comm.stc import TwoMeanSTCCodec
 from fedexp.comm.topk import TopKCodec
 from fedexp.engine.round.transport import Transport
 from fedexp.engine.runner import build_engine

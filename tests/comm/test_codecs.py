@@ -11,24 +11,28 @@ import torch
 from omegaconf import OmegaConf
 
 from fedexp.comm.channel import Channel
-from fedexp.comm.codec import Codec, DenseCodec
-from fedexp.comm.entropy import EntropyCodec, zstd_available
-from fedexp.comm.golomb import (
-    BitReader,
-    BitWriter,
-    best_rice_parameter,
-    decode_gaps,
-    encode_gaps,
-    expected_position_bits,
-    gaps_to_positions,
-    golomb_parameter,
-    positions_to_gaps,
-    rice_bits,
-)
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import DenseCodec
+from fedexp.comm.entropy import EntropyCodec
+from fedexp.comm.entropy import zstd_available
+from fedexp.comm.golomb import BitReader
+from fedexp.comm.golomb import BitWriter
+from fedexp.comm.golomb import best_rice_parameter
+from fedexp.comm.golomb import decode_gaps
+from fedexp.comm.golomb import encode_gaps
+from fedexp.comm.golomb import expected_position_bits
+from fedexp.comm.golomb import gaps_to_positions
+from fedexp.comm.golomb import golomb_parameter
+from fedexp.comm.golomb import positions_to_gaps
+from fedexp.comm.golomb import rice_bits
 from fedexp.comm.randk import RandKCodec
-from fedexp.comm.runs import RunLengthCodec, count_runs, find_runs
-from fedexp.comm.stc import STCCodec, TwoMeanSTCCodec
-from fedexp.comm.topk import TopKCodec, keep_count
+from fedexp.comm.runs import RunLengthCodec
+from fedexp.comm.runs import count_runs
+from fedexp.comm.runs import find_runs
+from fedexp.comm.stc import STCCodec
+from fedexp.comm.stc import TwoMeanSTCCodec
+from fedexp.comm.topk import TopKCodec
+from fedexp.comm.topk import keep_count
 from fedexp.config.instantiate import instantiate_checked
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "compressor"

@@ -35,9 +35,14 @@ from data_prep.luna16.volumes import load_volume
 from data_prep.mhd import mhd_problem
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset
-from fedexp.data.images import cifar10, cifar100, mnist, tiny_imagenet
-from fedexp.data.imaging import brats, luna16
-from fedexp.errors import ConfigError, DataError
+from fedexp.data.images import cifar10
+from fedexp.data.images import cifar100
+from fedexp.data.images import mnist
+from fedexp.data.images import tiny_imagenet
+from fedexp.data.imaging import brats
+from fedexp.data.imaging import luna16
+from fedexp.errors import ConfigError
+from fedexp.errors import DataError
 from helpers import compose_config
 
 

@@ -26,7 +26,10 @@ from data_prep import synthetic_images as images
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data import download
 from fedexp.data.download import Resource
-from fedexp.data.images import cifar10, cifar100, mnist, tiny_imagenet
+from fedexp.data.images import cifar10
+from fedexp.data.images import cifar100
+from fedexp.data.images import mnist
+from fedexp.data.images import tiny_imagenet
 from fedexp.errors import DataError
 from helpers import compose_config
 

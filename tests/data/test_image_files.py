@@ -13,7 +13,11 @@ import pytest
 from PIL import Image
 
 from fedexp.config.instantiate import instantiate_checked
-from fedexp.data.images import cifar10, cifar100, digits, mnist, tiny_imagenet
+from fedexp.data.images import cifar10
+from fedexp.data.images import cifar100
+from fedexp.data.images import digits
+from fedexp.data.images import mnist
+from fedexp.data.images import tiny_imagenet
 from fedexp.engine.runner import build_engine
 from fedexp.errors import DataError
 from helpers import compose_config

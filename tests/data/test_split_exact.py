@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from test_tuning_split import _reference_train_test_split  # the old split, frozen there
 
-from fedexp.data.federated import train_test_split, validation_split
+from fedexp.data.federated import train_test_split
+from fedexp.data.federated import validation_split
 
 
 def _reference_validation_split(

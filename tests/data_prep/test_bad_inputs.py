@@ -22,8 +22,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from data_prep import brats, luna16, synthetic
-from data_prep.common import atomic_path, safe_id
+from data_prep import brats
+from data_prep import luna16
+from data_prep import synthetic
+from data_prep.common import atomic_path
+from data_prep.common import safe_id
 
 Main = Callable[[Sequence[str] | None], int]
 

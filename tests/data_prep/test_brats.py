@@ -10,11 +10,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from data_prep import brats, synthetic
-from data_prep.brats import BratsOptions, conversion
+from data_prep import brats
+from data_prep import synthetic
+from data_prep.brats import BratsOptions
+from data_prep.brats import conversion
 from data_prep.brats.patches import n_negatives
 from data_prep.synthetic.brats import write_msd_study
-from data_prep.synthetic.mri import MRI_AFFINE, make_mri
+from data_prep.synthetic.mri import MRI_AFFINE
+from data_prep.synthetic.mri import make_mri
 
 
 def _load(out: Path) -> tuple[np.ndarray, np.ndarray, pd.DataFrame, dict]:

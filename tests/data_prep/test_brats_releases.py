@@ -16,7 +16,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from data_prep import brats, luna16, synthetic
+from data_prep import brats
+from data_prep import luna16
+from data_prep import synthetic
 from data_prep.brats import BratsOptions
 from data_prep.synthetic.brats import to_2023_labels
 from data_prep.synthetic.mri import make_mri

@@ -10,8 +10,10 @@ import pandas as pd
 import pytest
 import SimpleITK as sitk
 
-from data_prep import luna16, synthetic
-from data_prep.luna16 import LunaOptions, patches
+from data_prep import luna16
+from data_prep import synthetic
+from data_prep.luna16 import LunaOptions
+from data_prep.luna16 import patches
 from data_prep.luna16.patches import scale_hu
 from data_prep.luna16.volumes import world_to_voxel
 from data_prep.synthetic.luna16 import LUNA_SIZE_XYZ

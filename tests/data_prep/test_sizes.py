@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import brats, luna16, sizes, synthetic
+from data_prep import brats
+from data_prep import luna16
+from data_prep import sizes
+from data_prep import synthetic
 from data_prep.brats import BratsOptions
 
 

@@ -11,8 +11,10 @@ import pytest
 import SimpleITK as sitk
 
 from data_prep import synthetic
-from data_prep.synthetic.brats import BRATS_MODALITIES, to_msd_labels
-from data_prep.synthetic.luna16 import LUNA_SIZE_XYZ, direction_matrix
+from data_prep.synthetic.brats import BRATS_MODALITIES
+from data_prep.synthetic.brats import to_msd_labels
+from data_prep.synthetic.luna16 import LUNA_SIZE_XYZ
+from data_prep.synthetic.luna16 import direction_matrix
 from data_prep.synthetic.mri import MRI_SHAPE
 
 

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import torch
 
-from golden.cases import CASES, pins
-from golden.ties import DISCRETE, Allowance, recording_ties
+from golden.cases import CASES
+from golden.cases import pins
+from golden.ties import DISCRETE
+from golden.ties import Allowance
+from golden.ties import recording_ties
 
 HERE = Path(__file__).resolve().parent
 ROUNDS = 3
@@ -48,7 +51,8 @@ def run_case(
     (``golden.ties``)."""
     from fedexp.engine.round.checkpointing import _state_key
     from fedexp.engine.runner import build_engine
-    from helpers import SMALL, compose_config
+    from helpers import SMALL
+    from helpers import compose_config
 
     cfg = compose_config(*SMALL, *CASES[name], *pins(CASES[name]), *extra, output_dir=out_dir)
     engine = build_engine(cfg)

@@ -25,7 +25,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]
 
 from golden.cases import CASES  # noqa: E402
-from golden.golden import metrics_path, run_case, state_path  # noqa: E402
+from golden.golden import metrics_path  # noqa: E402
+from golden.golden import run_case  # noqa: E402
+from golden.golden import state_path  # noqa: E402
 
 
 def main(names: list[str]) -> None:

@@ -8,16 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.graph import Graph, incidence_matrix, knn_edges, laplacian, sketch_distances
-from fedexp.graph.admm import ZStepSolver, zstep_objective
-from fedexp.graph.prox import (
-    parse_p,
-    project_l1_ball_columns,
-    prox_columns,
-    prox_l1_columns,
-    prox_l2_columns,
-    prox_linf_columns,
-)
+from fedexp.graph import Graph
+from fedexp.graph import incidence_matrix
+from fedexp.graph import knn_edges
+from fedexp.graph import laplacian
+from fedexp.graph import sketch_distances
+from fedexp.graph.admm import ZStepSolver
+from fedexp.graph.admm import zstep_objective
+from fedexp.graph.prox import parse_p
+from fedexp.graph.prox import project_l1_ball_columns
+from fedexp.graph.prox import prox_columns
+from fedexp.graph.prox import prox_l1_columns
+from fedexp.graph.prox import prox_l2_columns
+from fedexp.graph.prox import prox_linf_columns
 
 
 class _Cvxpy:

@@ -23,8 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.graph import Graph, incidence_matrix, knn_edges, sketch_distances
-from fedexp.graph.admm import ZStepSolver, zstep_objective
+from fedexp.graph import Graph
+from fedexp.graph import incidence_matrix
+from fedexp.graph import knn_edges
+from fedexp.graph import sketch_distances
+from fedexp.graph.admm import ZStepSolver
+from fedexp.graph.admm import zstep_objective
 from fedexp.graph.prox import parse_p
 
 N, D2 = 8, 4

@@ -9,23 +9,24 @@ import numpy as np
 import pytest
 import torch
 
-from fedexp.graph import (
-    Graph,
-    apply_Q,
-    apply_Qt,
-    canonical_edges,
-    covariance_sketch,
-    incidence_matrix,
-    kernel_sketch,
-    knn_edges,
-    label_sketch,
-    laplacian,
-    make_rff,
-    median_bandwidth,
-    model_sketch,
-    sketch_distances,
-)
-from fedexp.graph.incidence import DENSE_MAX, RowOps, q_rows, qt_rows
+from fedexp.graph import Graph
+from fedexp.graph import apply_Q
+from fedexp.graph import apply_Qt
+from fedexp.graph import canonical_edges
+from fedexp.graph import covariance_sketch
+from fedexp.graph import incidence_matrix
+from fedexp.graph import kernel_sketch
+from fedexp.graph import knn_edges
+from fedexp.graph import label_sketch
+from fedexp.graph import laplacian
+from fedexp.graph import make_rff
+from fedexp.graph import median_bandwidth
+from fedexp.graph import model_sketch
+from fedexp.graph import sketch_distances
+from fedexp.graph.incidence import DENSE_MAX
+from fedexp.graph.incidence import RowOps
+from fedexp.graph.incidence import q_rows
+from fedexp.graph.incidence import qt_rows
 
 
 def _random_distances(n: int, seed: int) -> torch.Tensor:

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 from fedexp.contract import CohortStates
-from fedexp.engine.clients.states import ClientStates, merge_exports
-from fedexp.engine.processes.share import ALONE, Share
+from fedexp.engine.clients.states import ClientStates
+from fedexp.engine.clients.states import merge_exports
+from fedexp.engine.processes.share import ALONE
+from fedexp.engine.processes.share import Share
 
 #: (client, part name); the part of a bare-tensor message is named "".
 PartKey = tuple[int, str]

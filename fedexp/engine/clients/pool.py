@@ -17,7 +17,8 @@ from typing import overload
 import numpy as np
 import torch
 
-from fedexp.data.client import ClientData, PoolRows
+from fedexp.data.client import ClientData
+from fedexp.data.client import PoolRows
 from fedexp.engine.clients import hugepages
 from fedexp.engine.processes.share import Share
 from fedexp.transfer import to_device

@@ -35,7 +35,8 @@ import torch
 
 from fedexp.contract import CohortStates
 from fedexp.engine.clients import hugepages
-from fedexp.engine.processes.share import ALONE, Share
+from fedexp.engine.processes.share import ALONE
+from fedexp.engine.processes.share import Share
 from fedexp.errors import ConfigError
 
 State = dict[str, torch.Tensor]

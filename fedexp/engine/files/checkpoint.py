@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save_file
 
 from fedexp.errors import CheckpointError
 

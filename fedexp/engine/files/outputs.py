@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
 from fedexp.engine.round import stacking
 from fedexp.engine.round.engine import Engine
@@ -96,7 +97,9 @@ def _write_outputs(
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
         writer.writerows({**h, "round": int(h["round"])} if "round" in h else h for h in history)
-    from fedexp.figures.plots import plot_client_models, plot_clients, plot_rounds
+    from fedexp.figures.plots import plot_client_models
+    from fedexp.figures.plots import plot_clients
+    from fedexp.figures.plots import plot_rounds
 
     edges = engine.server.get("edges")
     if edges is not None:

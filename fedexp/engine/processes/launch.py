@@ -41,19 +41,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
+from omegaconf import OmegaConf
+from omegaconf import open_dict
 
-from fedexp.engine.clients.states import reap_scratch, remove_scratch
-from fedexp.engine.processes.group_pids import dead_sibling, is_zombie, nodes, peer_closed
-from fedexp.engine.processes.ranks import (
-    TIMEOUT,
-    Ranks,
-    keep_on_loopback,
-    listen,
-    make_store,
-    peer_left,
-)
-from fedexp.errors import FedexpError, RankDied
+from fedexp.engine.clients.states import reap_scratch
+from fedexp.engine.clients.states import remove_scratch
+from fedexp.engine.processes.group_pids import dead_sibling
+from fedexp.engine.processes.group_pids import is_zombie
+from fedexp.engine.processes.group_pids import nodes
+from fedexp.engine.processes.group_pids import peer_closed
+from fedexp.engine.processes.ranks import TIMEOUT
+from fedexp.engine.processes.ranks import Ranks
+from fedexp.engine.processes.ranks import keep_on_loopback
+from fedexp.engine.processes.ranks import listen
+from fedexp.engine.processes.ranks import make_store
+from fedexp.engine.processes.ranks import peer_left
+from fedexp.errors import FedexpError
+from fedexp.errors import RankDied
 
 if TYPE_CHECKING:
     from fedexp.engine.round.engine import Engine

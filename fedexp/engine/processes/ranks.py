@@ -27,7 +27,10 @@ import torch.distributed as dist
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from fedexp.contract import MeanUpload, Message, parts_updates, update_parts
+from fedexp.contract import MeanUpload
+from fedexp.contract import Message
+from fedexp.contract import parts_updates
+from fedexp.contract import update_parts
 from fedexp.data.client import client_ids
 from fedexp.engine.processes.share import Share
 

@@ -42,9 +42,11 @@ from omegaconf import DictConfig
 from fedexp import errors
 from fedexp.config.instantiate import instantiate_checked
 from fedexp.data.dataset import ArrayDataset
-from fedexp.engine.clients.states import owned_folder, release_scratch
+from fedexp.engine.clients.states import owned_folder
+from fedexp.engine.clients.states import release_scratch
 from fedexp.engine.processes.ranks import Ranks
-from fedexp.errors import DataError, FedexpError
+from fedexp.errors import DataError
+from fedexp.errors import FedexpError
 
 META = "meta.json"
 

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedexp.engine.clients.part_memory import PartKey, merge_memories
+from fedexp.engine.clients.part_memory import PartKey
+from fedexp.engine.clients.part_memory import merge_memories
 from fedexp.engine.clients.states import merge_exports
-from fedexp.engine.files.checkpoint import flatten_state, unflatten_state
+from fedexp.engine.files.checkpoint import flatten_state
+from fedexp.engine.files.checkpoint import unflatten_state
 
 if TYPE_CHECKING:
     from fedexp.engine.round.engine import Engine

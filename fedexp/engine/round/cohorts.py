@@ -17,8 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedexp import streams
-from fedexp.contract import Cohort, CohortResult, CohortStates, Stacked, State
-from fedexp.data.client import ClientData, client_ids
+from fedexp.contract import Cohort
+from fedexp.contract import CohortResult
+from fedexp.contract import CohortStates
+from fedexp.contract import Stacked
+from fedexp.contract import State
+from fedexp.data.client import ClientData
+from fedexp.data.client import client_ids
 
 if TYPE_CHECKING:
     from fedexp.engine.clients.pool import TrainPool

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,44 +27,49 @@ from fedexp import streams
 from fedexp.algorithms.base import Algorithm
 from fedexp.comm.channel import Channel
 from fedexp.comm.codec import DenseCodec
-from fedexp.contract import (
-    Cohort,
-    CohortResult,
-    MeanUpload,
-    Message,
-    Senders,
-    Stacked,
-    State,
-    update_parts,
-)
-from fedexp.data.client import ClientData, client_ids
-from fedexp.engine.clients.pool import ClientTable, TrainPool
+from fedexp.contract import Cohort
+from fedexp.contract import CohortResult
+from fedexp.contract import MeanUpload
+from fedexp.contract import Message
+from fedexp.contract import Senders
+from fedexp.contract import Stacked
+from fedexp.contract import State
+from fedexp.contract import update_parts
+from fedexp.data.client import ClientData
+from fedexp.data.client import client_ids
+from fedexp.engine.clients.pool import ClientTable
+from fedexp.engine.clients.pool import TrainPool
 from fedexp.engine.clients.states import ClientStates
-from fedexp.engine.memory import peak_mib, reset_peak
-from fedexp.engine.processes.ranks import Ranks, weighted_sums
+from fedexp.engine.memory import peak_mib
+from fedexp.engine.memory import reset_peak
+from fedexp.engine.processes.ranks import Ranks
+from fedexp.engine.processes.ranks import weighted_sums
 from fedexp.engine.processes.share import Share
 from fedexp.engine.round import checkpointing
-from fedexp.engine.round.cohorts import merge_results, sub_cohorts
+from fedexp.engine.round.cohorts import merge_results
+from fedexp.engine.round.cohorts import sub_cohorts
 from fedexp.engine.round.evaluation import Evaluation
-from fedexp.engine.round.exchange import Alone, RankExchange
+from fedexp.engine.round.exchange import Alone
+from fedexp.engine.round.exchange import RankExchange
 from fedexp.engine.round.ledger import ByteLedger
-from fedexp.engine.round.stacking import Member, Work
-from fedexp.engine.round.stages import (
-    Privatize,
-    Sampler,
-    Uplink,
-    UplinkStage,
-    Who,
-    Wire,
-    rows_of,
-    take_rows,
-    weakly,
-)
-from fedexp.engine.round.transport import Transport, _exact
+from fedexp.engine.round.stacking import Member
+from fedexp.engine.round.stacking import Work
+from fedexp.engine.round.stages import Privatize
+from fedexp.engine.round.stages import Sampler
+from fedexp.engine.round.stages import Uplink
+from fedexp.engine.round.stages import UplinkStage
+from fedexp.engine.round.stages import Who
+from fedexp.engine.round.stages import Wire
+from fedexp.engine.round.stages import rows_of
+from fedexp.engine.round.stages import take_rows
+from fedexp.engine.round.stages import weakly
+from fedexp.engine.round.transport import Transport
+from fedexp.engine.round.transport import _exact
 from fedexp.engine.solver.context import Context
 from fedexp.privacy.uplink import PrivateUplink
 from fedexp.system.checks import check_buffer
-from fedexp.system.clock import Clock, local_steps
+from fedexp.system.clock import Clock
+from fedexp.system.clock import local_steps
 from fedexp.system.settings import SystemModel
 from fedexp.transfer import to_device
 

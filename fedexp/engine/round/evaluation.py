@@ -18,11 +18,18 @@ import torch
 from torch.func import vmap
 
 from fedexp import streams
-from fedexp.contract import Cohort, State
-from fedexp.data.client import ClientData, client_ids
+from fedexp.contract import Cohort
+from fedexp.contract import State
+from fedexp.data.client import ClientData
+from fedexp.data.client import client_ids
 from fedexp.engine.clients.pool import padded
-from fedexp.engine.round.views import GLOBAL, NEW, NEWCOMER, VIEWS, with_gains
-from fedexp.metrics import aggregate, lower_is_better
+from fedexp.engine.round.views import GLOBAL
+from fedexp.engine.round.views import NEW
+from fedexp.engine.round.views import NEWCOMER
+from fedexp.engine.round.views import VIEWS
+from fedexp.engine.round.views import with_gains
+from fedexp.metrics import aggregate
+from fedexp.metrics import lower_is_better
 from fedexp.transfer import to_device
 
 if TYPE_CHECKING:

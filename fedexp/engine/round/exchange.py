@@ -17,17 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fedexp.contract import MeanUpload, update_parts
-from fedexp.engine.processes.ranks import (
-    Ranks,
-    add_floats,
-    gather_uploads,
-    reduce_uploads,
-    sums_record,
-    weighted_sums,
-)
+from fedexp.contract import MeanUpload
+from fedexp.contract import update_parts
+from fedexp.engine.processes.ranks import Ranks
+from fedexp.engine.processes.ranks import add_floats
+from fedexp.engine.processes.ranks import gather_uploads
+from fedexp.engine.processes.ranks import reduce_uploads
+from fedexp.engine.processes.ranks import sums_record
+from fedexp.engine.processes.ranks import weighted_sums
 from fedexp.engine.round.ledger import ByteLedger
-from fedexp.engine.round.stages import Uplink, Who
+from fedexp.engine.round.stages import Uplink
+from fedexp.engine.round.stages import Who
 
 #: ``(clients, among) -> their weights ω_n`` (float64), as ``Engine.weight_tensor``.
 WeightFn = Callable[[list[int], list[int]], torch.Tensor]

@@ -37,7 +37,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fedexp.contract import Cohort, CohortResult, CohortStates, Stacked, State
+from fedexp.contract import Cohort
+from fedexp.contract import CohortResult
+from fedexp.contract import CohortStates
+from fedexp.contract import Stacked
+from fedexp.contract import State
 
 if TYPE_CHECKING:
     from fedexp.algorithms.base import Algorithm

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from fedexp.contract import Message, Stacked
+from fedexp.contract import Message
+from fedexp.contract import Stacked
 from fedexp.engine.round.ledger import ByteLedger
 
 if TYPE_CHECKING:

@@ -29,8 +29,13 @@ import torch
 
 from fedexp import streams
 from fedexp.comm.channel import Channel
-from fedexp.comm.codec import Codec, DenseCodec
-from fedexp.contract import Message, Stacked, StackedUpdates, State, part_scale
+from fedexp.comm.codec import Codec
+from fedexp.comm.codec import DenseCodec
+from fedexp.contract import Message
+from fedexp.contract import Stacked
+from fedexp.contract import StackedUpdates
+from fedexp.contract import State
+from fedexp.contract import part_scale
 from fedexp.engine.clients.part_memory import PartMemory
 from fedexp.engine.round.ledger import ByteLedger
 from fedexp.transfer import to_device

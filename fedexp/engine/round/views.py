@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fedexp import streams
-from fedexp.metrics import GAIN, lower_is_better
+from fedexp.metrics import GAIN
+from fedexp.metrics import lower_is_better
 
 #: Prefix of the global model's metrics on the clients' test splits.
 GLOBAL = "global/"

@@ -46,8 +46,9 @@ import torch
 from fedexp.contract import Cohort
 from fedexp.engine.solver import steps as solver
 from fedexp.engine.solver.objective import Objective
-from fedexp.engine.solver.optim import Optimizer, stack_states
+from fedexp.engine.solver.optim import Optimizer
 from fedexp.engine.solver.optim import State as OptState
+from fedexp.engine.solver.optim import stack_states
 from fedexp.models.task import PADDING
 
 if TYPE_CHECKING:

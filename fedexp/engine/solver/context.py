@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import torch
 
-from fedexp.contract import Cohort, Senders
+from fedexp.contract import Cohort
+from fedexp.contract import Senders
 from fedexp.data.augment import NoAugmentation
 from fedexp.data.client import ClientData
-from fedexp.engine.solver.objective import Aux, Objective
-from fedexp.engine.solver.optim import SGD, Optimizer
-from fedexp.engine.solver.server_optim import ServerOptimizer, ServerSGD
+from fedexp.engine.solver.objective import Aux
+from fedexp.engine.solver.objective import Objective
+from fedexp.engine.solver.optim import SGD
+from fedexp.engine.solver.optim import Optimizer
+from fedexp.engine.solver.server_optim import ServerOptimizer
+from fedexp.engine.solver.server_optim import ServerSGD
 from fedexp.errors import DivergenceError
 from fedexp.models.flat import FlatModel
-from fedexp.models.task import Task, valid_rows
+from fedexp.models.task import Task
+from fedexp.models.task import valid_rows
 
 
 @dataclass

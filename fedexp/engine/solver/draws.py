@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedexp.contract import Cohort
-from fedexp.engine.solver.passes import Stream, minibatch_indices, pass_valid
+from fedexp.engine.solver.passes import Stream
+from fedexp.engine.solver.passes import minibatch_indices
+from fedexp.engine.solver.passes import pass_valid
 from fedexp.models.task import PADDING
 from fedexp.transfer import to_device
 

@@ -18,7 +18,9 @@ return ``params.detach()`` (vmap needs a tensor there; ``post`` is then ignored)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
+from dataclasses import field
+from dataclasses import replace
 
 import torch
 

@@ -15,12 +15,15 @@ decay, PyTorch's order of operations), which the tests compare against step by s
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
 
-from fedexp.config.ranges import NonNegative, OpenFraction, Positive
+from fedexp.config.ranges import NonNegative
+from fedexp.config.ranges import OpenFraction
+from fedexp.config.ranges import Positive
 from fedexp.contract import CohortStates
 
 State = dict[str, torch.Tensor]

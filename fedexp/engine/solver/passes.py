@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from fedexp.streams import (
-    _GOLDEN,
-    _MIX1,
-    _MIX2,
-    CLIENT,
-    _s64,
-    _srl,
-    batch_indices,
-    mix64,
-    stream_keys,
-)
+from fedexp.streams import _GOLDEN
+from fedexp.streams import _MIX1
+from fedexp.streams import _MIX2
+from fedexp.streams import CLIENT
+from fedexp.streams import _s64
+from fedexp.streams import _srl
+from fedexp.streams import batch_indices
+from fedexp.streams import mix64
+from fedexp.streams import stream_keys
 from fedexp.transfer import to_device
 
 #: rounds of the Feistel network of :func:`pass_indices` (four: Luby and Rackoff's bound for a

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, uint64
+from numba import njit
+from numba import uint64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import torch
 
-from fedexp.config.ranges import OpenFraction, Positive, Range
+from fedexp.config.ranges import OpenFraction
+from fedexp.config.ranges import Positive
+from fedexp.config.ranges import Range
 
 if TYPE_CHECKING:
     from fedexp.engine.solver.context import Context

@@ -29,26 +29,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch.func import vmap
 
-from fedexp.contract import Cohort, CohortStates
+from fedexp.contract import Cohort
+from fedexp.contract import CohortStates
 from fedexp.engine.memory import client_step_bytes
-from fedexp.engine.solver.draws import (  # noqa: F401 - re-exported: the solver's draws
-    _AHEAD_ENTRIES,
-    Ahead,
-    _snapshot,
-    alone,
-    draw_batch,
-    draw_step,
-    noise,
-)
+from fedexp.engine.solver.draws import _AHEAD_ENTRIES  # noqa: F401 - re-exported: the solver's draws
+from fedexp.engine.solver.draws import Ahead  # noqa: F401 - re-exported: the solver's draws
+from fedexp.engine.solver.draws import _snapshot  # noqa: F401 - re-exported: the solver's draws
+from fedexp.engine.solver.draws import alone  # noqa: F401 - re-exported: the solver's draws
+from fedexp.engine.solver.draws import draw_batch  # noqa: F401 - re-exported: the solver's draws
+from fedexp.engine.solver.draws import draw_step  # noqa: F401 - re-exported: the solver's draws
+from fedexp.engine.solver.draws import noise  # noqa: F401 - re-exported: the solver's draws
 from fedexp.engine.solver.objective import Objective
-from fedexp.engine.solver.optim import Optimizer, stack_states
+from fedexp.engine.solver.optim import Optimizer
 from fedexp.engine.solver.optim import State as OptState
+from fedexp.engine.solver.optim import stack_states
 from fedexp.engine.solver.passes import Stream
 from fedexp.errors import DivergenceError
 from fedexp.models.task import PADDING

@@ -20,9 +20,17 @@ if TYPE_CHECKING:
 
 from .environment import _fp32_peak
 from .sizes import Sizes
-from .step import Step, _device, _free, _peak_mib, _reset_peak, _sync
+from .step import Step
+from .step import _device
+from .step import _free
+from .step import _peak_mib
+from .step import _reset_peak
+from .step import _sync
 from .summary import _f
-from .workloads import _example_batch, _lr_module_and_loss, _train_flops, _workload
+from .workloads import _example_batch
+from .workloads import _lr_module_and_loss
+from .workloads import _train_flops
+from .workloads import _workload
 
 
 def bench(s: Step, model: str) -> None:
@@ -163,7 +171,8 @@ def _capture_modes(
     rate (the default, ``capture=auto``, on a GPU), else the eager one.
     """
     from fedexp.engine.solver.capture import CapturedSolver
-    from fedexp.engine.solver.steps import rowwise, train
+    from fedexp.engine.solver.steps import rowwise
+    from fedexp.engine.solver.steps import train
 
     captured = CapturedSolver(graphs=dev.type == "cuda")
     modes: tuple[tuple[str, Any], ...] = (("eager", train), ("captured", captured))

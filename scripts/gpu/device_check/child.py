@@ -17,7 +17,8 @@ from .environment import step_env
 from .golden_cases import step_golden
 from .kernel_profile import step_profile
 from .sizes import SIZES
-from .step import Step, _tail
+from .step import Step
+from .step import _tail
 from .sweep import step_sweep
 from .syncs import step_syncs
 

@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from .bench import _fedexp_rate
-from .step import Step, _device, _free, _peak_mib, _reset_peak
+from .step import Step
+from .step import _device
+from .step import _free
+from .step import _peak_mib
+from .step import _reset_peak
 from .workloads import _workload
 
 

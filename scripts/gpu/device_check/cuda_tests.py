@@ -8,8 +8,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .paths import HERE, ROOT, _pythonpath
-from .step import Step, _tail
+from .paths import HERE
+from .paths import ROOT
+from .paths import _pythonpath
+from .step import Step
+from .step import _tail
 
 
 def cuda_test_files() -> list[Path]:

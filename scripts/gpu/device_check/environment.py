@@ -13,7 +13,9 @@ if TYPE_CHECKING:
     import torch
 
 from .paths import ROOT
-from .step import Step, _device, _sync
+from .step import Step
+from .step import _device
+from .step import _sync
 
 #: Stated dense peaks, TFLOP/s: (float32 on the CUDA cores, TF32 on the tensor cores), by a
 #: piece of the device's name (first match). NVIDIA's data sheets (SXM parts; sparsity not

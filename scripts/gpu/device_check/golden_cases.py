@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from .step import Step, _device
+from .step import Step
+from .step import _device
 
 #: Golden figures on another device: float order differs (kernels, reductions), so the
 #: continuous tolerance is ten times the CPU test's (tests/test_golden.py: rel 1e-5, abs 1e-6
@@ -24,7 +25,9 @@ GOLDEN_RTOL, GOLDEN_ATOL, GOLDEN_METRIC_ATOL = 1e-4, 1e-5, 1e-6
 def step_golden(s: Step) -> None:
     """Golden cases on this device against their CPU recording (tolerance: GOLDEN_*)."""
     import torch
-    from golden.golden import metrics_path, run_case, state_path
+    from golden.golden import metrics_path
+    from golden.golden import run_case
+    from golden.golden import state_path
     from safetensors.torch import load_file
 
     dev = _device()

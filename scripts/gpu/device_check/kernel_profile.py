@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .step import Step, _device, _sync
+from .step import Step
+from .step import _device
+from .step import _sync
 from .summary import _f
 
 
@@ -13,7 +15,8 @@ def step_profile(s: Step) -> None:
     """One CNN round under the profiler: the top kernels (``kernels.txt``), their count."""
     import gpu_cnn_rate
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
 
     dev = _device()
     n = s.sizes.profile_clients

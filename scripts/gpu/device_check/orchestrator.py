@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .paths import ENTRY, ROOT
+from .paths import ENTRY
+from .paths import ROOT
 from .sizes import SIZES
-from .step import _jsonable, _tail
+from .step import _jsonable
+from .step import _tail
 from .summary import summary
 
 

@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .paths import ROOT, _pythonpath
+from .paths import ROOT
+from .paths import _pythonpath
 from .sizes import Sizes
-from .step import Step, _device, _tail
+from .step import Step
+from .step import _device
+from .step import _tail
 
 
 class _Sweep:

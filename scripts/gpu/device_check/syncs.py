@@ -14,7 +14,10 @@ if TYPE_CHECKING:
     import torch
 
 from .paths import ROOT
-from .step import Step, _device, _free, _sync
+from .step import Step
+from .step import _device
+from .step import _free
+from .step import _sync
 
 
 def count_syncs(fn: Callable[[], object]) -> tuple[int | None, Counter]:
