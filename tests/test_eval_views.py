@@ -4,7 +4,8 @@ personal, new clients.
 - the per-client quantiles are numpy's, the share of clients a gain hurts is counted;
 - FedAvg evaluates every client with the global model: its gain is exactly 0, and the global
   view is the global model scored client by client (another computation than the stacked one);
-- on label-skewed clients (two classes each) local-only's own models beat the global one;
+- on IID clients (one task shared) the gain is ~0, on label-skewed clients (two classes each)
+  local-only's and Ditto's own models beat the global one;
 - held-out clients never enter a training cohort (the cohorts that read the pool are
   observed), never count in the training metrics, and are scored as new clients from the
   global model.
@@ -119,6 +120,23 @@ def test_local_only_gains_on_label_skewed_clients():
     glob = engine.global_model()
     assert glob is not None and torch.allclose(glob, average, rtol=1e-6, atol=1e-7)
     assert rows[0]["global/acc"] == engine.ctx.evaluate(average, engine.clients[0])["acc"]
+
+
+@pytest.mark.parametrize("algorithm", ["local", "ditto"])
+def test_on_clients_sharing_one_task_personalisation_gains_about_nothing(algorithm):
+    """The same digits, the same method: split IID (one task shared) the gain is ~0 and some
+    clients lose, split two digits a client it is large and hurts none (the metric tells the
+    two partitions apart, not the method)."""
+    gains = {}
+    for partition in (["partition=iid"], ["partition=shards", "partition.classes_per_client=2"]):
+        engine = _engine(f"algorithm={algorithm}", "dataset=digits", "num_clients=10", *partition)
+        for _ in range(3):
+            engine.run_round()
+        agg, _ = engine.evaluate()
+        gains[partition[0]] = (agg["gain/acc/mean"], agg["gain/acc/hurt"])
+    (iid, iid_hurt), (skewed, skewed_hurt) = gains["partition=iid"], gains["partition=shards"]
+    assert abs(iid) < 0.1 and iid_hurt > 0
+    assert skewed > 0.4 and skewed_hurt == 0.0
 
 
 def test_eval_global_false_scores_the_clients_own_models_alone():

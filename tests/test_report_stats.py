@@ -116,6 +116,8 @@ def test_agg_parse_and_values():
     for bad in ("last", "last:0", "last:x", "mean", "best:2"):
         with pytest.raises(ValueError, match="final, best or last:K"):
             Agg.parse(bad)
+    with pytest.raises(ValueError, match="the clients' p10 is a metric: --metric acc/p10"):
+        Agg.parse("p10")  # issue 68's "--agg p10": the tail over clients is --metric acc/p10
     hist = [(0, 0.2), (1, 0.9), (2, math.nan), (3, 0.5)]
     assert Agg("final").of(hist, False) == 0.5
     assert Agg("best").of(hist, False) == 0.9 and Agg("best").of(hist, True) == 0.2

@@ -359,7 +359,13 @@ class Agg:
         kind, _, k = text.partition(":")
         if kind == "last" and k.isdigit() and int(k) >= 1:
             return cls("last", int(k))
-        raise ValueError(f"--agg {text!r}: expected final, best or last:K with K ≥ 1 (last:5)")
+        hint = ""
+        if text in ("p10", "p50", "p90", "mean", "worst", "std", "weighted"):
+            # --agg reduces a run's rounds; a reduction over clients is a metric of its own
+            hint = f"; the clients' {text} is a metric: --metric acc/{text}"
+        raise ValueError(
+            f"--agg {text!r}: expected final, best or last:K with K ≥ 1 (last:5){hint}"
+        )
 
     def __str__(self) -> str:
         return f"last:{self.k}" if self.kind == "last" else self.kind
