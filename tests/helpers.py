@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -296,3 +297,30 @@ def assert_same_run_files(one: Path, other: Path) -> None:
         pd.testing.assert_frame_equal(
             table(one / name), table(other / name), check_exact=False, rtol=1e-4, atol=1e-6
         )
+
+
+def cli_env() -> dict[str, str]:
+    """This process's environment for a ``fedexp`` subprocess: no warnings, no MLflow URI."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+_clock = itertools.count(1_700_000_000_000, 1000)
+
+
+def log_finished_run(client, experiment: str, algorithm: str, seed: int, **metrics) -> str:  # noqa: ANN001
+    """A FINISHED run as fedexp logs it: choice.algorithm, params, one value per metric."""
+    from mlflow.entities import Metric
+    from mlflow.entities import Param
+
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    rid = client.create_run(
+        exp_id, start_time=next(_clock), tags={"choice.algorithm": algorithm}
+    ).info.run_id
+    params = {"lr": 0.1, "seed": seed, "algorithm._target_": f"fedexp.algorithms.{algorithm}.X"}
+    ms = [Metric(k, float(v), next(_clock), 3) for k, v in metrics.items()]
+    client.log_batch(rid, metrics=ms, params=[Param(k, str(v)) for k, v in params.items()])
+    client.set_terminated(rid, "FINISHED")
+    return rid
