@@ -2,7 +2,8 @@
 
 With K = C and equal clients it is FedAvg figure for figure; the clients a step takes, their
 staleness and the server's step match a hand simulation of the paper's algorithm; clients in
-flight are never drawn again; a resumed run is the same run; bad settings are one line.
+flight are never drawn again; a resumed run is the same run, on two processes too; a stacked
+run is the run alone; bad settings are one line.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from fedexp.engine.files import checkpoint
 from fedexp.engine.runner import build_engine
 from fedexp.engine.runner import run
 from fedexp.errors import ConfigError
@@ -180,6 +184,99 @@ def test_two_processes_step_as_one(tmp_path):
             assert math.isclose(two[key][str(step)], value, rel_tol=1e-12), (key, step)
     for step, value in one.metrics["loss/mean"].items():
         assert math.isclose(two["loss/mean"][str(step)], value, rel_tol=1e-6), step
+
+
+def _figures(folder: Path, name: str) -> pd.DataFrame:
+    """A run folder's table ``name`` without its wall-clock and memory columns."""
+    frame = pd.read_csv(folder / name)
+    return frame[[c for c in frame.columns if not c.startswith(("time/", "system/", "memory/"))]]
+
+
+@pytest.mark.slow
+def test_a_two_process_run_resumed_is_the_uninterrupted_one(tmp_path):
+    """``distributed.nproc=2``, stopped by Ctrl-C on rank 0 after round 2 of 4 and resumed
+    on two processes: the uninterrupted run's figures, exactly, and its last checkpoint
+    tensor for tensor (the server, every rank's clients and channel memories, the clients in
+    flight with their uploads: SCAFFOLD's two parts, STC's error feedback both ways)."""
+    base = [
+        *(o for o in SMALL if not o.startswith(("rounds=", "checkpoint_every="))),
+        *("rounds=4", "checkpoint_every=1", "num_clients=6", "batch_size=8", "tracker=none"),
+        *("participation=0.5", "system=lognormal", "system.buffer=2", "compressor=stc"),
+        *("algorithm=scaffold", "distributed.nproc=2"),
+    ]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(compose_config(*base, output_dir=full), tracker=NullTracker())
+
+    def stop(engine, metrics):  # noqa: ANN001, ANN202 - the runner's callback (rank 0's)
+        if engine.round == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(compose_config(*base, output_dir=part), tracker=NullTracker(), callbacks=[stop])
+    assert checkpoint.peek(part / "checkpoints" / "last.safetensors")["round"] == 2
+    resume = f"resume={part / 'checkpoints'}"
+    run(compose_config(*base, resume, output_dir=part), tracker=NullTracker())
+    for name in ("rounds.csv", "clients.csv", "clients_rounds.csv"):
+        pd.testing.assert_frame_equal(_figures(part, name), _figures(full, name), check_exact=True)
+    rounds = _figures(full, "rounds.csv")
+    assert len(rounds) == 5 and rounds["async/staleness_max"].max() > 0  # stale uploads
+    assert (rounds["async/in_flight"].dropna() > 0).all()  # some in flight at every stop
+    ends = [load_file(str(f / "checkpoints" / "last.safetensors")) for f in (full, part)]
+    assert ends[0].keys() == ends[1].keys()
+    assert {"clock/flight/clients", "clock/flight/p:dy", "clock/flight/p:dc"} <= ends[0].keys()
+    for key, value in ends[0].items():
+        assert torch.equal(ends[1][key], value), key
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_buffered_runs_stacked_end_as_alone(tmp_path):
+    """Two seeds' FedBuff runs as one stacked group (``hydra/launcher=stacked``: their
+    client work merged): each run's clock, staleness, bytes and accuracies are its own alone,
+    its losses and its model and uploads in flight within stacking's float tolerance."""
+    from test_stacking import run_stacked
+
+    from fedexp.sweep.stacked import stack_key
+    from fedexp.sweep.stacked import stackable
+
+    base = [*SMALL, "system=lognormal", "system.buffer=3"]  # C = all 5 clients, K = 3
+
+    def configs(where: str) -> list:
+        out = tmp_path / where
+        return [compose_config(*base, f"seed={s}", output_dir=out / f"{s}") for s in (0, 1)]
+
+    assert stackable(configs("x")[0])  # the launcher stacks them: only the seeds differ
+    assert stack_key([*base, "seed=0"]) == stack_key([*base, "seed=1"])
+    ends: dict[str, list[dict]] = {"stacked": [{}, {}], "alone": [{}, {}]}
+
+    def keep(into: dict):  # noqa: ANN202 - a run callback: the server's model, the flight
+        def callback(engine, metrics) -> None:  # noqa: ANN001
+            into.update(x=engine.server["x"].clone(), **engine.clock.flight.state())
+
+        return [callback]
+
+    stacked, stack = run_stacked(configs("stacked"), [keep(e) for e in ends["stacked"]])
+    alone = [
+        run(c, tracker=NullTracker(), callbacks=keep(e))
+        for c, e in zip(configs("alone"), ends["alone"], strict=True)
+    ]
+    assert stack.calls > 0  # the runs' client work was merged
+    for got, want in zip(stacked, alone, strict=True):
+        assert not isinstance(got, BaseException), got
+        figures, expected = got.tracker.metrics, deterministic(want.tracker.metrics)
+        assert figures.keys() >= expected.keys()
+        for key, steps in expected.items():
+            if key.startswith(("clock/", "async/", "clients/", "bytes/")) or "acc" in key:
+                assert figures[key] == steps, key
+            else:
+                assert figures[key] == pytest.approx(steps, rel=1e-4, abs=1e-6, nan_ok=True), key
+    assert max(alone[0].tracker.metrics["async/staleness_max"].values()) > 0
+    assert alone[0].tracker.metrics["clock/cum_s"] != alone[1].tracker.metrics["clock/cum_s"]
+    for got, want in zip(ends["stacked"], ends["alone"], strict=True):
+        assert got.keys() == want.keys() and {"x", "clients", "p:"} <= got.keys()
+        for key in ("clients", "rounds", "start", "seconds"):
+            assert torch.equal(got[key], want[key]), key
+        for key in ("x", "p:"):
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
 def test_the_flight_reads_back_from_its_state():

@@ -59,11 +59,11 @@ regions), :mod:`~data_prep.brats.patches` (patches and crops), :mod:`~data_prep.
 
 from data_prep.brats.cli import build_parser
 from data_prep.brats.cli import main
-from data_prep.brats.conversion import BratsOptions
 from data_prep.brats.conversion import convert
 from data_prep.brats.layouts import Case
 from data_prep.brats.layouts import detect_layout
 from data_prep.brats.layouts import find_cases
+from data_prep.brats.options import BratsOptions
 from data_prep.brats.outputs import MANIFEST_COLUMNS
 from data_prep.brats.outputs import OUTPUT_NAMES
 from data_prep.brats.patches import PATCH

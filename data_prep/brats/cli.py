@@ -6,10 +6,10 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_prep.brats.conversion import BratsOptions
 from data_prep.brats.conversion import convert
 from data_prep.brats.layouts import LAYOUT_ALIASES
 from data_prep.brats.layouts import LAYOUTS
+from data_prep.brats.options import BratsOptions
 from data_prep.brats.patches import PATCH
 from data_prep.command import run_conversion
 from data_prep.common import add_geometry_options

@@ -7,7 +7,6 @@ output files written (:mod:`data_prep.brats.outputs`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from data_prep.brats.layouts import Case
 from data_prep.brats.layouts import detect_layout
 from data_prep.brats.layouts import find_cases
 from data_prep.brats.layouts import msd_channel_order
+from data_prep.brats.options import BratsOptions
 from data_prep.brats.outputs import OUTPUT_NAMES
 from data_prep.brats.outputs import make_manifest
 from data_prep.brats.outputs import run_summary
@@ -46,35 +46,6 @@ from data_prep.common import write_json
 from data_prep.common import write_skipped
 from data_prep.sizes import check_brats
 from data_prep.sizes import check_room
-
-
-@dataclass(frozen=True)
-class BratsOptions:
-    """Conversion options.
-
-    Attributes:
-        layout: ``auto``, one of :data:`~data_prep.brats.layouts.LAYOUTS` or of
-            :data:`~data_prep.brats.layouts.LAYOUT_ALIASES`.
-        labels: ``whole`` (binary whole-tumour mask) or ``regions`` (WT, TC, ET channels).
-        sites: FeTS partitioning CSV (``Subject_ID,Partition_ID``) giving each patient's site;
-            a relative path is tried against the current folder, ``--root`` and the layout
-            folder. ``None`` records no site.
-        negative_share: Target share of tumour-free patches among a patient's patches (2-D
-            only: a 3-D run cuts one crop per patient).
-        seed: Seed of the tumour-free slice draw (2-D only).
-        quiet: Suppress the progress bar and messages.
-        dims: 2 for axial slice patches, 3 for one crop per patient.
-        patch: Side length in voxels (even, >= 8); ``None`` means :data:`PATCH`.
-    """
-
-    layout: str = "auto"
-    labels: str = "whole"
-    sites: Path | None = None
-    negative_share: float = 0.2
-    seed: int = 0
-    quiet: bool = True
-    dims: int = 2
-    patch: int | None = None
 
 
 def _process_cases(

@@ -24,7 +24,7 @@ from data_prep.common import write_csv
 from data_prep.common import write_stacked
 
 if TYPE_CHECKING:
-    from data_prep.brats.conversion import BratsOptions
+    from data_prep.brats.options import BratsOptions
 
 MANIFEST_COLUMNS = ["patient", "slice", "grade", "row0", "col0", "has_tumour"]
 OUTPUT_NAMES = ("images.npy", "masks.npy", "manifest.csv", "summary.json")

@@ -36,8 +36,8 @@ Modules: :mod:`~data_prep.luna16.volumes` (finding and reading the CT volumes),
 
 from data_prep.luna16.cli import build_parser
 from data_prep.luna16.cli import main
-from data_prep.luna16.conversion import LunaOptions
 from data_prep.luna16.conversion import convert
+from data_prep.luna16.options import LunaOptions
 from data_prep.luna16.outputs import MANIFEST_COLUMNS
 from data_prep.luna16.outputs import OUTPUT_NAMES
 from data_prep.luna16.patches import HU_WINDOW

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,41 +33,17 @@ from data_prep.common import write_skipped
 from data_prep.luna16.candidates import find_candidates_csv
 from data_prep.luna16.candidates import read_candidates
 from data_prep.luna16.candidates import subsample_negatives
+from data_prep.luna16.options import LunaOptions
 from data_prep.luna16.outputs import MANIFEST_COLUMNS
 from data_prep.luna16.outputs import OUTPUT_NAMES
 from data_prep.luna16.outputs import run_summary
 from data_prep.luna16.outputs import write_outputs
-from data_prep.luna16.patches import HU_WINDOW
 from data_prep.luna16.patches import PATCH
 from data_prep.luna16.patches import convert_study
 from data_prep.luna16.volumes import find_volumes
 from data_prep.luna16.volumes import subset_of
 from data_prep.mhd import mhd_problem
 from data_prep.sizes import check_luna
-
-
-@dataclass(frozen=True)
-class LunaOptions:
-    """Conversion options.
-
-    Attributes:
-        candidates: Candidate CSV; ``None`` looks for ``candidates_V2.csv`` then
-            ``candidates.csv`` under the raw folder.
-        delta: Dataset-level negative:positive ratio; ``None`` keeps every candidate.
-        seed: Seed of the negative subsampling.
-        window: HU window ``(low, high)`` mapped to [0, 1].
-        quiet: Suppress the progress bar and messages.
-        dims: 2 for axial patches, 3 for cubes centred on the candidate voxel.
-        patch: Side length in voxels (even, >= 8); ``None`` means :data:`PATCH`.
-    """
-
-    candidates: Path | None = None
-    delta: float | None = None
-    seed: int = 0
-    window: tuple[float, float] = HU_WINDOW
-    quiet: bool = True
-    dims: int = 2
-    patch: int | None = None
 
 
 def _study_tag(path: Path, rows: pd.DataFrame) -> str:

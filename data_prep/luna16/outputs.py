@@ -20,7 +20,7 @@ from data_prep.luna16.patches import PATCH
 from data_prep.luna16.volumes import ORIENTATION
 
 if TYPE_CHECKING:
-    from data_prep.luna16.conversion import LunaOptions
+    from data_prep.luna16.options import LunaOptions
 
 OUTPUT_NAMES = ("images.npy", "labels.npy", "manifest.csv", "summary.json")
 """Fixed names of the files written in the output folder (besides ``studies/``)."""
