@@ -12,8 +12,8 @@ from data_prep.brats.layouts import LAYOUTS
 from data_prep.brats.options import BratsOptions
 from data_prep.brats.patches import PATCH
 from data_prep.command import run_conversion
-from data_prep.common import add_geometry_options
-from data_prep.common import parse_patch
+from data_prep.geometry import add_geometry_options
+from data_prep.geometry import parse_patch
 
 
 def build_parser() -> argparse.ArgumentParser:

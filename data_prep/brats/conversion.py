@@ -34,16 +34,16 @@ from data_prep.common import StudyCache
 from data_prep.common import StudyError
 from data_prep.common import cleanup_partials
 from data_prep.common import console_for
-from data_prep.common import geometry_params
 from data_prep.common import id_problem
 from data_prep.common import nothing_usable
 from data_prep.common import one_line
 from data_prep.common import prepare_out
 from data_prep.common import progress_bar
 from data_prep.common import require_dir
-from data_prep.common import resolve_geometry
 from data_prep.common import write_json
 from data_prep.common import write_skipped
+from data_prep.geometry import geometry_params
+from data_prep.geometry import resolve_geometry
 from data_prep.sizes import check_brats
 from data_prep.sizes import check_room
 

@@ -11,8 +11,8 @@ import zlib
 import numpy as np
 
 from data_prep.brats.labels import regions_from_labels
-from data_prep.common import extract_patch
-from data_prep.common import extract_window
+from data_prep.geometry import extract_patch
+from data_prep.geometry import extract_window
 
 PATCH = 64
 """Default patch side length in voxels (paper §VI-A), for 2-D patches and 3-D crops."""

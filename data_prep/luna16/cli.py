@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data_prep.command import run_conversion
-from data_prep.common import add_geometry_options
-from data_prep.common import parse_patch
+from data_prep.geometry import add_geometry_options
+from data_prep.geometry import parse_patch
 from data_prep.luna16.conversion import convert
 from data_prep.luna16.options import LunaOptions
 from data_prep.luna16.patches import HU_WINDOW

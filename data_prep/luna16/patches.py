@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import SimpleITK as sitk
 
-from data_prep.common import extract_patch
-from data_prep.common import extract_window
+from data_prep.geometry import extract_patch
+from data_prep.geometry import extract_window
 from data_prep.luna16.volumes import load_volume
 from data_prep.luna16.volumes import world_to_voxel
 from data_prep.mhd import mhd_problem

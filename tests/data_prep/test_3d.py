@@ -14,9 +14,9 @@ from data_prep import brats
 from data_prep import luna16
 from data_prep import synthetic
 from data_prep.brats import BratsOptions
-from data_prep.common import extract_patch
-from data_prep.common import extract_window
-from data_prep.common import geometry_params
+from data_prep.geometry import extract_patch
+from data_prep.geometry import extract_window
+from data_prep.geometry import geometry_params
 from data_prep.luna16 import LunaOptions
 
 WINDOW = luna16.HU_WINDOW
