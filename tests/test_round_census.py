@@ -276,15 +276,19 @@ def test_a_round_dispatches_as_many_ops_and_host_reads_for_any_cohort(case, extr
 #: Ops one FedAvg local step dispatches at most (issue 69): a round of 2s local steps less a
 #: round of s, over s, every step with its padding masks (:func:`every_step_short`), the
 #: CNN's convolutions vmapped as on a GPU (``vmapped_round_ops``). Before issue 69: logistic
-#: regression 65, the golden cases' small VGG (``fedprox-cnn``'s) 336; now 53 and 325 with two
-#: torch threads, 57 and 329 with one (measured so here: a minibatch's rows then come by NumPy's
-#: ``take``, ``fedexp.engine.clients.pool.take_rows``, and its tensor's handling) (the
-#: solver's own ops a step: the optimiser's arithmetic fused, the step's draws, masks and
-#: noise made once a block or a round, the losses' cotangent handed to autograd, no detached
-#: copies). What is left is the model's forward and backward and the task's loss
+#: regression 65, the golden cases' small VGG (``fedprox-cnn``'s) 336; then 57 and 329 with one
+#: torch thread (measured so here: a minibatch's rows then come by NumPy's ``take``,
+#: ``fedexp.engine.clients.pool.take_rows``, and its tensor's handling) (the solver's own ops
+#: a step: the optimiser's arithmetic fused, the step's draws, masks and noise made once a
+#: block or a round, the losses' cotangent handed to autograd, no detached copies); now 35
+#: and 323: the binary logistic regression's loss and gradient in closed form, autograd's bits
+#: without its graph (``fedexp.models.logistic``, 26 ops of a masked step's 35), NumPy's
+#: ``take`` in the index's shape (no reshapes), the padding rows' mask made only for a model
+#: with BatchNorm statistics. What is left of the CNN's is vmap's grouped convolutions (views,
+#: permutes and clones of every layer's input and gradient) and autograd's backward
 #: (``scripts/count_step_ops.py --kinds`` prints them by kind, for issue 14's CNN and for
 #: momentum and Adam too).
-STEP_OPS = {"logreg": 57.0, "cnn": 329.0}
+STEP_OPS = {"logreg": 35.0, "cnn": 323.0}
 #: the workloads of :data:`STEP_OPS`: FedAvg on the default data, and ``fedprox-cnn``'s model
 STEP_CASES = {
     "logreg": ["model=logreg"],

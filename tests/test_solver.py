@@ -217,8 +217,74 @@ def test_a_linear_models_stacked_losses_are_what_vmap_gives(small_cfg, model, ob
     ref_v, ref_p = vmap(obj.loss)(params, x, y, aux, u)
     assert torch.equal(values, ref_v) and torch.equal(posts, ref_p)
     grads, (got_v, _) = steps._vmapped(obj)(params, x, y, aux, u)  # its backward too
-    ref_g, (ref_v, _) = steps._vmapped(replace(obj, stacked=None))(params, x, y, aux, u)
+    vmapped = replace(obj, stacked=None, stacked_grad=None)
+    ref_g, (ref_v, _) = steps._vmapped(vmapped)(params, x, y, aux, u)
     assert torch.equal(grads, ref_g) and torch.equal(got_v, ref_v)
+    # the binary logistic regression's own objective has its gradient in closed form
+    closed = model == ("model=logreg",) and objective == "model"
+    assert (obj.stacked_grad is not None) == closed
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_a_binary_logistic_regressions_closed_form_gradient_is_autograds(bias):
+    """``fedexp.models.logistic.BinaryLogistic`` (``Objective.stacked_grad``): the losses and
+    gradients of one backward pass of the stacked loss, bit for bit, with short batches
+    (masked) and whole ones (``full``), at batch sizes with and without vector tails, inputs
+    with more than one dimension, logits large enough to saturate the softplus, float
+    targets in [0, 1], and float64."""
+    from fedexp.engine.solver import steps
+    from fedexp.engine.solver.objective import Objective
+    from fedexp.models.flat import FlatModel
+    from fedexp.models.logistic import closed_form
+    from fedexp.models.tabular import logistic_regression
+    from fedexp.models.task import PADDING
+    from fedexp.models.task import ClassificationTask
+
+    task = ClassificationTask(2)
+    for case, (m, size, shape, dtype) in enumerate(
+        [(7, 13, (30,), torch.float32), (3, 32, (2, 5), torch.float32),
+         (40, 1, (9,), torch.float32), (5, 100, (17,), torch.float64)]
+    ):  # fmt: skip
+        model = FlatModel(logistic_regression(shape, 2, bias=bias), torch.device("cpu"))
+        closed = closed_form(model, task)
+        assert closed is not None
+        gen = torch.Generator().manual_seed(case)
+        d = model.layout.numel
+        params = (8 * torch.randn(m, d, generator=gen)).to(dtype)
+        x = torch.randn(m, size, *shape, generator=gen).to(dtype)
+        y = torch.randint(0, 2, (m, size), generator=gen)
+        short = y.clone()
+        short[0, size // 2 + 1 :] = PADDING
+        short[-1, 1:] = PADDING
+
+        def stacked(p, xb, yb, aux, u, full=False, model=model):  # noqa: ANN001, ANN202
+            logits = model.forward_stacked(p, xb)
+            return task.loss_stacked(logits, yb, full), p
+
+        autograd = steps._vmapped(Objective(stacked, stacked=stacked))
+        soft = torch.rand(m, size, generator=gen).to(dtype)  # float targets in [0, 1]
+        for labels, full in ((short, False), (y, False), (y, True), (soft, True)):
+            want_g, (want_v, _) = autograd(params, x, labels, {}, torch.zeros(m, 0), full)
+            got_g, got_v = closed(params, x, labels, {}, torch.zeros(m, 0), full)
+            assert got_g.dtype == dtype and got_v.dtype == dtype
+            assert torch.equal(got_g, want_g), (case, full, (got_g - want_g).abs().max())
+            assert torch.equal(got_v, want_v), (case, full)
+
+
+def test_only_a_binary_logistic_regression_has_a_closed_form():
+    """Softmax regression, an MLP, another task: autograd (``closed_form`` gives None)."""
+    from fedexp.models.flat import FlatModel
+    from fedexp.models.logistic import closed_form
+    from fedexp.models.tabular import logistic_regression
+    from fedexp.models.tabular import mlp
+    from fedexp.models.task import ClassificationTask
+
+    cpu = torch.device("cpu")
+    binary = FlatModel(logistic_regression([6], 2), cpu)
+    assert closed_form(binary, ClassificationTask(2)) is not None
+    assert closed_form(binary, object()) is None
+    assert closed_form(FlatModel(logistic_regression([6], 3), cpu), ClassificationTask(3)) is None
+    assert closed_form(FlatModel(mlp([6], 2), cpu), ClassificationTask(2)) is None
 
 
 @pytest.mark.parametrize("outputs", [1, 3, 15, 16, 40])

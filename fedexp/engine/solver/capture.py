@@ -143,6 +143,7 @@ def replayable(
     sub = Objective(
         obj.loss, aux=buf.aux, frozen=obj.frozen, lr_scale=buf.scale, noise=0,
         project=obj.project, stacked=obj.stacked, linear=buf.linear,
+        stacked_grad=obj.stacked_grad,
     )  # fmt: skip
     empty = torch.zeros(buf.params.shape[0], 0, device=buf.params.device)
     y = pool.y
@@ -337,6 +338,7 @@ class CapturedSolver:
             steps,
             _describe(obj.loss),
             _describe(obj.stacked),
+            _describe(obj.stacked_grad),
             _describe(obj.project),
             None if obj.frozen is None else id(obj.frozen),
             id(opt),

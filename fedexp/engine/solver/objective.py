@@ -37,6 +37,12 @@ StackedLossFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, Aux, torch.Tensor, bool],
     tuple[torch.Tensor, torch.Tensor | None],
 ]
+#: stacked_grad(params, x, y, aux, u, full) -> (grads [m, d], losses [m]): ``stacked``'s gradients
+#: in closed form, the bits one backward pass of it gives (no autograd graph).
+StackedGradFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Aux, torch.Tensor, bool],
+    tuple[torch.Tensor, torch.Tensor],
+]
 #: project(params, aux) -> params, applied after every step (e.g. clipping APFL's α to [0, 1]).
 ProjectFn = Callable[[torch.Tensor, Aux], torch.Tensor]
 
@@ -66,6 +72,10 @@ class Objective:
             −∇L̃_i). The solver adds c to every step's gradient, on every path (vmapped, own
             batched form, row by row), so a loss needs no twin for it; the reported loss is
             ``loss``'s alone (a linear term has no meaning of its own as a loss).
+        stacked_grad: ``stacked``'s losses and their gradients in closed form, the same bits
+            as autograd's, where the model and loss have one (a binary logistic regression's
+            cross-entropy: :mod:`fedexp.models.logistic`); set with ``stacked`` alone, and for
+            nothing frozen. None: one backward pass of ``stacked`` (or of vmap's).
     """
 
     loss: LossFn
@@ -76,6 +86,7 @@ class Objective:
     project: ProjectFn | None = None
     stacked: StackedLossFn | None = None
     linear: torch.Tensor | None = None
+    stacked_grad: StackedGradFn | None = None
 
     def with_linear(self, c: torch.Tensor | None) -> Objective:
         """This objective plus ⟨c, θ⟩ (added to any linear term it has; None: unchanged)."""
