@@ -344,35 +344,87 @@ def test_a_started_rank_leaves_user_errors_to_rank_0_and_prints_bugs(tmp_path, e
 
 _SAY = """
 import os, sys, time, builtins
+from pathlib import Path
 from fedexp.cli.distributed import say_once
-slow = float(sys.argv[1])
+slow, flag, kill = float(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:] == ["kill"]
 real = builtins.print
 if slow:  # this rank claims the line first and takes its time to print it; then: when it was out
-    builtins.print = lambda *a, **k: (time.sleep(slow), real(*a, **k), real(time.monotonic()))
+    def late(*a, **k):
+        flag.touch()  # (claimed: the other rank may start)
+        time.sleep(slow)
+        real(*a, **k)
+        real(time.monotonic())
+        if kill:  # killed once the line is out (torchrun stopping it)
+            os.kill(os.getpid(), 9)
+    builtins.print = late
 say_once("fedexp: error: the same refusal on every rank")
 if not slow:  # when this rank went on
     real(time.monotonic())
 """
 
 
-def test_a_refusal_is_said_once_and_no_rank_leaves_before_it_is_out(tmp_path):
-    """Whichever rank meets a refusal first prints it; the others wait for that line before
-    they exit (torchrun stops every rank as soon as one exits) and the marker is removed."""
-    env = _env(**TORCHRUN_RANK_1, MASTER_PORT="1", TMPDIR=str(tmp_path))
-    first = subprocess.Popen(
-        [sys.executable, "-c", _SAY, "1.0"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+def _say(flag: Path, slow: float, env: dict[str, str], *kill: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _SAY, str(slow), str(flag), *kill], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def _said_by_two(
+    flag: Path, env: dict[str, str], slow: float = 1.0, late: float = 0.0
+) -> tuple[str, str, str, str]:
+    """Rank 1 claims the line and takes ``slow`` seconds to print it; rank 0 comes ``late``.
+
+    Returns:
+        rank 1's stdout (when its line was out) and stderr, rank 0's stdout and stderr.
+    """
+    first = _say(flag, slow, env)
     deadline = time.monotonic() + 60
-    while not any(tmp_path.iterdir()) and time.monotonic() < deadline:
+    while not flag.exists() and time.monotonic() < deadline:
         time.sleep(0.01)  # until the first rank has claimed the line
+    time.sleep(late)
     second = subprocess.run(
-        [sys.executable, "-c", _SAY, "0"], env={**env, "RANK": "0", "LOCAL_RANK": "0"},
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", _SAY, "0", str(flag)],
+        env={**env, "RANK": "0", "LOCAL_RANK": "0"}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     out, err = first.communicate(timeout=120)
     assert first.returncode == second.returncode == 0, err + second.stderr
-    assert (err + second.stderr).count("fedexp: error:") == 1
+    return out, err, second.stdout, second.stderr
+
+
+def test_a_refusal_is_said_once_and_no_rank_leaves_before_it_is_out(tmp_path):
+    """Whichever rank meets a refusal first prints it; the others wait for that line before
+    they exit (torchrun stops every rank as soon as one exits), and no file marks it."""
+    (tmp_path / "tmp").mkdir()
+    env = _env(**TORCHRUN_RANK_1, MASTER_PORT="1", TMPDIR=str(tmp_path / "tmp"))
+    out, err, out_0, err_0 = _said_by_two(tmp_path / "claimed", env)
+    assert (err + err_0).count("fedexp: error:") == 1
     assert "fedexp: error:" in err  # the rank that came first, not rank 0
-    assert float(second.stdout) >= float(out)  # rank 0 left after the line was out
-    assert list(tmp_path.iterdir()) == []
+    assert float(out_0) >= float(out)  # rank 0 left after the line was out
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_line_said_once_leaves_nothing_when_its_rank_is_killed(tmp_path):
+    """The rank that said the line is killed (SIGKILL) as it is out, before the other rank
+    came (torchrun stopped it): nothing is left in TMPDIR (the marks are socket names,
+    which go with their process; a marker file stayed there), and the group's next line is
+    said (once: the file of the last one made it a line already said, and none printed it)."""
+    (tmp_path / "tmp").mkdir()
+    env = _env(**TORCHRUN_RANK_1, MASTER_PORT="2", TMPDIR=str(tmp_path / "tmp"))
+    first = _say(tmp_path / "killed", 0.1, env, "kill")
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == -9 and err.count("fedexp: error:") == 1, err
+    assert list((tmp_path / "tmp").iterdir()) == []
+    _, err, _, err_0 = _said_by_two(tmp_path / "claimed", env)
+    assert (err + err_0).count("fedexp: error:") == 1, err + err_0
+
+
+def test_a_refusal_is_said_once_when_a_rank_comes_late(tmp_path):
+    """Rank 0 meets the refusal after rank 1 has said it: before the group is joined (every
+    rank meets the line) the rank that said it waits for the others' check-in, so that its
+    marks, which go with it, are there when rank 0 looks; rank 0 prints nothing."""
+    (tmp_path / "tmp").mkdir()
+    env = _env(**TORCHRUN_RANK_1, MASTER_PORT="3", TMPDIR=str(tmp_path / "tmp"))
+    out, err, out_0, err_0 = _said_by_two(tmp_path / "claimed", env, slow=0.01, late=1.0)
+    assert (err + err_0).count("fedexp: error:") == 1, err + err_0
+    assert "fedexp: error:" in err

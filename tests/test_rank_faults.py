@@ -223,10 +223,63 @@ def test_torchrun_rank_killed_is_named_by_the_survivor_and_leaves_no_scratch(tmp
     assert resume and (Path(resume.group(1)) / "last.safetensors").is_file(), ours[0]
     assert proc.returncode != 0
     assert not list((tmp_path / "tmp").glob(f"{SCRATCH_PREFIX}*")), err[-2000:]
+    assert not list((tmp_path / "tmp").glob("fedexp-*"))  # nor a mark of the line said once
     import psutil
 
     left = [p for p in psutil.process_iter(["environ"]) if _of_run(p, str(tmp_path / "tmp"))]
     assert not left  # no rank, no agent outlives the run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [  # kill <torchrun>, Ctrl-C on it: its agent passes the signal on to every rank
+        ("0:3:SIGTERM:parent", r"terminated \(SIGTERM\)"),
+        ("0:3:SIGINT:parent", "interrupted"),
+        ("0:3:SIGKILL", r"rank 0 died( \(signal 9, SIGKILL\))? in round 3"),  # rank 1 says it
+    ],
+)
+def test_torchrun_stopped_is_one_line_for_the_group(tmp_path, fault, said):
+    """torchrun's agent stops every rank with the signal it got (or SIGTERM once rank 0 died):
+    one ``fedexp:`` line for the group, with the resume command (rank 0's; rank 1's when rank
+    0 died), no rank's traceback (rank 1 printed one on Ctrl-C), never a rank that the same
+    stop ended named as one that died (rank 0 raced rank 1's end: "rank 1 died (signal 15,
+    SIGTERM)"), and nothing left in TMPDIR but torchrun's own logs: no ``store=disk``
+    folder (rank 1's, which SIGTERM's default left), no mark of the line said once."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    path = os.pathsep.join(p for p in (str(HOOK), env.get("PYTHONPATH")) if p)
+    env.update(PYTHONWARNINGS="ignore", PYTHONPATH=path, FEDEXP_TEST_SIGNAL=fault, TMPDIR=str(tmp))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    run_args = [a for a in RUN if a != "distributed.nproc=2"]
+    proc = subprocess.Popen(
+        [*command, "--max-restarts=0", "-m", "fedexp", "run", *run_args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    ours = [line for line in err.splitlines() if "fedexp: " in line]
+    assert len(ours) == 1, err[-4000:]
+    assert re.match(f"fedexp: {said}; checkpoint kept: torchrun --standalone ", ours[0]), ours[0]
+    resume = re.search(r" resume=(\S+)$", ours[0])
+    assert resume and (Path(resume.group(1)) / "last.safetensors").is_file(), ours[0]
+    assert "[rank" not in err and "fedexp/" not in err, err[-4000:]  # no rank's traceback
+    assert proc.returncode != 0
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
+    import psutil
+
+    assert not [p for p in psutil.process_iter(["environ"]) if _of_run(p, str(tmp))]
 
 
 def _of_run(proc, tmpdir: str) -> bool:  # noqa: ANN001 - a psutil.Process

@@ -14,11 +14,17 @@ fedexp itself on one machine: :mod:`fedexp.engine.processes.launch`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import math
 import os
 import re
+import signal
+import socket
 import sys
+import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +52,10 @@ FOLLOWER_OVERRIDES = ("hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_
 _SWEPT = re.compile(r",|^\s*\w+\(")
 
 
-#: How long a rank that did not print a group's error waits for the one that does.
+#: How long a rank that did not print a group's line waits for the one that does.
 _SAY_WAIT_S = 10.0
+#: The sockets of :func:`say_once` this process holds: their names go when it ends.
+_held: list[socket.socket] = []
 
 
 def say_once(line: str) -> None:
@@ -55,49 +63,101 @@ def say_once(line: str) -> None:
 
     Every rank of a group meets the same refusal; whichever reaches it first prints it (not
     rank 0 by rule: the starter stops the others as soon as one exits, so a rank that waited
-    for rank 0 could be stopped with nothing said). The first rank claims a marker file named
-    after the group (``O_EXCL``), prints, then marks it said; a later rank waits for that mark
-    (at most :data:`_SAY_WAIT_S` seconds) before it goes, so no rank exits before the line is
-    out; the last one removes the marker. One process: a plain print.
+    for rank 0 could be stopped with nothing said). The marks are Linux's abstract socket
+    names, named after the group (:func:`_group_name`), which no file holds: the kernel
+    lets a name go as its process ends, however it ends (SIGKILL too), so nothing outlives
+    the run. The first rank binds the group's name, prints, then binds its own "said" name;
+    a later rank waits until one of the group's "said" names is bound (at most
+    :data:`_SAY_WAIT_S` seconds), so no rank exits before the line is out, then binds its
+    own, so that the mark lasts while any rank that knows the line lives, and checks in
+    with the first. Before the group is joined every rank meets the line: the first waits
+    for the others' check-in (at most :data:`_SAY_WAIT_S` seconds), so that none comes
+    after its marks went with it and says the line again. A first rank that died before
+    the line was out lets the name go: a later one prints it. One process, or no abstract
+    sockets (not Linux): a plain print.
     """
     place = env_place()
-    if place is None or place.local_size < 2:
+    name = _group_name() if place is not None and place.local_size > 1 else None
+    claimed = _hold(name) if name is not None else None
+    if claimed is None:
         print(line, file=sys.stderr, flush=True)
         return
-    import tempfile
-    import time
-    import zlib
+    assert place is not None and name is not None
+    said = [f"{name}-said-{r}" for r in range(place.local_size)]
+    deadline = time.monotonic() + _SAY_WAIT_S
+    while claimed is False:  # (None: such names failed now: print)
+        if any(_bound(n) for n in said):  # out: this rank knows it too, while it lives
+            _hold(said[place.local_rank])
+            _bound(name)  # (checked in with the first)
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+        claimed = _hold(name)
+    first = _held[-1]
+    print(line, file=sys.stderr, flush=True)
+    _hold(said[place.local_rank])
+    if not _joined():
+        _checked_in(first, place.local_size - 1, time.monotonic() + _SAY_WAIT_S)
 
+
+def _joined() -> bool:
+    """Whether this process joined its group (then the others need not meet the same line)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _checked_in(sock: socket.socket, others: int, deadline: float) -> None:
+    """Wait until ``others`` ranks connected to ``sock`` (:func:`say_once`), or ``deadline``."""
+    while others > 0:
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.accept()[0].close()
+        except OSError:  # (the deadline: socket.timeout)
+            return
+        others -= 1
+
+
+def _group_name() -> str:
+    """The abstract socket name of this machine's ranks of a group (one user's)."""
     env = os.environ
-    group = f"{os.getppid()}|" + "|".join(  # the ranks of a machine share their starter
+    group = f"{os.getuid()}|{os.getppid()}|" + "|".join(  # a machine's ranks: one starter
         env.get(k, "")
         for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
                   "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT")
     )  # fmt: skip
-    path = os.path.join(tempfile.gettempdir(), f"fedexp-said-{zlib.crc32(group.encode()):08x}")
+    return f"fedexp-say-{zlib.crc32(group.encode()):08x}"
+
+
+def _hold(name: str) -> bool | None:
+    """Bind abstract socket ``name`` and listen: True; False: bound already; None: no such names."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except FileExistsError:
-        deadline = time.monotonic() + _SAY_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                if os.path.getsize(path):
-                    break
-            except OSError:
-                return
-            time.sleep(0.01)
-        try:  # one byte a rank: the last of the machine's ranks removes the marker
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-            os.write(fd, b".")
-            os.close(fd)
-            if os.path.getsize(path) >= place.local_size:
-                os.remove(path)
-        except OSError:
-            pass
-        return
-    print(line, file=sys.stderr, flush=True)
-    os.write(fd, b".")
-    os.close(fd)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        sock.bind("\0" + name)
+        sock.listen(64)
+    except OSError as exc:
+        sock.close()
+        return False if exc.errno == errno.EADDRINUSE else None
+    _held.append(sock)
+    return True
+
+
+def _bound(name: str) -> bool:
+    """Whether a live process listens on abstract socket ``name``."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.setblocking(False)
+            sock.connect("\0" + name)
+    except BlockingIOError:  # its queue is full: it listens
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def _as_int(value: Any) -> int | None:
@@ -431,6 +491,29 @@ def _lead(
         return math.nan
 
 
+def _end_when_stopped(cfg: DictConfig, hc: DictConfig, place: Place) -> None:
+    """Rank ≥ 1 under torchrun: SIGTERM and SIGINT end it at once, quietly, its scratch removed.
+
+    torchrun's agent passes the signal it got (``kill``, Ctrl-C: SIGINT) to every rank, and
+    sends SIGTERM once a rank ended: rank 0 says why the run stopped, with the resume
+    command; this rank ends without a line (a default SIGTERM left its ``store=disk`` folder,
+    Ctrl-C printed its traceback), inside a collective too
+    (:func:`~fedexp.engine.processes.launch.end_quietly`). Unless rank 0 died first: then
+    this rank says so (:func:`~fedexp.engine.processes.launch.death_before_stop`).
+    """
+    from fedexp.cli.group_lost import lost_line
+    from fedexp.engine.processes.launch import death_before_stop
+    from fedexp.engine.processes.launch import end_quietly
+
+    def last_word() -> None:
+        lost = death_before_stop()
+        if lost is not None:
+            say_once(f"fedexp: {lost_line(lost, cfg, _task(hc), place)}")
+
+    with contextlib.suppress(ValueError):  # (not the main thread: signals left alone)
+        end_quietly(signal.SIGTERM, signal.SIGINT, last_word=last_word)
+
+
 def group_job(
     cfg: DictConfig,
     hc: DictConfig,
@@ -464,6 +547,8 @@ def group_job(
             say_once(f"fedexp: error: {exc}")
             sys.exit(USAGE)
         return math.nan
+    if not place.leader and place.starter == "torchrun":
+        _end_when_stopped(cfg, hc, place)
     join(cfg, hc, place)
     clean = False
     try:

@@ -1,11 +1,13 @@
 """Test hook (tests/test_rank_faults.py): a rank of a run sends a signal as a round starts.
 
-With this folder on ``PYTHONPATH`` and ``FEDEXP_TEST_SIGNAL=<rank>:<round>:<signal>[:group]``
-(``1:3:SIGKILL``), every Python process imports this module as it starts (``sitecustomize``),
-the ranks that ``distributed.nproc`` spawns too, and ``Engine.run_round`` of rank ``<rank>``
-sends ``<signal>`` to its own process, or with ``:group`` to its process group (what a
-terminal does on Ctrl-C), as round ``<round>`` (1-based, as the run counts them) starts: a
-fault at a known round, with no hook in fedexp itself. Without the variable it does nothing.
+With this folder on ``PYTHONPATH`` and
+``FEDEXP_TEST_SIGNAL=<rank>:<round>:<signal>[:group|:parent]`` (``1:3:SIGKILL``), every Python
+process imports this module as it starts (``sitecustomize``), the ranks that
+``distributed.nproc`` spawns too, and ``Engine.run_round`` of rank ``<rank>`` sends
+``<signal>`` to its own process, with ``:group`` to its process group (what a terminal does on
+Ctrl-C), with ``:parent`` to its parent (torchrun's agent, which passes it on to every rank),
+as round ``<round>`` (1-based, as the run counts them) starts: a fault at a known round, with
+no hook in fedexp itself. Without the variable it does nothing.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ _TARGET = "fedexp.engine.round.engine"
 
 
 def _patch(engine_class: type) -> None:
-    rank, when, name, *group = os.environ["FEDEXP_TEST_SIGNAL"].split(":")
+    rank, when, name, *to = os.environ["FEDEXP_TEST_SIGNAL"].split(":")
     sig = signal.Signals[name]
     original = engine_class.run_round
 
     def run_round(self):  # noqa: ANN001, ANN202 - Engine.run_round's signature
         mine = self.ranks.rank if self.ranks is not None else 0
         if mine == int(rank) and self.round + 1 == int(when):
-            if group:
+            if to == ["group"]:
                 os.killpg(os.getpgrp(), sig)
+            elif to == ["parent"]:
+                os.kill(os.getppid(), sig)
             else:
                 os.kill(os.getpid(), sig)
         return original(self)

@@ -68,8 +68,18 @@ def dead_sibling(wait: float = 0.0) -> tuple[int, int] | None:
         wait: seconds to look again while none is gone (a rank that is dying closes its
             sockets, failing the others' collectives, before its process is gone).
     """
+    gone = gone_siblings(wait)
+    return gone[0] if gone else None
+
+
+def gone_siblings(wait: float = 0.0) -> list[tuple[int, int]]:
+    """(rank, pid) of every rank of this machine that is gone (:func:`dead_sibling`'s).
+
+    Args:
+        wait: seconds to look again while none is gone.
+    """
     if not _group:
-        return None
+        return []
     starter, me = (socket.gethostname(), os.getppid()), os.getpid()  # (machine, parent)
     siblings = [
         (rank, int(proc.get("pid") or 0), proc.get("at"))
@@ -78,13 +88,11 @@ def dead_sibling(wait: float = 0.0) -> tuple[int, int] | None:
     ]
     deadline = time.monotonic() + wait
     while siblings:
-        for rank, pid, at in siblings:
-            if _gone(pid, at):
-                return rank, pid
-        if time.monotonic() > deadline:
-            break
+        gone = [(rank, pid) for rank, pid, at in siblings if _gone(pid, at)]
+        if gone or time.monotonic() > deadline:
+            return gone
         time.sleep(0.01)
-    return None
+    return []
 
 
 def is_zombie(pid: int) -> bool:

@@ -48,6 +48,7 @@ from omegaconf import open_dict
 from fedexp.engine.clients.states import reap_scratch
 from fedexp.engine.clients.states import remove_scratch
 from fedexp.engine.processes.group_pids import dead_sibling
+from fedexp.engine.processes.group_pids import gone_siblings
 from fedexp.engine.processes.group_pids import is_zombie
 from fedexp.engine.processes.group_pids import nodes
 from fedexp.engine.processes.group_pids import peer_closed
@@ -76,8 +77,13 @@ _PARENT_WAIT_S = 2.0
 _ZOMBIE_WAIT_S = 2.0
 #: This process's rank when :func:`rank_main` started it, else None.
 _started_rank: int | None = None
-#: The socket pair SIGTERM wakes :func:`_watch` through (:func:`_end_on_sigterm`), once set.
+#: The socket pair SIGTERM wakes :func:`_watch` through (:func:`end_quietly`), once set.
 _wakeup: tuple[socket.socket, socket.socket] | None = None
+#: The signals that end this rank (:func:`end_quietly`), and what it says first, if anything.
+_ending: set[int] = set()
+_last_word: Callable[[], None] | None = None
+#: Signals that stop a whole group (torchrun passes on the one it got to every rank).
+_STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class _PeerLost(Exception):
@@ -162,7 +168,7 @@ def rank_main(
     global _started_rank
     _started_rank = rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (also inherited from start(): from birth)
-    _end_on_sigterm()
+    end_quietly(signal.SIGTERM)
     logging.getLogger("fedexp").setLevel(logging.WARNING)
     overrides = _overrides_of(config)
     cfg = OmegaConf.create(config)
@@ -213,31 +219,35 @@ def _quit(code: int) -> None:
     os._exit(code)
 
 
-def _end_on_sigterm() -> None:
-    """SIGTERM ends this rank ≥ 1 at once and quietly, even inside a collective.
+def end_quietly(*signums: int, last_word: Callable[[], None] | None = None) -> None:
+    """``signums`` (SIGTERM) end this rank ≥ 1 at once and quietly, even inside a collective.
 
     Python runs a signal's handler in the main thread between two bytecodes, which never
     comes while the thread waits in a gloo collective for a rank that stopped (up to
     :data:`~fedexp.engine.processes.ranks.TIMEOUT`); the collective releases the GIL, so a
     thread woken by the signal (``signal.set_wakeup_fd``) ends the rank instead: its scratch
-    folder removed, exit status 128 + 15 (:func:`_quit`).
+    folder removed, exit status 128 + the signal (:func:`_quit`). Rank 0 says why the run
+    stopped; ``last_word`` is called first (a line rank 0 cannot say: it died first).
     """
-    global _wakeup
+    global _wakeup, _last_word
+    _ending.update(int(s) for s in signums)
+    _last_word = last_word or _last_word
+    for signum in signums:  # (Python's C handler writes the signal's number)
+        signal.signal(signum, _noted)
     if _wakeup is not None:
         return
     _wakeup = socket.socketpair()
     _wakeup[1].setblocking(False)
     signal.set_wakeup_fd(_wakeup[1].fileno(), warn_on_full_buffer=False)
-    signal.signal(signal.SIGTERM, _noted)  # (Python's C handler writes the signal's number)
     threading.Thread(target=_watch, args=(_wakeup[0],), daemon=True, name="sigterm").start()
 
 
 def _noted(signum: int, frame: object) -> None:
-    """SIGTERM's Python handler in the main thread: nothing; :func:`_watch` ends the rank."""
+    """A stop signal's Python handler in the main thread: nothing; :func:`_watch` ends it."""
 
 
 def _watch(wakeup: socket.socket) -> None:
-    """The thread of :func:`_end_on_sigterm`: ends the rank when SIGTERM's number comes."""
+    """The thread of :func:`end_quietly`: ends the rank when one of its signals comes."""
     while True:
         try:
             got = wakeup.recv(64)
@@ -245,8 +255,12 @@ def _watch(wakeup: socket.socket) -> None:
             return
         if not got:
             return
-        if signal.SIGTERM in got:
-            _quit(128 + signal.SIGTERM)
+        for signum in got:
+            if signum in _ending:
+                if _last_word is not None:
+                    with contextlib.suppress(Exception):  # (its line, then the end regardless)
+                        _last_word()
+                _quit(128 + signum)
 
 
 def _death(pid: int) -> str:
@@ -259,14 +273,11 @@ def _death(pid: int) -> str:
     """
     deadline = time.monotonic() + _ZOMBIE_WAIT_S
     while True:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            if fields[0] == "Z":
-                return _how(_exit_code(int(fields[49])))
-        except (OSError, IndexError, ValueError):
+        code = _zombie_code(pid)
+        if code is not None:
+            return _how(code)
+        if not Path(f"/proc/{pid}").exists() or time.monotonic() > deadline:
             return ""  # reaped already (or no /proc): the signal is not known here
-        if time.monotonic() > deadline:
-            return ""
         time.sleep(0.01)
 
 
@@ -389,23 +400,80 @@ def group_lost(exc: BaseException) -> GroupLost | None:
     SIGTERM came (``exc``'s context), or, in a group over several nodes, when a connection
     of this rank was closed by its other end (a node that died: its survivor's agent may
     send SIGTERM before a collective fails). A plain SIGTERM (every rank alive, the group
-    whole) stays one.
+    whole) stays one; so does one that every rank got (torchrun's agent, stopped, passes it
+    on): a rank of one machine that the same stop ended first (SIGTERM, SIGINT, SIGHUP: its
+    exit status read while it is a zombie, which torchrun's agent leaves it while it waits
+    for rank 0 to end) is no rank that died.
 
     Where the run was is read from the frames ``exc`` passed through (the runner's
     ``engine``), as :func:`lost` has it.
     """
-    who = _sibling_died()
-    if not who and not _peer_left_before(exc) and not (nodes() > 1 and peer_closed()):
+    broke = _peer_left_before(exc) or (nodes() > 1 and peer_closed())
+    gone = gone_siblings(_ZOMBIE_WAIT_S if broke else 0.0)  # (a dying rank: gone soon)
+    who = _died_first(gone)
+    if not who and (not broke or (gone and nodes() == 1)):
         return None
     reap_scratch()
-    engine, tb = None, exc.__traceback__
+    frames = []
+    tb = exc.__traceback__
     while tb is not None:
-        found = tb.tb_frame.f_locals.get("engine")
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    engine = _engine_in(frames)
+    return GroupLost(_where(engine) if engine is not None else "", who)
+
+
+def _died_first(gone: list[tuple[int, int]]) -> str:
+    """``rank 1 died (signal 9, SIGKILL)``: the first of ``gone`` that no stop signal ended.
+
+    ``gone``: (rank, pid) of ranks of this machine that are gone; one whose exit status
+    (readable while it is a zombie) is a stop signal's (:data:`_STOPS`) is left out.
+    """
+    for rank, pid in gone:
+        code = _zombie_code(pid)
+        if code is None or _signal_of(code) not in _STOPS:
+            return f"rank {rank} died{'' if code is None else _how(code)}"
+    return ""
+
+
+def _zombie_code(pid: int) -> int | None:
+    """Process ``pid``'s exit code (−signal, or its code) while it is a zombie, else None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _exit_code(int(fields[49])) if fields[0] == "Z" else None
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _engine_in(frames: list[Any]) -> Any:
+    """The innermost of ``frames`` (outermost first) with the runner's ``engine``, or None."""
+    engine = None
+    for frame in frames:
+        found = frame.f_locals.get("engine")
         if found is not None and hasattr(found, "ctx") and hasattr(found, "round"):
             engine = found
-        tb = tb.tb_next
-    where = _where(engine) if engine is not None else ""
-    return GroupLost(where, who)
+    return engine
+
+
+def death_before_stop() -> GroupLost | None:
+    """In a rank ≥ 1 a stop signal is ending: a rank of this machine that died first, or None.
+
+    torchrun's agent stops the others with SIGTERM once a rank died; when rank 0 is the one
+    (SIGKILL, the OOM killer), no other rank says so, and this one does
+    (:func:`fedexp.cli.distributed.group_job`). Where: the main thread's round, read from
+    its frames. A rank that the same stop ended (:func:`_died_first`) is none.
+    """
+    who = _died_first(gone_siblings())
+    if not who:
+        return None
+    reap_scratch()
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    frames = []
+    while frame is not None:
+        frames.insert(0, frame)
+        frame = frame.f_back
+    engine = _engine_in(frames)
+    return GroupLost(_where(engine) if engine is not None else "", who)
 
 
 def _peer_left_before(exc: BaseException) -> bool:
@@ -505,7 +573,7 @@ def stop(procs: list[Any], *, failed: bool = False) -> None:
     """Wait for the other ranks (or end them, when the run failed) and leave the group.
 
     A failed run sends them SIGTERM (each removes its scratch folder and ends at once, inside
-    a collective too: :func:`_end_on_sigterm`) and leaves the group; a rank that has not
+    a collective too: :func:`end_quietly`) and leaves the group; a rank that has not
     ended within 60 s is killed, and the folders of killed ranks are removed.
     """
     if not failed and dist.is_initialized():
