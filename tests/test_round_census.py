@@ -284,11 +284,12 @@ def test_a_round_dispatches_as_many_ops_and_host_reads_for_any_cohort(case, extr
 #: and 323: the binary logistic regression's loss and gradient in closed form, autograd's bits
 #: without its graph (``fedexp.models.logistic``, 26 ops of a masked step's 35), NumPy's
 #: ``take`` in the index's shape (no reshapes), the padding rows' mask made only for a model
-#: with BatchNorm statistics. What is left of the CNN's is vmap's grouped convolutions (views,
-#: permutes and clones of every layer's input and gradient) and autograd's backward
-#: (``scripts/count_step_ops.py --kinds`` prints them by kind, for issue 14's CNN and for
-#: momentum and Adam too).
-STEP_OPS = {"logreg": 35.0, "cnn": 323.0}
+#: with BatchNorm statistics. Then the CNN's 323 to 136: the VGG8 cohort's own forward pass on
+#: the grouped layout ``[B, m·C, H, W]`` (``fedexp.models.grouped``: none of vmap's permutes,
+#: clones and views around every layer, ReLU as ``threshold``, the linear layers one
+#: ``baddbmm`` each). ``scripts/count_step_ops.py --kinds`` prints the ops by kind (this
+#: VGG, issue 14's CNN; momentum and Adam too).
+STEP_OPS = {"logreg": 35.0, "cnn": 136.0}
 #: the workloads of :data:`STEP_OPS`: FedAvg on the default data, and ``fedprox-cnn``'s model
 STEP_CASES = {
     "logreg": ["model=logreg"],

@@ -359,19 +359,32 @@ class FlatModel:
         """Whether :meth:`forward_stacked` holds.
 
         The module computes a cohort's logits from stacked parameters itself (its
-        ``stacked_forward``, where its ``stacks`` says so) and has no running statistics.
+        ``stacked_forward``, where its ``stacks`` says so) and has no running statistics;
+        and its cohorts are vmapped as they are: not channels-last (trained row by row) nor
+        with :attr:`conv_gemm` (a VGG8's grouped forward, :mod:`fedexp.models.grouped`).
         """
-        return bool(getattr(self.module, "stacks", False)) and not self.has_buffers
+        return (
+            bool(getattr(self.module, "stacks", False))
+            and not self.has_buffers
+            and not self.channels_last
+            and not self.conv_gemm
+        )
 
     def forward_stacked(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The logits of m clients' models ``flat`` ``[m, d]`` on their inputs ``[m, B, ...]``.
 
         What ``vmap(self)(flat, x)`` gives, by the module's own batched operations (its
-        ``stacked_forward``, where :attr:`stacks`): :func:`torch.func.vmap` wraps every call
-        of a small model in work of its own (a FedAvg round of 100 logistic-regression
-        clients, 5 steps: 7.7 ms vmapped, 5.2 ms stacked; docs/bench_peers.md).
+        ``stacked_forward``, where :attr:`stacks`; on its ``stacked_params``' views of
+        ``flat`` where it has them, else :meth:`Layout.unflatten_rows`'): :func:`torch.func.vmap`
+        wraps every call of a small model in work of its own (a FedAvg round of 100
+        logistic-regression clients, 5 steps: 7.7 ms vmapped, 5.2 ms stacked;
+        docs/bench_peers.md), and a convolution's in permutes and copies of every layer's
+        input and output (a VGG8's grouped forward, :mod:`fedexp.models.grouped`: vmap's
+        values to rounding).
         """
-        return self.module.stacked_forward(self.layout.unflatten_rows(flat), x)
+        own = getattr(self.module, "stacked_params", None)  # its own layout (VGG8's grouped)
+        params = self.layout.unflatten_rows(flat) if own is None else own(self.layout, flat)
+        return self.module.stacked_forward(params, x)
 
     def with_buffers(self, flat: torch.Tensor, buffers: torch.Tensor | None) -> torch.Tensor:
         """``flat`` with its buffer part replaced by ``buffers`` (unchanged if None)."""

@@ -35,6 +35,8 @@ _POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 _POOL_NAMES = frozenset({"max_pool1d", "max_pool2d", "max_pool3d"})
 #: the position of ``return_indices`` among ``F.max_poolNd``'s arguments
 _INDICES_ARG = 6
+#: a module's stacked forward pass (:attr:`fedexp.models.flat.FlatModel.stacks`), kept
+_STACKED = ("stacks", "stacked_params", "stacked_forward")
 
 
 def _relu_input(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
@@ -96,10 +98,11 @@ def pool_first(module: nn.Module) -> nn.Module:
 
     Returns:
         A ``torch.fx.GraphModule`` computing the same values and gradients with the swaps made,
-        sharing ``module``'s submodules, parameters and buffers; ``module`` itself where
-        nothing is swapped (see the module's docstring).
+        sharing ``module``'s submodules, parameters and buffers (and its stacked forward
+        pass, :data:`_STACKED`, where it has one); ``module`` itself where nothing is swapped
+        (see the module's docstring).
     """
-    if getattr(module, "stacks", False) or not _may_pool(module):  # as it is
+    if not _may_pool(module):  # as it is
         return module
     try:
         traced = _trace(module, True)
@@ -132,5 +135,8 @@ def pool_first(module: nn.Module) -> nn.Module:
     if not same:  # the flat vector's layout would change
         return module
     rewritten.train(module.training)
+    for name in _STACKED:  # a cohort's own forward pass (VGG8's), kept
+        if hasattr(module, name):
+            setattr(rewritten, name, getattr(module, name))
     log.debug("pool_first: %d ReLU(s) moved after their max-pooling", swaps)
     return rewritten

@@ -26,6 +26,9 @@ from torch import nn
 
 from fedexp.config.ranges import PositiveInt
 from fedexp.errors import ConfigError
+from fedexp.models.grouped import grouped_params
+from fedexp.models.grouped import grouped_vgg8
+from fedexp.models.grouped import stacks_vgg8
 
 
 def _image_shape(input_shape: Sequence[int], model: str) -> tuple[int, int, int]:
@@ -154,6 +157,8 @@ class VGG8(nn.Module):
         self.fc1 = nn.Linear(prev, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
         self.fc3 = nn.Linear(hidden, num_classes)
+        #: whether :meth:`stacked_forward` holds: no BatchNorm (:mod:`fedexp.models.grouped`)
+        self.stacks = stacks_vgg8(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of a batch of images."""
@@ -168,6 +173,21 @@ class VGG8(nn.Module):
         x = F.relu(self.fc1(x))
         x = F.relu(self.fc2(x))
         return self.fc3(x)
+
+    def stacked_params(self, layout, flat: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        """The m clients' ``flat`` ``[m, d]`` (of ``layout``) as :meth:`stacked_forward` reads.
+
+        :func:`fedexp.models.grouped.grouped_params`.
+        """
+        return grouped_params(layout, flat)
+
+    def stacked_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Logits of m stacked models (``params``: :meth:`stacked_params`'s) on ``x``.
+
+        ``x`` ``[m, B, ...]``; on the grouped layout
+        (:func:`fedexp.models.grouped.grouped_vgg8`), where :attr:`stacks`.
+        """
+        return grouped_vgg8(self, params, x)
 
 
 # ----------------------------------------------------------------------------- ResNet-18

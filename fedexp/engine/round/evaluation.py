@@ -354,7 +354,7 @@ class Evaluation:
             logits = torch.cat([self._forward(params[0], c) for c in torch.split(flat, size)])
             logits = logits.reshape(m, n, *logits.shape[1:])
         elif self._stacked_forward():
-            logits = self.ctx.model.forward_stacked(params, xs)  # vmap's bits, without vmap
+            logits = self.ctx.model.forward_stacked(params, xs)  # vmap's values, without vmap
         else:
             logits = vmap(self._forward)(params, xs)
         return logits

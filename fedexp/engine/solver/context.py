@@ -166,7 +166,8 @@ class Context:
     def _stacks(self) -> bool:
         """Whether the model and task compute a cohort's losses without vmap.
 
-        A logistic regression and a ReLU MLP do (:attr:`fedexp.models.flat.FlatModel.stacks`).
+        A logistic regression, a ReLU MLP and, vmapped, a VGG8 without BatchNorm do
+        (:attr:`fedexp.models.flat.FlatModel.stacks`).
         """
         return self.model.stacks and hasattr(self.task, "loss_stacked")
 
