@@ -182,22 +182,20 @@ def test_a_dying_rank_0s_signal_is_read_once_it_is_a_zombie():
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-@pytest.mark.slow
-def test_torchrun_rank_killed_is_named_by_the_survivor_and_leaves_no_scratch(tmp_path):
-    """torchrun's agent, seeing rank 1 die, sends SIGTERM to rank 0, often before its
-    collective fails: rank 0 still names rank 1's death with the torchrun resume command
-    (not "terminated (SIGTERM)"), and rank 1's ``store=disk`` folder is removed."""
+def _torchrun(tmp_path: Path, fault: str, starter: list[str]) -> tuple[str, int]:
+    """A two-rank ``fedexp run`` started by torchrun (``starter``) with ``fault`` injected
+    (``FEDEXP_TEST_SIGNAL``, tests/rank_signal), TMPDIR its own: stderr and the exit status."""
+    (tmp_path / "tmp").mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.pop("MLFLOW_TRACKING_URI", None)
     path = os.pathsep.join(p for p in (str(HOOK), env.get("PYTHONPATH")) if p)
-    (tmp_path / "tmp").mkdir()
     env.update(
         PYTHONWARNINGS="ignore",
         PYTHONPATH=path,
-        FEDEXP_TEST_SIGNAL="1:3:SIGKILL",
+        FEDEXP_TEST_SIGNAL=fault,
         TMPDIR=str(tmp_path / "tmp"),
     )
-    command = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0", "-m"]
+    command = [*starter, "--standalone", "--nproc-per-node=2", "--max-restarts=0", "-m"]
     run_args = [a for a in RUN if a != "distributed.nproc=2"]
     proc = subprocess.Popen(
         [*command, "fedexp", "run", *run_args],
@@ -214,6 +212,15 @@ def test_torchrun_rank_killed_is_named_by_the_survivor_and_leaves_no_scratch(tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    return err, proc.returncode
+
+
+@pytest.mark.slow
+def test_torchrun_rank_killed_is_named_by_the_survivor_and_leaves_no_scratch(tmp_path):
+    """torchrun's agent, seeing rank 1 die, sends SIGTERM to rank 0, often before its
+    collective fails: rank 0 still names rank 1's death with the torchrun resume command
+    (not "terminated (SIGTERM)"), and rank 1's ``store=disk`` folder is removed."""
+    err, code = _torchrun(tmp_path, "1:3:SIGKILL", [TORCHRUN])
     ours = [line for line in err.splitlines() if line.startswith("fedexp: ")]
     assert len(ours) == 1, err[-4000:]  # one line, from rank 0 (none from the dead rank 1)
     assert re.match(r"fedexp: rank 1 died( \(signal 9, SIGKILL\))? in round 3; ", ours[0])
@@ -221,7 +228,7 @@ def test_torchrun_rank_killed_is_named_by_the_survivor_and_leaves_no_scratch(tmp
     assert "terminated" not in ours[0]
     resume = re.search(r" resume=(\S+)$", ours[0])
     assert resume and (Path(resume.group(1)) / "last.safetensors").is_file(), ours[0]
-    assert proc.returncode != 0
+    assert code != 0
     assert not list((tmp_path / "tmp").glob(f"{SCRATCH_PREFIX}*")), err[-2000:]
     assert not list((tmp_path / "tmp").glob("fedexp-*"))  # nor a mark of the line said once
     import psutil
@@ -246,36 +253,15 @@ def test_torchrun_stopped_is_one_line_for_the_group(tmp_path, fault, said):
     stop ended named as one that died (rank 0 raced rank 1's end: "rank 1 died (signal 15,
     SIGTERM)"), and nothing left in TMPDIR but torchrun's own logs: no ``store=disk``
     folder (rank 1's, which SIGTERM's default left), no mark of the line said once."""
+    err, code = _torchrun(tmp_path, fault, [sys.executable, "-m", "torch.distributed.run"])
     tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    path = os.pathsep.join(p for p in (str(HOOK), env.get("PYTHONPATH")) if p)
-    env.update(PYTHONWARNINGS="ignore", PYTHONPATH=path, FEDEXP_TEST_SIGNAL=fault, TMPDIR=str(tmp))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    run_args = [a for a in RUN if a != "distributed.nproc=2"]
-    proc = subprocess.Popen(
-        [*command, "--max-restarts=0", "-m", "fedexp", "run", *run_args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     ours = [line for line in err.splitlines() if "fedexp: " in line]
     assert len(ours) == 1, err[-4000:]
     assert re.match(f"fedexp: {said}; checkpoint kept: torchrun --standalone ", ours[0]), ours[0]
     resume = re.search(r" resume=(\S+)$", ours[0])
     assert resume and (Path(resume.group(1)) / "last.safetensors").is_file(), ours[0]
     assert "[rank" not in err and "fedexp/" not in err, err[-4000:]  # no rank's traceback
-    assert proc.returncode != 0
+    assert code != 0
     assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
     import psutil
 
