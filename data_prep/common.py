@@ -315,6 +315,21 @@ def write_skipped(out: Path, log: RunLog) -> Path:
     return target
 
 
+def finish_run(
+    out: Path, log: RunLog, summary: dict[str, Any], count: int, what: str, console: Console
+) -> dict[str, Any]:
+    """A converter's last writes: ``skipped.csv``, ``summary.json`` (with ``out``), one line.
+
+    Returns:
+        ``summary``, its ``out`` set.
+    """
+    summary["out"] = str(out)
+    write_skipped(out, log)
+    write_json(out / "summary.json", summary)
+    console.print(f"[green]wrote[/green] {count} {what} to {out}", highlight=False)
+    return summary
+
+
 def skip_line(summary: Mapping[str, Any], out: Path) -> str | None:
     """One stderr line counting what a finished run skipped, or ``None`` if nothing was."""
     if not summary.get("n_skipped"):

@@ -34,14 +34,13 @@ from data_prep.common import StudyCache
 from data_prep.common import StudyError
 from data_prep.common import cleanup_partials
 from data_prep.common import console_for
+from data_prep.common import finish_run
 from data_prep.common import id_problem
 from data_prep.common import nothing_usable
 from data_prep.common import one_line
 from data_prep.common import prepare_out
 from data_prep.common import progress_bar
 from data_prep.common import require_dir
-from data_prep.common import write_json
-from data_prep.common import write_skipped
 from data_prep.geometry import geometry_params
 from data_prep.geometry import resolve_geometry
 from data_prep.sizes import check_brats
@@ -166,9 +165,5 @@ def convert(root: Path, out: Path, options: BratsOptions | None = None) -> dict[
     write_outputs(out, done, cache, manifest, options.labels, (dims, patch))
     summary = run_summary(root, base, layout, options, cases, manifest, log, (dims, patch))
     summary.update(site_summary(sites_path, sites, manifest))
-    summary["out"] = str(out)
-    write_skipped(out, log)
-    write_json(out / "summary.json", summary)
     what = "crops" if dims == 3 else "patches"
-    console.print(f"[green]wrote[/green] {len(manifest)} {what} to {out}", highlight=False)
-    return summary
+    return finish_run(out, log, summary, len(manifest), what, console)

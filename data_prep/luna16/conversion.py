@@ -21,13 +21,12 @@ from data_prep.common import StudyError
 from data_prep.common import cleanup_partials
 from data_prep.common import console_for
 from data_prep.common import file_stamp
+from data_prep.common import finish_run
 from data_prep.common import nothing_usable
 from data_prep.common import one_line
 from data_prep.common import prepare_out
 from data_prep.common import progress_bar
 from data_prep.common import require_dir
-from data_prep.common import write_json
-from data_prep.common import write_skipped
 from data_prep.geometry import geometry_params
 from data_prep.geometry import resolve_geometry
 from data_prep.luna16.candidates import find_candidates_csv
@@ -193,9 +192,5 @@ def convert(root: Path, out: Path, options: LunaOptions | None = None) -> dict[s
     summary = run_summary(
         root, csv_path, options, candidates, on_disk, volumes, rows, final, log, (dims, patch)
     )
-    summary["out"] = str(out)
-    write_skipped(out, log)
-    write_json(out / "summary.json", summary)
     what = "cubes" if dims == 3 else "patches"
-    console.print(f"[green]wrote[/green] {len(final)} {what} to {out}", highlight=False)
-    return summary
+    return finish_run(out, log, summary, len(final), what, console)
