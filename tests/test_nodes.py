@@ -161,13 +161,36 @@ def test_two_nodes_write_what_one_process_does(tmp_path):
     assert [a.returncode for a in agents] == [0, 0], err[-3000:]
     assert "distributed: 2 processes on 2 node(s), started by torchrun" in out
     assert out.count("results: ") == 1, out[-3000:]  # rank 0 alone prints the end of the run
-    assert "fedexp:" not in err and "Traceback" not in err, err[-3000:]
+    ours = _without_agents_exit_race(err)
+    assert "fedexp:" not in ours and "Traceback" not in ours, err[-3000:]
     (folder,) = list((work / "outputs").glob("*/*"))  # one folder: rank 0's
     assert_same_run_files(alone, folder)
     ranks = {pid for pid, _, _ in seen} - {a.pid for a in agents}
     assert len(ranks) == 2, seen  # each node's rank was seen listening (gloo)
     assert not off_loopback(s for s in seen if s[0] in ranks), seen
     assert _left(tmp_path / "tmp") == []
+
+
+#: torchrun's records of its agents (``E1202 16:32:14.737000 28039 torch/distributed/elastic/...``)
+#: and c10d's C++ warnings (``[W1202 16:32:19.324449535 TCPStore.cpp:106] ...``) with the
+#: lines of their stacks.
+AGENT_RECORD = re.compile(
+    r"^(?:[IWE]\d{4} [\d:.]+ +\d+ torch/distributed/elastic/"
+    r"|\[[IWE]\d{4} [\d:.]+ +(?:TCPStore|socket|Utils)\.(?:cpp|hpp):\d+\]"
+    r"|Exception raised from \w+ at .*/c10d/|frame #\d+: |<omitting python frames>$)"
+)
+
+
+def _without_agents_exit_race(err: str) -> str:
+    """A successful run's stderr without what torchrun's agents say of their exit barrier.
+
+    The barrier's store lives in one agent: when that agent passes the barrier and exits
+    first, another may still be waiting on it or sending its heartbeat, and logs the lost
+    connection with a traceback of torchrun's own (pytorch/pytorch#69520, open), after every
+    rank has finished and with exit code 0. What remains is the ranks' own stderr: a rank's
+    traceback or a ``fedexp:`` line stays in it.
+    """
+    return "\n".join(line for line in err.splitlines() if not AGENT_RECORD.match(line))
 
 
 def _left(tmp: Path) -> list[str]:
