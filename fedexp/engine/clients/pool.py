@@ -87,6 +87,8 @@ class TrainPool:
     """
 
     elsewhere: Elsewhere | None = None
+    #: (x, y, their NumPy views): made by :meth:`take` once for the tensors they view
+    _arrays: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def of(cls, clients: Sequence[ClientData]) -> TrainPool:
@@ -215,8 +217,17 @@ class TrainPool:
     def take(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets ``[*at.shape, ...]`` of the pool's rows ``at`` (any shape)."""
         if _by_numpy(self.x, at) and _by_numpy(self.y, at):
-            # NumPy's take keeps the index's shape: no reshapes (three ops a local step)
-            return _numpy_take(self.x, at), _numpy_take(self.y, at)
+            # NumPy's take keeps the index's shape: no reshapes (three ops a local step); the
+            # pool's NumPy views made once and the index's read once (three more: each
+            # ``Tensor.numpy`` dispatches a ``detach``)
+            held = self._arrays
+            if held is None or held[0] is not self.x or held[1] is not self.y:
+                held = self._arrays = (self.x, self.y, _AS_ARRAY(self.x), _AS_ARRAY(self.y))
+            rows = _AS_ARRAY(at)
+            return (
+                torch.from_numpy(np.take(held[2], rows, axis=0)),
+                torch.from_numpy(np.take(held[3], rows, axis=0)),
+            )
         flat, shape = at.reshape(-1), at.shape
         # one index (take_rows): several times faster than advanced indexing on the CPU
         return (
