@@ -180,3 +180,35 @@ def test_compressed_bytes_are_logged_every_round_and_system_metrics_can_be_off(f
     assert _steps(client, res.run_id, "bytes/up_dense") == [1, 2, 3]  # constant: every round too
     metrics = client.get_run(res.run_id).data.metrics
     assert not [k for k in metrics if k.startswith("system/")] and "round" not in metrics
+
+
+#: what MLflow reads as a CI or test environment (``mlflow.telemetry.utils``), where its
+#: telemetry is off anyway: taken out of the environment of the first process below
+_CI_VARS = ("PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", "GITLAB_CI", "JENKINS_URL",
+            "TRAVIS", "TF_BUILD", "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ARN", "BUILDKITE",
+            "TEAMCITY_VERSION", "CLOUD_RUN_EXECUTION", "RUNBOT_HOST_URL")  # fmt: skip
+
+
+def test_mlflow_usage_telemetry_is_off_unless_the_environment_says_otherwise():
+    """Importing fedexp turns MLflow's usage telemetry off (README, "What is logged"): no
+    telemetry client, so no thread of MLflow's unsets an environment variable while a run
+    reads the environment (a run's start failed so in CI); a user's own setting is kept."""
+    import os
+    import sys
+
+    code = (
+        "import os, fedexp, mlflow\n"
+        "from mlflow.telemetry.client import get_telemetry_client\n"
+        "print(os.environ.get('MLFLOW_DISABLE_TELEMETRY'), get_telemetry_client() is None)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in _CI_VARS}
+    env.pop("MLFLOW_DISABLE_TELEMETRY", None)
+    env.pop("DO_NOT_TRACK", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=ROOT)  # fmt: skip
+    assert out.stdout.split() == ["true", "True"], out.stderr[-2000:]
+    # the user's choice stands (in a test environment: MLflow sends nothing from here)
+    env.update(MLFLOW_DISABLE_TELEMETRY="false", PYTEST_CURRENT_TEST="a test")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=ROOT)  # fmt: skip
+    assert out.stdout.split()[0] == "false", out.stderr[-2000:]
